@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+BF := $(BIN)/blockforge
+DEPS_STAMP := $(VENV)/.deps-installed
+DEMO := artifacts/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Dependencies change rarely: installed once per pyproject.toml change.
+$(DEPS_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip "setuptools>=77" wheel
+	$(BIN)/pip install -q ".[test,bench]"
+	touch $@
+
+# The package itself is reinstalled (not editable) every time: tests import the
+# installed blockforge.* namespace, proving the package-dir mapping.
+install: $(DEPS_STAMP)
+	$(BIN)/pip install -q --no-deps --no-build-isolation --force-reinstall .
+
+demo: install
+	@mkdir -p $(DEMO)
+	$(BF) export mha --d-model 768 --heads 12 -o $(DEMO)/mha_bert.onnx
+	$(BF) export ffn --d-model 768 --d-ff 3072 --activation gelu -o $(DEMO)/ffn_bert.onnx
+	$(BF) verify $(DEMO)/mha_bert.onnx --shape batch=1,seq=128
+	$(BF) verify $(DEMO)/ffn_bert.onnx --shape batch=1,seq=128
+	$(BF) compile $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128 -o $(DEMO)/mha_bert.host
+	$(BF) compile $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 -o $(DEMO)/ffn_bert.host
+	$(BF) verify $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128
+	$(BF) verify $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128
+
+# pytest exits 5 when it collected nothing: that is a failure, not a pass.
+test: install
+	@set +e; $(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) build *.egg-info artifacts/demo artifacts/logs

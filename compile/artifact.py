@@ -1,0 +1,147 @@
+"""Compile an ONNX model into a deployable artifact directory.
+
+    ARTIFACT/
+      module.so        the VM executable (weights embedded as constants)
+      kernels.<ext>    device source, for GPU / build-only targets
+      device.fatbin    CUDA only: the kernels compiled by nvcc for the target arch
+      manifest.json    hashes, target, versions, signature, tuning database hash
+
+The directory appears atomically (built in a temp dir, then renamed).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+import blockforge
+from blockforge.errors import BlockforgeError
+from blockforge.fsutil import atomic_directory, atomic_write_json, sha256_bytes, sha256_file
+from blockforge.graph.model_io import load_model, signature
+from blockforge.logs import native_output_to_log
+from blockforge.targets import ResolvedTarget, resolve
+
+from .frontend import bind_dims, import_onnx
+from .pipeline import build
+
+MANIFEST_FORMAT = "blockforge.artifact/1"
+
+
+@dataclass
+class CompileOptions:
+    model: Path
+    target: str | dict = "host"
+    dims: dict[str, int] = field(default_factory=dict)
+    output: Path | None = None
+    dump_ir: Path | None = None
+    tuning_db: Path | None = None  # None: the device's default database, if any
+    use_tuning: bool = True
+
+
+@dataclass
+class CompileResult:
+    artifact: Path
+    manifest: dict
+    target: ResolvedTarget
+
+
+def device_sources(executable, target: ResolvedTarget) -> str | None:
+    """Concatenated device kernel source of a GPU build (CUDA C, OpenCL C, MSL, WGSL)."""
+    if not target.is_gpu:
+        return None
+    texts = []
+    for host in executable.mod.imports:
+        for dev in host.imports:
+            fmt = "wgsl" if target.kind == "webgpu" else ""
+            texts.append(dev.inspect_source(fmt))
+    return "\n".join(t for t in texts if t) or None
+
+
+def _nvcc_fatbin(source: str, arch: str, out: Path) -> None:
+    """Compile the CUDA kernels ahead of time for `arch` (sm_XX): proves they build for it."""
+    from blockforge.targets.resolve import _nvcc
+
+    nvcc = _nvcc()
+    compute = arch.replace("sm_", "compute_")
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = Path(tmp) / "kernels.cu"
+        cu.write_text(source)
+        cmd = [nvcc, "-fatbin", "-O3", f"-gencode=arch={compute},code=[{arch},{compute}]", "-o", str(out), str(cu)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise BlockforgeError(f"nvcc failed for {arch}: {(r.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+
+
+def export_module(executable, target: ResolvedTarget, path: Path) -> None:
+    from tvm.support import cc
+
+    kwargs = {}
+    if target.cross_compiler:
+        kwargs["fcompile"] = cc.cross_compiler(target.cross_compiler)
+    try:
+        executable.export_library(str(path), **kwargs)
+    except Exception as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise BlockforgeError(f"export of module.so for {target.name} failed: {(lines[-1] if lines else '?')[:300]}") from None
+
+
+def _versions() -> dict:
+    import tvm
+
+    return {"blockforge": blockforge.__version__, "tvm": tvm.__version__, "onnx": onnx.__version__}
+
+
+def default_output(model: Path, target: ResolvedTarget) -> Path:
+    return Path("artifacts") / f"{model.stem}.{target.name}"
+
+
+def compile_model(opts: CompileOptions) -> CompileResult:
+    from .tuning_db import open_for_apply  # noqa: PLC0415 (tuning is optional)
+
+    target = resolve(opts.target)
+    problem = target.build_problem()
+    if problem:
+        raise BlockforgeError(f"cannot build for {target.name}: {problem}")
+    model = load_model(opts.model)
+    bound = bind_dims(model, opts.dims)
+    ins, outs = signature(bound)
+    db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
+    with native_output_to_log():
+        mod = import_onnx(model, opts.dims)
+        res = build(mod, target, database=db, dump_ir=opts.dump_ir)
+    dest = Path(opts.output) if opts.output else default_output(Path(opts.model), target)
+    with atomic_directory(dest) as tmp:
+        files = {}
+        with native_output_to_log():
+            export_module(res.executable, target, tmp / "module.so")
+        files["module.so"] = sha256_file(tmp / "module.so")
+        src = device_sources(res.executable, target)
+        if src:
+            name = f"kernels.{ {'cuda': 'cu'}.get(target.kind, target.source_ext or target.kind) }"
+            (tmp / name).write_text(src)
+            files[name] = sha256_file(tmp / name)
+        if target.kind == "cuda":
+            _nvcc_fatbin(src, target.target_json["arch"], tmp / "device.fatbin")
+            files["device.fatbin"] = sha256_file(tmp / "device.fatbin")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "module": "module.so",
+            "files": files,
+            "source_onnx": {"name": Path(opts.model).name, "sha256": sha256_file(opts.model)},
+            "target": {"name": target.name, "json": target.target_json, "device": target.device,
+                       "arch": target.arch, "key": target.key()},
+            "dims": opts.dims,
+            "inputs": [s.to_dict() for s in ins],
+            "outputs": [s.to_dict() for s in outs],
+            "params_embedded": True,
+            "tuning": db_info,
+            "phases": res.phases,
+            "versions": _versions(),
+        }
+        atomic_write_json(tmp / "manifest.json", manifest)
+    return CompileResult(dest, manifest, target)

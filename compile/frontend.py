@@ -1,0 +1,43 @@
+"""ONNX -> Relax. The ONNX checker must pass first (TVM's importer only warns)."""
+
+from __future__ import annotations
+
+import onnx
+
+from blockforge.errors import BlockforgeError
+from blockforge.graph.model_io import _first_line, check_model, signature
+
+
+def bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
+    """Copy of `model` with symbolic input/output dims replaced by static values."""
+    if not dims:
+        return model
+    known = {d for s in signature(model)[0] for d in s.dims if isinstance(d, str)}
+    unknown = sorted(set(dims) - known)
+    if unknown:
+        raise BlockforgeError(f"--shape names {', '.join(unknown)}, but the model's symbolic dims are "
+                              f"{', '.join(sorted(known)) or 'none'}")
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for vi in list(m.graph.input) + list(m.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in dims:
+                d.dim_value = dims[d.dim_param]
+    return m
+
+
+def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
+    """Checked import: returns a Relax IRModule with weights embedded as constants."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    check_model(model)
+    model = bind_dims(model, dims or {})
+    ins, _ = signature(model)
+    try:
+        return from_onnx(model, dtype_dict={s.name: s.dtype for s in ins}, keep_params_in_input=False)
+    except Exception as e:
+        text = str(e)
+        if "not supported for frontend ONNX" in text:
+            ops = text.split("frontend ONNX:", 1)[1].strip().splitlines()[0]
+            raise BlockforgeError(f"TVM cannot import this model: unsupported ONNX op(s): {ops}") from None
+        raise BlockforgeError(f"TVM cannot import this model: {_first_line(e)}") from None

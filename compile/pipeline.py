@@ -1,0 +1,156 @@
+"""The Relax pipeline as named phases, per target kind, and the build itself.
+
+    optimize -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+
+GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
+so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
+unless tuning records apply.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from blockforge.errors import BlockforgeError
+from blockforge.targets import ResolvedTarget
+
+
+@dataclass
+class Phase:
+    name: str
+    passes: Callable[[], list]
+
+
+def _optimize() -> list:
+    from tvm import relax
+
+    return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
+            relax.transform.FoldConstant()]
+
+
+def _legalize() -> list:
+    from tvm import relax
+
+    return [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+
+
+def _gpu_schedule() -> list:
+    from tvm.s_tir import dlight as dl
+
+    return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+
+
+def _lower() -> list:
+    from tvm import relax
+
+    return [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
+            relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite()]
+
+
+def _finalize(gpu: bool) -> Callable[[], list]:
+    def passes() -> list:
+        from tvm import relax
+
+        t = relax.transform
+        return [t.StaticPlanBlockMemory(), *([t.RewriteCUDAGraph()] if gpu else []), t.LowerAllocTensor(),
+                t.KillAfterLastUse(), t.LowerRuntimeBuiltin(), t.ComputePrimValue(), t.VMShapeLower(),
+                t.AttachGlobalSymbol()]
+    return passes
+
+
+def _fp32_accumulate() -> list:
+    from tvm import relax
+
+    # float16 GEMMs accumulating in float16 lose ~sqrt(K) ulps (4e-2 abs at K=3072);
+    # ONNX Runtime accumulates in float32, and so do we: fp16 in/out, fp32 sums.
+    return [relax.transform.ToMixedPrecision(out_dtype="float32")]
+
+
+def has_fp16(mod) -> bool:
+    from tvm import relax
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            for p in func.params:
+                if str(getattr(p.ty, "dtype", "")) == "float16":
+                    return True
+    return False
+
+
+def phases(target: ResolvedTarget, database=None, fp16: bool = False) -> list[Phase]:
+    out = [Phase("optimize", _optimize)]
+    if fp16:
+        out.append(Phase("fp32-accumulate", _fp32_accumulate))
+    out.append(Phase("legalize", _legalize))
+    if database is not None:
+        def apply() -> list:
+            from tvm import relax
+
+            return [relax.transform.MetaScheduleApplyDatabase(enable_warning=False)]
+        out.append(Phase("apply-tuning", apply))
+    if target.is_gpu:
+        out.append(Phase("schedule", _gpu_schedule))
+    out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
+    return out
+
+
+@dataclass
+class BuildResult:
+    executable: object  # tvm.relax.VMExecutable
+    phases: list[str] = field(default_factory=list)
+    untuned_tasks: list[str] = field(default_factory=list)
+
+
+def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None):
+    import tvm
+
+    tgt = target.tvm_target()
+    names = []
+    if dump_ir:
+        dump_ir.mkdir(parents=True, exist_ok=True)
+        (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
+    with tgt, tvm.transform.PassContext(opt_level=3):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod)), start=1):
+            if phase.name == "apply-tuning":
+                with database:
+                    mod = tvm.transform.Sequential(phase.passes())(mod)
+            else:
+                mod = tvm.transform.Sequential(phase.passes())(mod)
+            names.append(phase.name)
+            if dump_ir:
+                (dump_ir / f"{i:02d}-{phase.name}.py").write_text(mod.script(show_meta=False))
+    return mod, names
+
+
+def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None) -> BuildResult:
+    """Relax IRModule -> VM executable for `target`."""
+    import tvm
+
+    problem = target.build_problem()
+    if problem:
+        raise BlockforgeError(f"cannot build for {target.name}: {problem}")
+    if target.kind == "cuda":
+        _cuda_env()
+    mod, names = run_phases(mod, target, database=database, dump_ir=dump_ir)
+    try:
+        ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
+    except Exception as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise BlockforgeError(f"TVM build for {target.name} failed: {(lines[-1] if lines else type(e).__name__)[:400]}") from None
+    return BuildResult(ex, names)
+
+
+def _cuda_env() -> None:
+    # TVM compiles CUDA C when the module is loaded; NVRTC needs the cuda-bindings
+    # package, so fall back to nvcc where it is missing.
+    try:
+        import cuda.bindings  # noqa: F401
+    except ImportError:
+        os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    if os.path.isdir("/usr/local/cuda/bin") and "/usr/local/cuda/bin" not in os.environ.get("PATH", ""):
+        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + "/usr/local/cuda/bin"

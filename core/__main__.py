@@ -1,0 +1,5 @@
+import sys
+
+from blockforge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""Export: build, validate (checker + strict shape inference), write atomically with a manifest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnx import shape_inference
+
+import blockforge
+from blockforge.errors import BlockforgeError
+from blockforge.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes
+
+from .analysis import analyze
+from .builders import build
+from .model_io import _first_line
+from .spec import Spec
+from .weights import Weights
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    model_path: Path
+    manifest_path: Path
+    manifest: dict
+    model: onnx.ModelProto
+    weights: Weights
+
+
+def default_name(spec: Spec) -> str:
+    parts = [spec.kind, f"d{spec.d_model}"]
+    if hasattr(spec, "heads"):
+        parts.append(f"h{spec.heads}")
+    if getattr(spec, "layout", "per-head") == "packed":
+        parts.append("packed")
+    if hasattr(spec, "activation") and spec.kind != "mha":
+        parts.append(spec.activation)
+    if spec.kind == "block":
+        parts.append(f"{spec.norm}ln")
+    if spec.dtype != "float32":
+        parts.append("fp16")
+    return "_".join(parts) + ".onnx"
+
+
+def validate(model: onnx.ModelProto) -> None:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+        shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:
+        # A builder bug, not user input: still one clear line.
+        raise BlockforgeError(f"built model fails ONNX validation: {_first_line(e)}") from None
+
+
+def manifest_for(model: onnx.ModelProto, data: bytes, spec: Spec | None) -> dict:
+    facts = analyze(model)
+    return {
+        "format": "blockforge.onnx-manifest/1",
+        "sha256": sha256_bytes(data),
+        "bytes": len(data),
+        "spec": spec.to_dict() if spec else None,
+        "blockforge_version": blockforge.__version__,
+        "onnx_version": onnx.__version__,
+        "ir_version": model.ir_version,
+        **facts.to_dict(),
+    }
+
+
+def export(spec: Spec, output: str | Path | None = None) -> ExportResult:
+    """Build `spec`, validate it and write MODEL.onnx + MODEL.json (both atomically)."""
+    model, weights = build(spec)
+    validate(model)
+    path = Path(output) if output else Path("artifacts") / default_name(spec)
+    if path.suffix != ".onnx":
+        raise BlockforgeError(f"output path {path} must end in .onnx")
+    if path.is_dir():
+        raise BlockforgeError(f"output path {path} is a directory")
+    data = model.SerializeToString()  # weights inline: no external-data files to trust
+    manifest = manifest_for(model, data, spec)
+    atomic_write_bytes(path, data)
+    mpath = atomic_write_json(path.with_suffix(".json"), manifest)
+    return ExportResult(path, mpath, manifest, model, weights)

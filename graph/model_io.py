@@ -1,0 +1,232 @@
+"""Loading ONNX files safely, model signatures, and input tensors (random or .npz).
+
+Untrusted-file policy: a model is read without its external data first; external
+tensors are then loaded only from regular files inside the model's folder, never
+through a symlink or a hardlink (the onnx CVE classes: ../, absolute paths, links).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, external_data_helper
+
+from blockforge.errors import BlockforgeError
+
+from .spec import Spec, spec_from_dict
+
+MAX_MODEL_BYTES = 4 << 30
+MAX_BOUND_DIM = 1 << 16
+DEFAULT_DIMS = {"batch": 2, "seq": 32, "kv_seq": 48}
+
+NP_DTYPE = {
+    TensorProto.FLOAT: "float32",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.DOUBLE: "float64",
+    TensorProto.BOOL: "bool",
+    TensorProto.INT64: "int64",
+    TensorProto.INT32: "int32",
+    TensorProto.INT8: "int8",
+    TensorProto.UINT8: "uint8",
+}
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    name: str
+    dims: tuple  # ints, symbol names (str), or None for unknown
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.dims), "dtype": self.dtype}
+
+    def bind(self, dims: dict[str, int]) -> tuple[int, ...]:
+        out = []
+        for d in self.dims:
+            if isinstance(d, int):
+                out.append(d)
+            elif d in dims:
+                out.append(dims[d])
+            else:
+                raise BlockforgeError(
+                    f"input {self.name!r} has symbolic dim {d!r}: give it a value with --shape {d}=N"
+                )
+        return tuple(out)
+
+
+def _external_locations(model: onnx.ModelProto) -> list[str]:
+    return [
+        info.get("location", "")
+        for t in external_data_helper._get_all_tensors(model)
+        if t.data_location == TensorProto.EXTERNAL
+        for info in [{e.key: e.value for e in t.external_data}]
+    ]
+
+
+def _check_external(path: Path, model: onnx.ModelProto) -> None:
+    base = path.parent.resolve()
+    for loc in _external_locations(model):
+        p = Path(loc)
+        if not loc or p.is_absolute() or ".." in p.parts:
+            raise BlockforgeError(f"{path}: external data location {loc!r} points outside the model's folder")
+        full = base / p
+        if full.is_symlink() or any(q.is_symlink() for q in full.parents if base in q.parents):
+            raise BlockforgeError(f"{path}: external data {loc!r} is a symlink; refusing to follow it")
+        if not full.is_file():
+            raise BlockforgeError(f"{path}: external data file {loc!r} is missing")
+        if base not in full.resolve().parents:
+            raise BlockforgeError(f"{path}: external data {loc!r} resolves outside the model's folder")
+        if os.stat(full).st_nlink > 1:
+            raise BlockforgeError(f"{path}: external data {loc!r} is a hardlink; refusing it")
+
+
+def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
+    """Read and check an ONNX model; every failure is one BlockforgeError line."""
+    path = Path(path)
+    if not path.exists():
+        raise BlockforgeError(f"{path}: no such file")
+    if not path.is_file():
+        raise BlockforgeError(f"{path}: not a regular file")
+    size = path.stat().st_size
+    if size == 0:
+        raise BlockforgeError(f"{path}: empty file, not an ONNX model")
+    if size > MAX_MODEL_BYTES:
+        raise BlockforgeError(f"{path}: {size / 2**30:.1f} GiB exceeds the {MAX_MODEL_BYTES >> 30} GiB limit")
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise BlockforgeError(f"{path}: not an ONNX model (cannot parse: {_first_line(e)})") from None
+    if not model.HasField("graph") or not model.opset_import:
+        raise BlockforgeError(f"{path}: parses as protobuf but is not an ONNX model (no graph or opset)")
+    if _external_locations(model):
+        _check_external(path, model)
+        try:
+            external_data_helper.load_external_data_for_model(model, str(path.parent))
+        except Exception as e:
+            raise BlockforgeError(f"{path}: cannot load external data: {_first_line(e)}") from None
+    if check:
+        check_model(model, str(path))
+    return model
+
+
+def check_model(model: onnx.ModelProto, label: str = "model") -> None:
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:
+        raise BlockforgeError(f"{label}: fails the ONNX checker: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0][:300] if lines else type(e).__name__
+
+
+def _sig(vi: onnx.ValueInfoProto) -> TensorSig:
+    tt = vi.type.tensor_type
+    dims = tuple(
+        d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
+        for d in tt.shape.dim
+    )
+    return TensorSig(vi.name, dims, NP_DTYPE.get(tt.elem_type, TensorProto.DataType.Name(tt.elem_type).lower()))
+
+
+def signature(model: onnx.ModelProto) -> tuple[list[TensorSig], list[TensorSig]]:
+    inits = {t.name for t in model.graph.initializer}
+    ins = [_sig(v) for v in model.graph.input if v.name not in inits]
+    return ins, [_sig(v) for v in model.graph.output]
+
+
+def model_spec(model: onnx.ModelProto) -> Spec | None:
+    """The spec a blockforge export stored in metadata_props, or None for foreign models."""
+    from .builders import SPEC_KEY
+
+    props = {p.key: p.value for p in model.metadata_props}
+    if SPEC_KEY not in props:
+        return None
+    try:
+        return spec_from_dict(json.loads(props[SPEC_KEY]))
+    except (ValueError, TypeError) as e:
+        raise BlockforgeError(f"model metadata holds an invalid blockforge spec: {_first_line(e)}") from None
+
+
+def parse_dims(text: str | None) -> dict[str, int]:
+    """'batch=1,seq=128' -> {'batch': 1, 'seq': 128}."""
+    out: dict[str, int] = {}
+    if not text:
+        return out
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or not name.strip():
+            raise BlockforgeError(f"bad --shape entry {part!r}: expected NAME=INT, e.g. seq=128")
+        try:
+            v = int(value)
+        except ValueError:
+            raise BlockforgeError(f"bad --shape entry {part!r}: {value!r} is not an integer") from None
+        if not 0 < v <= MAX_BOUND_DIM:
+            raise BlockforgeError(f"bad --shape entry {part!r}: value must be in [1, {MAX_BOUND_DIM}]")
+        out[name.strip()] = v
+    return out
+
+
+def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs of the model's shapes: N(0, 1) activations; masks that keep >= 1 key per row."""
+    bound = {**DEFAULT_DIMS, **(dims or {})}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in sigs:
+        shape = s.bind(bound)
+        if s.dtype == "bool":
+            m = rng.random(shape) < 0.75
+            m[..., 0] = True  # never mask a whole row
+            out[s.name] = m
+        elif s.name == "key_padding_mask":
+            keep = rng.random(shape) < 0.75
+            keep[..., 0] = True
+            out[s.name] = np.where(keep, 0.0, -1e4).astype(s.dtype)
+        elif s.dtype.startswith("float"):
+            out[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        else:
+            out[s.name] = rng.integers(0, 2, shape).astype(s.dtype)
+    return out
+
+
+def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: str = "inputs") -> dict[str, int]:
+    """Names, dtypes and shapes against the signature; returns the symbol bindings found."""
+    want = {s.name for s in sigs}
+    missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
+    if missing or extra:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(extra)}"] if extra else [])
+        raise BlockforgeError(f"{label}: {'; '.join(parts)} (model inputs: {', '.join(s.name for s in sigs)})")
+    bound: dict[str, int] = {}
+    for s in sigs:
+        a = inputs[s.name]
+        if str(a.dtype) != s.dtype:
+            raise BlockforgeError(f"{label}: input {s.name!r} has dtype {a.dtype}, model expects {s.dtype}")
+        if a.ndim != len(s.dims):
+            raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects rank {len(s.dims)} {list(s.dims)}")
+        for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
+            if isinstance(d, int) and got != d:
+                raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects {list(s.dims)} (axis {axis})")
+            if isinstance(d, str):
+                if bound.setdefault(d, got) != got:
+                    raise BlockforgeError(f"{label}: input {s.name!r} gives {d}={got}, another input gave {d}={bound[d]}")
+    return bound
+
+
+def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    path = Path(path)
+    if not path.is_file():
+        raise BlockforgeError(f"{path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise BlockforgeError(f"{path}: not a readable .npz file ({_first_line(e)})") from None

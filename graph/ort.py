@@ -1,0 +1,61 @@
+"""ONNX Runtime, the reference runtime: CPU always, CUDA only when asked and present."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+
+from blockforge.errors import BlockforgeError
+
+
+def _ort():
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # errors only; ORT warns on every fp16 fallback
+    return ort
+
+
+def cuda_available() -> bool:
+    try:
+        return "CUDAExecutionProvider" in _ort().get_available_providers() and _gpu_present()
+    except Exception:
+        return False
+
+
+def _gpu_present() -> bool:
+    # The onnxruntime-gpu wheel lists the CUDA provider even without a GPU and then
+    # logs errors when asked for it; look for a device node first.
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+def session(model: onnx.ModelProto, *, threads: int | None = None, device: str = "cpu"):
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    if device == "cuda":
+        if not cuda_available():
+            raise BlockforgeError("ONNX Runtime CUDA provider requested but no usable GPU is present")
+        # TF32 off: compare true float32 arithmetic.
+        providers = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BlockforgeError(f"ONNX Runtime cannot load the model: {msg[:300]}") from None
+
+
+def run(model_or_session, inputs: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]:
+    sess = model_or_session if not isinstance(model_or_session, onnx.ModelProto) else session(model_or_session, **kw)
+    try:
+        outs = sess.run(None, inputs)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BlockforgeError(f"ONNX Runtime failed to run the model: {msg[:300]}") from None
+    return {o.name: v for o, v in zip(sess.get_outputs(), outs)}

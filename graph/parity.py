@@ -1,0 +1,101 @@
+"""Parity: run the model in ONNX Runtime and the oracle (and any other contender) and compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from . import ort as ort_runner
+from .model_io import check_inputs, model_spec, random_inputs, signature
+from .oracle import reference
+from .tolerance import Comparison, compare, tolerance_for
+from .weights import make_weights
+
+# (actual, expected): the expected side is the more trusted one.
+PAIRS = [("tvm", "ort"), ("tvm", "oracle"), ("ort", "oracle")]
+
+
+@dataclass
+class ParityReport:
+    comparisons: list[Comparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    input_issues: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.comparisons) and all(c.passed for c in self.comparisons)
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "notes": self.notes,
+            "input_issues": self.input_issues,
+            "comparisons": [
+                {"pair": c.pair, "output": c.output, "max_abs": c.max_abs, "max_rel": c.max_rel,
+                 "rtol": c.tol.rtol, "atol": c.tol.atol, "passed": c.passed, "note": c.note}
+                for c in self.comparisons
+            ],
+        }
+
+
+def prepare_inputs(model: onnx.ModelProto, npz: dict | None, dims: dict[str, int] | None, seed: int):
+    ins, _ = signature(model)
+    if npz is None:
+        inputs = random_inputs(ins, dims, seed)
+    else:
+        inputs = npz
+    check_inputs(ins, inputs)
+    return inputs
+
+
+def oracle_outputs(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The oracle's outputs for blockforge-built models (spec in metadata), else None."""
+    spec = model_spec(model)
+    if spec is None:
+        return None
+    weights = make_weights(spec)
+    return {model.graph.output[0].name: reference(spec, weights, inputs)}
+
+
+def non_finite_inputs(inputs: dict[str, np.ndarray]) -> list[str]:
+    issues = []
+    for k, v in inputs.items():
+        if v.dtype.kind == "f":
+            n_nan, n_inf = int(np.isnan(v).sum()), int(np.isinf(v).sum())
+            if n_nan or n_inf:
+                issues.append(f"input {k!r} holds {n_nan} NaN and {n_inf} Inf values")
+    return issues
+
+
+def compare_runs(model: onnx.ModelProto, runs: dict[str, dict[str, np.ndarray]]) -> list[Comparison]:
+    spec = model_spec(model)
+    out_names = [o.name for o in model.graph.output]
+    cmp = []
+    for a, b in PAIRS:
+        if a not in runs or b not in runs:
+            continue
+        for name in out_names:
+            if name not in runs[a] or name not in runs[b]:
+                continue
+            actual = runs[a][name]
+            kind = spec.kind if spec else "block"  # foreign graphs: the looser, whole-block row
+            tol = tolerance_for(actual.dtype if actual.dtype.kind == "f" else "float32", kind)
+            cmp.append(compare(f"{a} vs {b}", name, actual, runs[b][name], tol))
+    return cmp
+
+
+def check_parity(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
+                 extra_runs: dict[str, dict[str, np.ndarray]] | None = None,
+                 ort_device: str = "cpu") -> ParityReport:
+    report = ParityReport(input_issues=non_finite_inputs(inputs))
+    runs = {"ort": ort_runner.run(model, inputs, device=ort_device)}
+    oracle = oracle_outputs(model, inputs)
+    if oracle is not None:
+        runs["oracle"] = oracle
+    else:
+        report.notes.append("not a blockforge model (no spec in metadata): oracle skipped")
+    runs.update(extra_runs or {})
+    report.comparisons = compare_runs(model, runs)
+    return report

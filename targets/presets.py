@@ -1,0 +1,74 @@
+"""The preset table: where blockforge can compile for, as data.
+
+Each preset is a TVM target JSON plus what building and running it needs. Values
+in angle brackets are filled in for the machine at resolve time:
+  <host-cpu>   tvm.target.codegen.llvm_get_system_cpu()
+  <cores>      physical cores of this machine
+"""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "host": {
+        "description": "this machine's CPU (LLVM, native mcpu)",
+        "target": {"kind": "llvm", "mcpu": "<host-cpu>", "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "<host-arch>",
+    },
+    "x86-64-avx2": {
+        "description": "x86-64 with AVX2/FMA (Haswell and newer)",
+        "target": {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell", "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "x86_64",
+        "cpu_flags": ["avx2", "fma"],
+    },
+    "x86-64-avx512": {
+        "description": "x86-64 with AVX-512 (Skylake-SP and newer, Zen 4/5)",
+        "target": {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "x86_64",
+        "cpu_flags": ["avx512f", "avx512bw", "avx512vl"],
+    },
+    "aarch64-linux": {
+        "description": "64-bit ARM Linux with NEON (cross-compiled)",
+        "target": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"], "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "aarch64",
+        "cross_compiler": "aarch64-linux-gnu-g++",
+        "debian_package": "g++-aarch64-linux-gnu",
+    },
+    "cuda-sm80": {
+        "description": "NVIDIA Ampere (A100), CUDA",
+        "target": {"kind": "cuda", "arch": "sm_80", "host": {"kind": "llvm", "mcpu": "<host-cpu>"}},
+        "device": "cuda",
+        "toolchain": "nvcc",
+        "debian_package": "nvidia-cuda-toolkit",
+        "compute_capability": "8.0",
+    },
+    "cuda-sm90": {
+        "description": "NVIDIA Hopper (H100/H200), CUDA",
+        "target": {"kind": "cuda", "arch": "sm_90", "host": {"kind": "llvm", "mcpu": "<host-cpu>"}},
+        "device": "cuda",
+        "toolchain": "nvcc",
+        "debian_package": "nvidia-cuda-toolkit",
+        "compute_capability": "9.0",
+    },
+    "opencl": {
+        "description": "OpenCL C kernels (build only: this runtime has no OpenCL)",
+        "target": {"kind": "opencl", "host": {"kind": "llvm"}},
+        "device": None,
+        "source_ext": "cl",
+    },
+    "metal": {
+        "description": "Metal shading language kernels (build only)",
+        "target": {"kind": "metal", "host": {"kind": "llvm"}},
+        "device": None,
+        "source_ext": "metal",
+    },
+    "webgpu": {
+        "description": "WGSL kernels for WebGPU (build only)",
+        "target": {"kind": "webgpu", "host": {"kind": "llvm"}},
+        "device": None,
+        "source_ext": "wgsl",
+    },
+}
