@@ -19,6 +19,14 @@ from blockforge.targets import ResolvedTarget
 
 
 @dataclass
+class BuildResult:
+    executable: object = None  # tvm.relax.VMExecutable
+    phases: list[str] = field(default_factory=list)
+    tasks: int = 0
+    untuned_tasks: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Phase:
     name: str
     passes: Callable[[], list]
@@ -99,14 +107,11 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False) -> list[Ph
     return out
 
 
-@dataclass
-class BuildResult:
-    executable: object  # tvm.relax.VMExecutable
-    phases: list[str] = field(default_factory=list)
-    untuned_tasks: list[str] = field(default_factory=list)
 
 
-def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None):
+def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
+               stop_after: str | None = None, report: BuildResult | None = None):
+    """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
     tgt = target.tvm_target()
@@ -117,6 +122,8 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
     with tgt, tvm.transform.PassContext(opt_level=3):
         for i, phase in enumerate(phases(target, database, has_fp16(mod)), start=1):
             if phase.name == "apply-tuning":
+                if report is not None:
+                    report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
                 with database:
                     mod = tvm.transform.Sequential(phase.passes())(mod)
             else:
@@ -124,7 +131,23 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
             names.append(phase.name)
             if dump_ir:
                 (dump_ir / f"{i:02d}-{phase.name}.py").write_text(mod.script(show_meta=False))
+            if phase.name == stop_after:
+                break
     return mod, names
+
+
+def extract_tasks(mod, target: ResolvedTarget) -> list:
+    """MetaSchedule tasks of a legalized, fused module."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return list(ms.relax_integration.extract_tasks(mod, target.tvm_target()))
+
+
+def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:
+    """(number of tasks, names of tasks the database has no record for)."""
+    tasks = extract_tasks(mod, target)
+    missing = [t.task_name for t in tasks if not database.has_workload(t.dispatched[0])]
+    return len(tasks), missing
 
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None) -> BuildResult:
@@ -136,13 +159,15 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     if target.kind == "cuda":
         _cuda_env()
-    mod, names = run_phases(mod, target, database=database, dump_ir=dump_ir)
+    result = BuildResult()
+    mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         raise BlockforgeError(f"TVM build for {target.name} failed: {(lines[-1] if lines else type(e).__name__)[:400]}") from None
-    return BuildResult(ex, names)
+    result.executable = ex
+    return result
 
 
 def _cuda_env() -> None:

@@ -153,6 +153,37 @@ def cmd_run(a) -> int:
     return 0
 
 
+def cmd_tune(a) -> int:
+    from blockforge.compile.tune import TuneOptions, tune
+    from blockforge.graph.model_io import parse_dims
+
+    s = tune(TuneOptions(model=Path(a.model), target=a.target, trials=a.trials, trials_per_task=a.trials_per_task,
+                         db=Path(a.db) if a.db else None, rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
+                         dims=parse_dims(a.shape), round_trials=a.round_trials, measure=not a.no_measure,
+                         progress=not a.no_progress, rpc_wait_s=a.rpc_wait))
+    rows = [[t.name, f"{t.flops / 1e6:.2f}", f"{t.best_us:.1f}" if t.best_us else "-",
+             f"{t.gflops:.1f}" if t.gflops else "-", f"{min(t.trials_before, t.budget) + t.trials_new}/{t.budget}",
+             t.trials_new, t.status] for t in s.tasks]
+    _print_table(["task", "MFLOP", "best us", "GFLOP/s", "trials", "new", "status"], rows)
+    print(f"spent {s.trials_new} new trials, reused {s.trials_reused}"
+          + (f", salvaged {s.salvaged} records of an interrupted job" if s.salvaged else "")
+          + f"; database {s.db}")
+    if s.untuned_ms is not None:
+        print(f"whole model on this device: untuned {s.untuned_ms:.3f} ms, tuned {s.tuned_ms:.3f} ms "
+              f"({s.untuned_ms / s.tuned_ms:.1f}x)")
+    if a.json:
+        from blockforge.fsutil import atomic_write_json
+
+        atomic_write_json(a.json, s.to_dict())
+    return 0
+
+
+def cmd_rpc(a) -> int:
+    from blockforge.compile.rpc import serve
+
+    return serve(a.role, host=a.host, port=a.port, tracker=a.tracker, key=a.key)
+
+
 # ---------------------------------------------------------------- parser
 
 def _add_export(sub) -> None:
@@ -223,6 +254,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", required=True)
     p.add_argument("--output", required=True)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("tune", help="MetaSchedule autotuning into the device's database (resumable)",
+                       description="Every task gets --trials-per-task trials (default 64); --trials caps the "
+                                   "job at min(per-task, trials // tasks) each. Trials already in the database "
+                                   "count: a rerun spends 0, a raised budget only the difference.")
+    p.add_argument("model")
+    p.add_argument("--target", required=True)
+    p.add_argument("--trials", type=int, default=None, help="total budget for this job")
+    p.add_argument("--trials-per-task", type=int, default=None, help="budget per task (default 64)")
+    p.add_argument("--round-trials", type=int, default=32, help="trials per task between database merges")
+    p.add_argument("--db", default=None, help="tuning database dir (default artifacts/tuning/<device-key>)")
+    p.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker")
+    p.add_argument("--rpc-key", default=None, help="device key registered at the tracker")
+    p.add_argument("--rpc-wait", type=float, default=10.0, help="seconds to wait for a device")
+    p.add_argument("--shape", default=None, help="bind symbolic dims, e.g. batch=1,seq=128")
+    p.add_argument("--no-measure", action="store_true", help="skip the untuned-vs-tuned whole-model timing")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="write the summary as JSON here")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("rpc", help="start a TVM RPC tracker or server (binds 127.0.0.1 by default)")
+    p.add_argument("role", choices=["tracker", "server"])
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: the server runs "
+                                                       "arbitrary code for anyone who reaches it)")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--tracker", default=None, help="server: HOST:PORT of the tracker")
+    p.add_argument("--key", default=None, help="server: device key")
+    p.set_defaults(func=cmd_rpc)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -33,9 +33,9 @@ def setup_logging() -> logging.Logger:
 
 
 @contextlib.contextmanager
-def native_output_to_log(enabled: bool = True) -> Iterator[Path]:
+def native_output_to_log(enabled: bool = True, path: Path | None = None) -> Iterator[Path]:
     """Redirect file descriptors 1 and 2 (where TVM's C++ logging writes) to the log file."""
-    path = log_path()
+    path = Path(path) if path else log_path()
     if not enabled:
         yield path
         return
