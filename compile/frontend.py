@@ -34,10 +34,33 @@ def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
     model = bind_dims(model, dims or {})
     ins, _ = signature(model)
     try:
-        return from_onnx(model, dtype_dict={s.name: s.dtype for s in ins}, keep_params_in_input=False)
+        mod = from_onnx(model, dtype_dict={s.name: s.dtype for s in ins}, keep_params_in_input=True)
     except Exception as e:
         text = str(e)
         if "not supported for frontend ONNX" in text:
             ops = text.split("frontend ONNX:", 1)[1].strip().splitlines()[0]
             raise BlockforgeError(f"TVM cannot import this model: unsupported ONNX op(s): {ops}") from None
         raise BlockforgeError(f"TVM cannot import this model: {_first_line(e)}") from None
+    return embed_weights(mod)
+
+
+def embed_weights(mod):
+    """Combine parallel matmuls, then bind the weights as constants.
+
+    CombineParallelMatmul only matches weights that are still parameters; it turns the
+    seed's h per-head d_model x d_k projections sharing one input into a single
+    d_model x (h d_k) GEMM followed by slices. Binding + FoldConstant then concatenates
+    the weights once, at compile time.
+    """
+    from tvm import relax
+
+    mod, params = relax.frontend.detach_params(mod)
+    mod = relax.transform.CombineParallelMatmul()(mod)
+    weights = params.get("main", [])
+    if weights:
+        names = list(mod["main"].params)[-len(weights):]
+        mod = relax.transform.BindParams("main", dict(zip(names, weights)))(mod)
+    mod = relax.transform.FoldConstant()(mod)
+    if "num_input" in (mod["main"].attrs or {}):
+        mod["main"] = mod["main"].without_attr("num_input")
+    return mod

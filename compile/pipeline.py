@@ -35,8 +35,11 @@ class Phase:
 def _optimize() -> list:
     from tvm import relax
 
+    from .fast_math import fast_activations
+
+    # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
     return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
-            relax.transform.FoldConstant()]
+            fast_activations, relax.transform.FoldConstant()]
 
 
 def _legalize() -> list:
@@ -51,6 +54,14 @@ def _gpu_schedule() -> list:
 
     return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                     dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+
+
+def _cpu_schedule() -> list:
+    from tvm.s_tir import dlight as dl
+
+    from .cpu_schedule import default_cpu_rules
+
+    return [dl.ApplyDefaultSchedule(*default_cpu_rules())]
 
 
 def _lower() -> list:
@@ -103,6 +114,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False) -> list[Ph
         out.append(Phase("apply-tuning", apply))
     if target.is_gpu:
         out.append(Phase("schedule", _gpu_schedule))
+    elif target.kind == "llvm":
+        out.append(Phase("schedule", _cpu_schedule))
     out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
     return out
 

@@ -184,6 +184,25 @@ def cmd_rpc(a) -> int:
     return serve(a.role, host=a.host, port=a.port, tracker=a.tracker, key=a.key)
 
 
+def cmd_bench(a) -> int:
+    from blockforge.compile.bench import BenchOptions, bench, plot
+    from blockforge.fsutil import atomic_write_json
+    from blockforge.graph.model_io import parse_dims
+
+    rep = bench(BenchOptions(model=Path(a.model), target=a.target,
+                             against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
+                             repeat=a.repeat, dims=parse_dims(a.shape),
+                             tuning_db=Path(a.tuning_db) if a.tuning_db else None, profile=a.profile))
+    print(rep.markdown())
+    for n in rep.notes:
+        print(f"note: {n}")
+    if a.json:
+        atomic_write_json(a.json, rep.to_dict())
+    if a.plot:
+        plot([rep], Path(a.plot))
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 def _add_export(sub) -> None:
@@ -282,6 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracker", default=None, help="server: HOST:PORT of the tracker")
     p.add_argument("--key", default=None, help="server: device key")
     p.set_defaults(func=cmd_rpc)
+
+    p = sub.add_parser("bench", help="ONNX Runtime vs untuned vs tuned TVM, interleaved in one process")
+    p.add_argument("model")
+    p.add_argument("--target", default="host")
+    p.add_argument("--against", default="ort,untuned,tuned", help="comma list of ort,untuned,tuned")
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--shape", default="batch=1,seq=128", help="static dims (default batch=1,seq=128)")
+    p.add_argument("--tuning-db", default=None)
+    p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    p.set_defaults(func=cmd_bench)
 
     for register in _EXTRA_COMMANDS:
         register(sub)
