@@ -101,7 +101,7 @@ def has_fp16(mod) -> bool:
     return False
 
 
-def phases(target: ResolvedTarget, database=None, fp16: bool = False) -> list[Phase]:
+def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True) -> list[Phase]:
     out = [Phase("optimize", _optimize)]
     if fp16:
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
@@ -114,7 +114,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False) -> list[Ph
         out.append(Phase("apply-tuning", apply))
     if target.is_gpu:
         out.append(Phase("schedule", _gpu_schedule))
-    elif target.kind == "llvm":
+    elif target.kind == "llvm" and default_schedules:
         out.append(Phase("schedule", _cpu_schedule))
     out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
     return out
@@ -123,7 +123,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False) -> list[Ph
 
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
-               stop_after: str | None = None, report: BuildResult | None = None):
+               stop_after: str | None = None, report: BuildResult | None = None,
+               default_schedules: bool = True):
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
@@ -133,7 +134,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         dump_ir.mkdir(parents=True, exist_ok=True)
         (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
-        for i, phase in enumerate(phases(target, database, has_fp16(mod)), start=1):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -163,8 +164,12 @@ def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[st
     return len(tasks), missing
 
 
-def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None) -> BuildResult:
-    """Relax IRModule -> VM executable for `target`."""
+def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
+          default_schedules: bool = True) -> BuildResult:
+    """Relax IRModule -> VM executable for `target`.
+
+    default_schedules=False keeps TVM's own CPU lowering (naive loops): the baseline
+    blockforge's schedules and tuning are measured against."""
     import tvm
 
     problem = target.build_problem()
@@ -173,7 +178,8 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
     if target.kind == "cuda":
         _cuda_env()
     result = BuildResult()
-    mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result)
+    mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
+                                    default_schedules=default_schedules)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:

@@ -169,8 +169,8 @@ def cmd_tune(a) -> int:
           + (f", salvaged {s.salvaged} records of an interrupted job" if s.salvaged else "")
           + f"; database {s.db}")
     if s.untuned_ms is not None:
-        print(f"whole model on this device: untuned {s.untuned_ms:.3f} ms, tuned {s.tuned_ms:.3f} ms "
-              f"({s.untuned_ms / s.tuned_ms:.1f}x)")
+        print(f"whole model on this device: TVM naive {s.naive_ms:.3f} ms, blockforge untuned {s.untuned_ms:.3f} ms, "
+              f"tuned {s.tuned_ms:.3f} ms")
     if a.json:
         from blockforge.fsutil import atomic_write_json
 

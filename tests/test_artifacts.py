@@ -32,9 +32,13 @@ def test_manifest_contents(built):
     assert m["target"]["name"] == "host" and m["target"]["json"]["kind"] == "llvm"
     assert set(m["versions"]) == {"blockforge", "tvm", "onnx"}
     assert m["inputs"][0] == {"name": "query", "shape": [1, "seq", 64], "dtype": "float32"}
-    assert m["phases"] == ["optimize", "legalize", "lower", "finalize"]
+    assert m["phases"] == ["optimize", "legalize", "schedule", "lower", "finalize"]
     dumped = sorted(p.name for p in (d / "ir").iterdir())
-    assert dumped == ["00-import.py", "01-optimize.py", "02-legalize.py", "03-lower.py", "04-finalize.py"]
+    assert dumped == ["00-import.py", "01-optimize.py", "02-legalize.py", "03-schedule.py", "04-lower.py",
+                      "05-finalize.py"]
+    # The default CPU schedule parallelised and vectorised the matmuls.
+    scheduled = (d / "ir" / "03-schedule.py").read_text()
+    assert "T.parallel" in scheduled and "T.vectorized" in scheduled
     assert "T.prim_func" in (d / "ir" / "02-legalize.py").read_text()
 
 
