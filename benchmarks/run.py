@@ -11,7 +11,6 @@ profile, and writes benchmarks/results/<host>.json, .md and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time

@@ -11,7 +11,6 @@ The directory appears atomically (built in a temp dir, then renamed).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -21,12 +20,13 @@ import onnx
 
 import blockforge
 from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_directory, atomic_write_json, sha256_bytes, sha256_file
-from blockforge.graph.model_io import load_model, signature
+from blockforge.fsutil import atomic_directory, atomic_write_json, sha256_file
+from blockforge.graph.model_io import signature
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 
 from .frontend import bind_dims, import_onnx
+from .isolate import load_untrusted
 from .pipeline import build
 
 MANIFEST_FORMAT = "blockforge.artifact/1"
@@ -107,7 +107,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     problem = target.build_problem()
     if problem:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
-    model = load_model(opts.model)
+    model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
     bound = bind_dims(model, opts.dims)
     ins, outs = signature(bound)
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)

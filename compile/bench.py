@@ -19,11 +19,12 @@ import blockforge
 from blockforge.errors import BlockforgeError
 from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
-from blockforge.graph.model_io import load_model, random_inputs, signature
+from blockforge.graph.model_io import random_inputs, signature
 from blockforge.logs import native_output_to_log
 from blockforge.targets import resolve
 
 from .frontend import bind_dims, import_onnx
+from .isolate import load_untrusted
 from .pipeline import build
 
 CONTENDERS = ("ort", "untuned", "tuned")
@@ -196,7 +197,7 @@ def bench(opts: BenchOptions) -> BenchReport:
     problem = target.run_problem()
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
-    model = load_model(opts.model)
+    model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
     bound = bind_dims(model, opts.dims)
     ins, _ = signature(bound)
     for s in ins:

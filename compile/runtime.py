@@ -48,6 +48,20 @@ def verify_files(artifact: Path, manifest: dict) -> None:
                                   "(tampered or corrupted); refusing to load it")
 
 
+ELF_MACHINES = {3: "i386", 40: "arm", 62: "x86_64", 183: "aarch64", 243: "riscv64"}
+
+
+def elf_arch(path: Path) -> str | None:
+    """Architecture an ELF shared object was built for (e_machine), or None if not ELF."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    order = "little" if head[5] == 1 else "big"
+    machine = int.from_bytes(head[18:20], order)
+    return ELF_MACHINES.get(machine, f"e_machine {machine}")
+
+
 def _sigs(items: list[dict]) -> list[TensorSig]:
     return [TensorSig(i["name"], tuple(i["shape"]), i["dtype"]) for i in items]
 
@@ -99,6 +113,14 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     problem = target.run_problem()
     if problem:
         raise BlockforgeError(f"{artifact}: built for {t['name']} ({t['json'].get('kind')}), cannot run here: {problem}")
+    from blockforge.targets.resolve import host_arch
+
+    so = artifact / manifest["module"]
+    arch = elf_arch(so)
+    if arch is None:
+        raise BlockforgeError(f"{artifact}: module.so is not an ELF shared object; refusing to load it")
+    if arch != host_arch():
+        raise BlockforgeError(f"{artifact}: module.so is for {arch}, this machine is {host_arch()}")
     if target.kind == "cuda":
         from .pipeline import _cuda_env
 

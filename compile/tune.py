@@ -12,11 +12,9 @@ each finished round is merged into the device database atomically.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,11 +23,12 @@ import numpy as np
 
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_write_json
-from blockforge.graph.model_io import load_model, random_inputs, signature
+from blockforge.graph.model_io import random_inputs, signature
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 
 from .frontend import bind_dims, import_onnx
+from .isolate import load_untrusted
 from .pipeline import build, extract_tasks, run_phases
 from .tuning_db import RECORDS, WORKLOADS, FAILED_RUN_SECS, DeviceDB, default_db_dir
 
@@ -320,7 +319,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
         if rp:
             raise BlockforgeError(f"cannot measure {target.name} on this machine ({rp}); "
                                   "tune through a device: --rpc-tracker HOST:PORT --rpc-key KEY")
-    model = load_model(opts.model)
+    model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
     db_dir = Path(opts.db) if opts.db else default_db_dir(target, opts.rpc_key)
     db = DeviceDB(db_dir, target, create=True)
     log_file = db_dir / "tune.log"

@@ -309,5 +309,8 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
         db._check_device(target, False)
     db_obj, contents = load_database(directory)
     if not contents.records:
+        if explicit:
+            raise BlockforgeError(f"{directory}: tuning database holds no records (run `blockforge tune` "
+                                  "first, or drop --tuning-db)")
         return None, None
     return db_obj, {"path": str(directory), "sha256": db.digest(), "records": len(contents.records)}

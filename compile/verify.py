@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockforge.graph.model_io import load_model, load_npz, parse_dims, signature
+from blockforge.graph.model_io import load_npz, parse_dims, signature
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
+
+from .isolate import load_untrusted
 
 
 @dataclass
@@ -22,8 +24,8 @@ class VerifyOptions:
 
 
 def verify(opts: VerifyOptions) -> ParityReport:
-    model = load_model(opts.model)
     dims = parse_dims(opts.shape)
+    model = load_untrusted(opts.model, tvm=bool(opts.target), dims=dims)
     inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
     extra, notes = {}, []
     if opts.target:

@@ -14,7 +14,8 @@ from pathlib import Path
 from blockforge.errors import BlockforgeError
 
 
-def _print_table(headers: list[str], rows: list[list], out=sys.stdout) -> None:
+def _print_table(headers: list[str], rows: list[list], out=None) -> None:
+    out = out or sys.stdout
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
@@ -50,10 +51,11 @@ def cmd_export(a) -> int:
 
 
 def cmd_inspect(a) -> int:
+    from blockforge.compile.isolate import load_untrusted
     from blockforge.graph.analysis import analyze
-    from blockforge.graph.model_io import load_model, model_spec, parse_dims
+    from blockforge.graph.model_io import model_spec, parse_dims
 
-    model = load_model(a.model)
+    model = load_untrusted(a.model)
     facts = analyze(model, parse_dims(a.shape))
     spec = model_spec(model)
     if a.json:
@@ -203,6 +205,18 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_package(a) -> int:
+    from blockforge.compile.package import PackageOptions, package_artifact
+
+    res = package_artifact(PackageOptions(artifact=Path(a.artifact), output=Path(a.output) if a.output else None,
+                                          app=a.app))
+    total = sum(res.files.values())
+    print(f"packaged {a.artifact} for {res.arch} -> {res.path}/ ({total / 2**20:.1f} MiB)")
+    for name, size in sorted(res.files.items()):
+        print(f"  {name:28} {size / 2**10:10.1f} KiB")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 def _add_export(sub) -> None:
@@ -314,12 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")
     p.set_defaults(func=cmd_bench)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    p = sub.add_parser("package", help="gather what an edge device needs: module, manifest, runtime, app")
+    p.add_argument("artifact")
+    p.add_argument("-o", "--output", default=None, help="package dir (default <artifact>.pkg)")
+    p.add_argument("--app", action="store_true", help="also build and include the C++ example app")
+    p.set_defaults(func=cmd_package)
+
     return parser
-
-
-_EXTRA_COMMANDS: list = []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from .spec import Spec, spec_from_dict
 
 MAX_MODEL_BYTES = 4 << 30
 MAX_BOUND_DIM = 1 << 16
+MAX_INPUT_BYTES = 2 << 30  # random inputs beyond this are refused, not allocated
 DEFAULT_DIMS = {"batch": 2, "seq": 32, "kv_seq": 48}
 
 NP_DTYPE = {
@@ -182,6 +183,12 @@ def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, see
     out = {}
     for s in sigs:
         shape = s.bind(bound)
+        nbytes = int(np.prod(shape, dtype=np.float64)) * (np.dtype(s.dtype).itemsize if s.dtype in NP_DTYPE.values() else 8)
+        if nbytes > MAX_INPUT_BYTES:
+            raise BlockforgeError(f"input {s.name!r} of shape {list(shape)} would need {nbytes / 2**30:.1f} GiB "
+                                  f"(limit {MAX_INPUT_BYTES >> 30} GiB); bind smaller dims with --shape")
+        if any(d <= 0 for d in shape):
+            raise BlockforgeError(f"input {s.name!r} has a non-positive dim in {list(shape)}")
         if s.dtype == "bool":
             m = rng.random(shape) < 0.75
             m[..., 0] = True  # never mask a whole row

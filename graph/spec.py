@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from dataclasses import dataclass
+from typing import Any, Union
 
 from blockforge.errors import BlockforgeError
 

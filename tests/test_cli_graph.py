@@ -1,7 +1,6 @@
 """CLI round trips (export -> inspect -> verify) and every bad-input case, as a user runs them."""
 
 import json
-import os
 
 import numpy as np
 import onnx

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from blockforge.compile.tuning_db import RECORDS, WORKLOADS, DeviceDB, load_database, read_contents
+from blockforge.compile.tuning_db import WORKLOADS, DeviceDB, read_contents
 from blockforge.graph import FFNSpec, export
 
 from conftest import BLOCKFORGE, assert_user_error, run_cli
@@ -91,33 +88,6 @@ def test_budget_semantics():
     for bad in [(3, 2, None), (3, 0, None), (3, None, -1)]:
         with pytest.raises(BlockforgeError):
             per_task_budget(*bad)
-
-
-def test_kill9_leaves_loadable_db_and_rerun_keeps_records(ffn, tmp_path):
-    db = tmp_path / "db"
-    cmd = [*BLOCKFORGE, "tune", ffn, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress",
-           "--no-measure", "--trials-per-task", 8, "--round-trials", 2]
-    env = {**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")}
-    p = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if (db / RECORDS).exists() and len(read_contents(db, tolerate_torn_tail=False).records) >= 2:
-            break
-        time.sleep(0.2)
-    time.sleep(1.5)  # land somewhere inside the next round
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    before = (db / RECORDS).read_text().splitlines()
-    assert len(before) >= 2
-    load_database(db)  # MetaSchedule itself loads what the kill left
-    r = run_cli("tune", ffn, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", "--no-measure",
-                "--trials-per-task", 8, "--round-trials", 2, cwd=tmp_path)
-    assert r.rc == 0, r.text
-    after = (db / RECORDS).read_text().splitlines()
-    assert after[: len(before)] == before  # nothing finished before the kill was lost
-    s = _summary(db, ffn)
-    assert all(min(t["trials_before"], 8) + t["trials_new"] >= 8 for t in s["tasks"])
 
 
 def test_second_job_refused_while_first_runs(ffn, tmp_path):

@@ -1,0 +1,94 @@
+"""Tuning under faults: SIGKILL at several points, and a full disk, never cost a finished
+record and never leave a database that does not load."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from blockforge.compile.tuning_db import RECORDS, load_database, read_contents
+from blockforge.errors import BlockforgeError
+from blockforge.graph import FFNSpec, export
+
+from conftest import BLOCKFORGE
+
+pytestmark = pytest.mark.slow
+SHAPE = {"batch": 1, "seq": 8}
+KILL_POINTS = [
+    ("while importing, before any record", lambda db: (db / ".lock.owner").exists(), 0.3),
+    ("just after a merge", lambda db: _records(db) >= 1, 0.0),
+    ("inside a later round", lambda db: _records(db) >= 3, 0.8),
+]
+
+
+def _records(db) -> int:
+    try:
+        return len(read_contents(db, tolerate_torn_tail=False).records)
+    except Exception:
+        return 0
+
+
+def test_sigkill_at_several_points(tmp_path):
+    model = export(FFNSpec(d_model=32, d_ff=64), tmp_path / "f.onnx").model_path
+    db = tmp_path / "db"
+    cmd = [*map(str, BLOCKFORGE), "tune", str(model), "--target", "host", "--shape", "batch=1,seq=8", "--db", str(db),
+           "--no-progress", "--no-measure", "--trials-per-task", "4", "--round-trials", "1"]
+    env = {**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")}
+    kept: list[str] = []
+    survived = 0
+    for label, ready, delay in KILL_POINTS:
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while not ready(db) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        lines = (db / RECORDS).read_text().splitlines() if (db / RECORDS).exists() else []
+        assert lines[: len(kept)] == kept, f"records lost by the kill {label!r}"
+        if lines:
+            load_database(db)  # MetaSchedule loads what the kill left
+        kept = lines
+        survived += 1
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    final = (db / RECORDS).read_text().splitlines()
+    assert final[: len(kept)] == kept
+    assert "spent" in r.stdout
+    assert survived == len(KILL_POINTS)
+
+
+def test_disk_full_keeps_database(tmp_path, monkeypatch):
+    """The second merge fails with ENOSPC: a clear error, and the first merge's records stay."""
+    from blockforge.compile import tuning_db
+    from blockforge.compile.tune import TuneOptions, tune
+
+    model = export(FFNSpec(d_model=32, d_ff=64), tmp_path / "f.onnx").model_path
+    db = tmp_path / "db"
+    real = tuning_db.atomic_write_text
+    calls = {"n": 0}
+
+    def flaky(path, text):
+        if path.name == RECORDS:
+            calls["n"] += 1
+            if calls["n"] >= 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, text)
+
+    monkeypatch.setattr(tuning_db, "atomic_write_text", flaky)
+    with pytest.raises(BlockforgeError, match="No space left on device.*intact"):
+        tune(TuneOptions(model=model, target="host", dims=SHAPE, db=db, trials_per_task=4, round_trials=1,
+                         measure=False, progress=False))
+    before = (db / RECORDS).read_text().splitlines()
+    assert len(before) >= 2
+    load_database(db)
+    monkeypatch.setattr(tuning_db, "atomic_write_text", real)
+    s = tune(TuneOptions(model=model, target="host", dims=SHAPE, db=db, trials_per_task=4, round_trials=1,
+                         measure=False, progress=False))
+    after = (db / RECORDS).read_text().splitlines()
+    assert after[: len(before)] == before and s.trials_new > 0
