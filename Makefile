@@ -8,7 +8,7 @@ DEPS_STAMP := $(VENV)/.deps-installed
 DEMO := artifacts/demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean robustness bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ demo: install
 	$(BF) compile $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 -o $(DEMO)/ffn_bert.host
 	$(BF) verify $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128
 	$(BF) verify $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128
+	@echo "== short tuning run (8 trials per task; a full tune: --trials-per-task 256 or more)"
+	$(BF) tune $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 --trials-per-task 8 --db $(DEMO)/tuning
+	$(BF) tune $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128 --trials-per-task 4 --db $(DEMO)/tuning
+	$(BF) verify $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning
+	@echo "== ONNX Runtime vs blockforge untuned vs tuned"
+	$(BF) bench $(DEMO)/mha_bert.onnx --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning --repeat 20
+	$(BF) bench $(DEMO)/ffn_bert.onnx --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning --repeat 20
 
 # pytest exits 5 when it collected nothing: that is a failure, not a pass.
 test: install
@@ -42,3 +49,12 @@ test: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info artifacts/demo artifacts/logs
+
+# The robustness figures quoted in the README (bad-input cases, fuzz inputs, kill points).
+robustness: install
+	$(BIN)/pytest tests/robustness -v -s
+
+# The benchmark suite (long; not part of `make test`). TRIALS=N tunes first.
+TRIALS ?= 0
+bench: install
+	benchmarks/run.sh --trials-per-task $(TRIALS)
