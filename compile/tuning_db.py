@@ -40,6 +40,13 @@ FORMAT = "blockforge.tuning-db/1"
 FAILED_RUN_SECS = 1e9  # MetaSchedule stores 1e10 s for candidates that failed to build/run
 
 
+def _compatible(key) -> str:
+    """Device keys minus the core count: records stay valid on a machine with other cores."""
+    import re
+
+    return re.sub(r"-\d+c(?=$|-rpc-)", "", str(key))
+
+
 def default_db_dir(target: ResolvedTarget, rpc_key: str | None = None) -> Path:
     key = target.key() + (f"-rpc-{rpc_key}" if rpc_key else "")
     return Path("artifacts") / "tuning" / key
@@ -129,7 +136,7 @@ class DeviceDB:
                 raise BlockforgeError(f"{dev}: corrupt device description") from None
             if not isinstance(info, dict) or info.get("format") != FORMAT:
                 raise BlockforgeError(f"{self.path}: not a blockforge tuning database (foreign {DEVICE})")
-            if target is not None and info.get("key") != target.key():
+            if target is not None and _compatible(info.get("key")) != _compatible(target.key()):
                 raise BlockforgeError(f"{self.path}: database is for device {info.get('key')!r}, "
                                       f"not {target.key()!r}; pick the matching --db")
         elif any((self.path / f).exists() for f in (WORKLOADS, RECORDS)) and not create:
@@ -240,6 +247,30 @@ class DeviceDB:
 
     def lock(self):
         return _Lock(self.path)
+
+    def export_best(self, dest: Path, top_k: int = 1) -> int:
+        """Write a small database with the best `top_k` records per workload (to ship)."""
+        c = self.contents()
+        best: dict[int, list] = {}
+        for idx, line in c.records:
+            rs = json.loads(line)[1][1] or [FAILED_RUN_SECS * 10]
+            best.setdefault(idx, []).append((sum(rs) / len(rs), line))
+        keep = sorted(idx for idx in best)
+        remap = {old: new for new, old in enumerate(keep)}
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        records = []
+        for idx in keep:
+            for _, line in sorted(best[idx])[:top_k]:
+                obj = json.loads(line)
+                obj[0] = remap[idx]
+                records.append(json.dumps(obj, separators=(",", ":")))
+        for name in (DEVICE, LEDGER):
+            if (self.path / name).exists():
+                shutil.copyfile(self.path / name, dest / name)
+        atomic_write_text(dest / WORKLOADS, "".join(c.workloads[i][1] + "\n" for i in keep))
+        atomic_write_text(dest / RECORDS, "".join(r + "\n" for r in records))
+        return len(records)
 
 
 class _Lock:

@@ -28,6 +28,7 @@ def verify(opts: VerifyOptions) -> ParityReport:
     model = load_untrusted(opts.model, tvm=bool(opts.target), dims=dims)
     inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
     extra, notes = {}, []
+    ort_device = "cpu"
     if opts.target:
         from blockforge.targets import resolve
 
@@ -48,10 +49,14 @@ def verify(opts: VerifyOptions) -> ParityReport:
         else:
             from tvm import relax
 
+            from blockforge.graph.ort import cuda_available
+
+            if target.device == "cuda" and cuda_available():
+                ort_device = "cuda"  # compare GPU with GPU (TF32 off in graph/ort.py)
             dev = tvm_device(target.device)
             ins, outs = signature(model)
             with native_output_to_log():
                 extra["tvm"] = run_vm(relax.VirtualMachine(ex, dev), dev, ins, outs, inputs)
-    report = check_parity(model, inputs, extra)
+    report = check_parity(model, inputs, extra, ort_device=ort_device)
     report.notes[:0] = notes
     return report
