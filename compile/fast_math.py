@@ -35,11 +35,15 @@ class _FastActivations(PyExprMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
         op = getattr(call.op, "name", None)
-        if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh"):
+        if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh", "relax.nn.softmax"):
             return call
         dtype = getattr(call.args[0].ty, "dtype", None)
         if dtype != "float32":  # the fast kernels are float32 polynomials
             return call
+        if op == "relax.nn.softmax":
+            # exp through a vectorisable polynomial (topi.fast_exp) instead of libm's expf.
+            return self.builder_.call_te(topi.nn.fast_softmax, call.args[0], int(call.attrs.axis),
+                                         primfunc_name_hint="softmax")
         fn = {"relax.nn.gelu": _gelu, "relax.nn.gelu_tanh": _gelu_tanh,
               "relax.erf": topi.fast_erf, "relax.tanh": topi.fast_tanh}[op]
         return self.builder_.call_te(fn, call.args[0], primfunc_name_hint=op.split(".")[-1])

@@ -1,0 +1,246 @@
+"""Package an artifact for a device without Python: the edge app, the TVM runtime.
+
+    PACKAGE/
+      module.so, manifest.json   the artifact, verified and copied as is
+      lib/                       libtvm_runtime.so, libtvm_ffi.so for the artifact's arch
+      bin/edge_app               the C++ runner (examples/edge_app), when app=True
+      run.sh                     how to run it, when app=True
+
+For the host arch the libraries are the apache-tvm wheel's; for aarch64 they are
+cross-built from the runtime sources the wheel ships (examples/edge_app/Makefile).
+Builds are cached under <repo>/build/edge/<arch>/; make decides what is stale.
+The directory appears atomically.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockforge.errors import BlockforgeError
+from blockforge.fsutil import atomic_directory
+from blockforge.targets.resolve import host_arch
+
+from .runtime import read_manifest, verify_files
+
+EDGE_APP_ENV = "BLOCKFORGE_EDGE_APP_DIR"
+RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_ffi.so")
+CROSS = {"aarch64": ("aarch64-linux-gnu-g++", "g++-aarch64-linux-gnu")}
+ELF_MACHINES = {62: "x86_64", 183: "aarch64", 3: "x86", 40: "arm", 243: "riscv"}
+MAKE_JOBS = 2
+
+
+@dataclass
+class PackageOptions:
+    artifact: Path
+    output: Path | None = None  # default: <artifact dir>.pkg next to it
+    app: bool = True  # build (if needed) and include the edge_app binary
+
+
+@dataclass
+class PackageResult:
+    path: Path
+    arch: str
+    files: dict[str, int]  # relative name -> size in bytes
+
+
+def edge_app_dir() -> Path:
+    """examples/edge_app: from $BLOCKFORGE_EDGE_APP_DIR, else the repository around the cwd.
+
+    The package is installed (not editable), so its own location says nothing about
+    where the repository is.
+    """
+    env = os.environ.get(EDGE_APP_ENV)
+    if env:
+        d = Path(env).expanduser().resolve()
+        if not (d / "Makefile").is_file():
+            raise BlockforgeError(f"{EDGE_APP_ENV}={env}: no Makefile there "
+                                  "(it must point at the repository's examples/edge_app)")
+        return d
+    cwd = Path.cwd().resolve()
+    for d in (cwd, *cwd.parents):
+        if (d / "examples" / "edge_app" / "Makefile").is_file():
+            return d / "examples" / "edge_app"
+    raise BlockforgeError("edge_app sources (examples/edge_app) not found: run from inside the "
+                          f"blockforge repository or set {EDGE_APP_ENV} to its examples/edge_app")
+
+
+def build_root() -> Path:
+    return edge_app_dir().parent.parent / "build" / "edge"
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        raise BlockforgeError(f"python package {name} is not installed (pip install apache-tvm)")
+    return Path(spec.origin).parent
+
+
+def _wheel_libs() -> list[Path]:
+    libs = [_package_dir("tvm") / "lib" / "libtvm_runtime.so", _package_dir("tvm_ffi") / "lib" / "libtvm_ffi.so"]
+    for p in libs:
+        if not p.is_file():
+            raise BlockforgeError(f"{p} is missing: the apache-tvm install is incomplete")
+    return libs
+
+
+def _check_arch(arch: str) -> str:
+    """The make target that builds for `arch` on this machine."""
+    here = host_arch()
+    if arch == here:
+        return "host"
+    if arch in CROSS:
+        compiler, package = CROSS[arch]
+        if not shutil.which(compiler):
+            raise BlockforgeError(f"cross compiler {compiler} not found; install the Debian package {package}")
+        return arch
+    raise BlockforgeError(f"edge_app cannot be built for {arch} on this {here} machine "
+                          f"(it builds for {here}, and cross-builds for {', '.join(CROSS)})")
+
+
+def _failed_step(log_text: str) -> str:
+    """'the step: the first compiler/linker error', read from a make log."""
+    step = "make"
+    for line in log_text.splitlines():
+        m = re.search(r"\*\*\* \[(?:[^\]]*?:\d+: )?([^\]]+)\]", line)
+        if m:
+            step = Path(m.group(1).strip()).name
+            break
+    first_error = next((ln.strip() for ln in log_text.splitlines()
+                        if re.search(r"\berror\b|undefined reference|not found", ln)
+                        and not ln.startswith("make")), "")
+    return f"{step}: {first_error[:300]}" if first_error else step
+
+
+def _make(target: str, arch: str) -> Path:
+    from filelock import FileLock
+
+    app_dir = edge_app_dir()
+    if not shutil.which("make"):
+        raise BlockforgeError("make not found; install the Debian packages make and g++")
+    cxx = os.environ.get("CXX", "g++")
+    if not shutil.which(shlex.split(cxx)[0] if cxx.strip() else "g++"):
+        raise BlockforgeError(f"C++ compiler {cxx} not found; install the Debian package g++")
+    root = build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / f"make-{arch}.log"
+    cmd = ["make", "-C", str(app_dir), f"-j{MAKE_JOBS}", target, f"BUILD_DIR={root}",
+           f"TVM_DIR={_package_dir('tvm')}", f"TVM_FFI_DIR={_package_dir('tvm_ffi')}"]
+    with FileLock(str(root / ".build.lock")):  # one build at a time per build dir
+        with open(log, "w") as f:
+            f.write("$ " + shlex.join(cmd) + "\n")
+            f.flush()
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    if rc:
+        raise BlockforgeError(f"building edge_app for {arch} failed at {_failed_step(log.read_text(errors='replace'))} "
+                              f"(make exit {rc}; full log: {log})")
+    return root / arch
+
+
+def _arch_name(arch: str) -> str:
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+
+
+def build_app(arch: str) -> Path:
+    """Build edge_app for `arch` (cached under build/edge/<arch>/) and return the binary."""
+    arch = _arch_name(arch)
+    target = _check_arch(arch)
+    out = _make(target, arch) / "bin" / "edge_app"
+    if not out.is_file():
+        raise BlockforgeError(f"make finished but {out} is missing")
+    return out
+
+
+def runtime_libs(arch: str) -> list[Path]:
+    """The runtime libraries to ship for `arch`: the wheel's for the host arch,
+    cross-built ones (built here if needed) for aarch64."""
+    arch = _arch_name(arch)
+    target = _check_arch(arch)
+    if target == "host":
+        return _wheel_libs()
+    libdir = _make(f"{arch}-runtime", arch) / "lib"
+    libs = [libdir / name for name in RUNTIME_LIBS]
+    missing = [str(p) for p in libs if not p.is_file()]
+    if missing:
+        raise BlockforgeError(f"make finished but {', '.join(missing)} is missing")
+    return libs
+
+
+def elf_arch(path: Path) -> str | None:
+    """The architecture an ELF file is for (None when it is not ELF)."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    machine = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return ELF_MACHINES.get(machine, f"ELF machine {machine}")
+
+
+def _run_sh(manifest: dict, arch: str) -> str:
+    inputs = " ".join(f"--input {i['name']}={i['name']}.npy" for i in manifest["inputs"])
+    sig = "\n".join(f"#   {i['name']}: {i['dtype']} {tuple(i['shape'])}" for i in manifest["inputs"])
+    emu = "" if arch == host_arch() else (
+        "# On another machine, run it under an emulator through EDGE_APP_EMULATOR, e.g.\n"
+        f'#   EDGE_APP_EMULATOR="qemu-{arch} -L /usr/{arch}-linux-gnu" ./run.sh ...\n')
+    return f"""#!/bin/sh
+# Run the packaged model ({arch}) with edge_app, no Python needed:
+#   ./run.sh {inputs} --output output.npy [--repeat 10]
+# Inputs are .npy files (C order, little-endian), as manifest.json lists them:
+{sig}
+{emu}here=$(cd "$(dirname "$0")" && pwd)
+exec ${{EDGE_APP_EMULATOR:-}} "$here/bin/edge_app" "$here" "$@"
+"""
+
+
+def _check_output(dest: Path, artifact: Path) -> None:
+    a, d = artifact.resolve(), dest.resolve()
+    if d == a or a in d.parents or d in a.parents:
+        raise BlockforgeError(f"{dest}: the package cannot be the artifact or inside it; choose another output")
+    if dest.exists() and not (dest.is_dir() and ((dest / "manifest.json").is_file() or not any(dest.iterdir()))):
+        raise BlockforgeError(f"{dest} exists and is not a package; remove it or choose another output")
+
+
+def package_artifact(opts: PackageOptions) -> PackageResult:
+    artifact = Path(opts.artifact)
+    manifest = read_manifest(artifact)
+    verify_files(artifact, manifest)
+    target = manifest["target"]
+    if target.get("device") != "cpu":
+        raise BlockforgeError(f"{artifact}: built for {target.get('name')} (device {target.get('device')}); "
+                              "only CPU artifacts can be packaged with the edge runtime")
+    module = manifest["module"]
+    arch = _arch_name(target.get("arch") or "")
+    found = elf_arch(artifact / module)
+    if found is None:
+        raise BlockforgeError(f"{artifact}: {module} is not an ELF shared library")
+    if arch and found != arch:
+        raise BlockforgeError(f"{artifact}: {module} is for {found} but manifest.json says {arch}")
+    arch = found
+    dest = Path(opts.output) if opts.output else artifact.with_name(artifact.name + ".pkg")
+    _check_output(dest, artifact)
+
+    libs = runtime_libs(arch)
+    app = build_app(arch) if opts.app else None
+    with atomic_directory(dest) as tmp:
+        for name in [*manifest["files"], "manifest.json"]:
+            shutil.copy2(artifact / name, tmp / name)
+        (tmp / "lib").mkdir()
+        for lib in libs:
+            shutil.copy2(lib, tmp / "lib" / lib.name)
+        if app is not None:
+            (tmp / "bin").mkdir()
+            shutil.copy2(app, tmp / "bin" / "edge_app")
+            os.chmod(tmp / "bin" / "edge_app", 0o755)
+            (tmp / "run.sh").write_text(_run_sh(manifest, arch))
+            os.chmod(tmp / "run.sh", 0o755)
+        # the copies must still be what the manifest promised
+        verify_files(tmp, manifest)
+        files = {p.relative_to(tmp).as_posix(): p.stat().st_size
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+    return PackageResult(dest, arch, files)
