@@ -27,12 +27,11 @@ from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_directory
 from blockforge.targets.resolve import host_arch
 
-from .runtime import read_manifest, verify_files
+from .runtime import elf_arch, read_manifest, verify_files
 
 EDGE_APP_ENV = "BLOCKFORGE_EDGE_APP_DIR"
 RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_ffi.so")
 CROSS = {"aarch64": ("aarch64-linux-gnu-g++", "g++-aarch64-linux-gnu")}
-ELF_MACHINES = {62: "x86_64", 183: "aarch64", 3: "x86", 40: "arm", 243: "riscv"}
 MAKE_JOBS = 2
 
 
@@ -170,16 +169,6 @@ def runtime_libs(arch: str) -> list[Path]:
     if missing:
         raise BlockforgeError(f"make finished but {', '.join(missing)} is missing")
     return libs
-
-
-def elf_arch(path: Path) -> str | None:
-    """The architecture an ELF file is for (None when it is not ELF)."""
-    with open(path, "rb") as f:
-        head = f.read(20)
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        return None
-    machine = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
-    return ELF_MACHINES.get(machine, f"ELF machine {machine}")
 
 
 def _run_sh(manifest: dict, arch: str) -> str:
