@@ -104,6 +104,9 @@ class CPUMatmul(ScheduleRule):
         if mm is None:
             return None
         ok, n = _is_nn_matmul(sch.get(mm))
+        packed_nr = _packed_nr(sch.get(mm))
+        if packed_nr:
+            ok, n = True, _const(sch.get(mm).iter_vars[-2].dom.extent)
         if not ok or n is None:
             return None
         # Producers (e.g. a transpose fused in) are computed into place; epilogue blocks
@@ -115,7 +118,7 @@ class CPUMatmul(ScheduleRule):
             except Exception:
                 return None
         lanes = _lanes(target)
-        nr = next((w for w in (NR_VECS * lanes, 2 * lanes, lanes) if n % w == 0), None)
+        nr = packed_nr or next((w for w in (NR_VECS * lanes, 2 * lanes, lanes) if n % w == 0), None)
         if nr is None:
             nr = n if n < lanes else None
         if nr is None:
@@ -162,6 +165,21 @@ class CPUMatmul(ScheduleRule):
         sch.vectorize(sch.get_loops(init)[-1])
         sch.unroll(sch.get_loops(init)[-2])
         return sch
+
+
+def _packed_nr(block) -> int | None:
+    """NR of a prepacked matmul block (weights laid out (N/NR, K, NR)), else None."""
+    from .prepack import PACKED_BLOCK
+
+    if not block.name_hint.startswith(PACKED_BLOCK) or len(block.reads) != 2:
+        return None
+    w = block.reads[1].source
+    return _const(w.shape[-1]) if len(w.shape) == 3 else None
+
+
+def panel_width(target: Target) -> int:
+    """The NR the CPU matmul kernel uses for wide N: NR_VECS vectors."""
+    return NR_VECS * _lanes(target)
 
 
 def _alive(sch, b) -> bool:

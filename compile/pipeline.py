@@ -32,6 +32,15 @@ class Phase:
     passes: Callable[[], list]
 
 
+def _prepack(target: ResolvedTarget) -> Callable[[], list]:
+    def passes() -> list:
+        from .cpu_schedule import panel_width
+        from .prepack import prepack_pass
+
+        return [prepack_pass(panel_width(target.tvm_target()))]
+    return passes
+
+
 def _optimize() -> list:
     from tvm import relax
 
@@ -105,6 +114,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     out = [Phase("optimize", _optimize)]
     if fp16:
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
+    if target.kind == "llvm" and default_schedules and os.environ.get("BLOCKFORGE_PREPACK", "1") != "0":
+        out.append(Phase("prepack", _prepack(target)))
     out.append(Phase("legalize", _legalize))
     if database is not None:
         def apply() -> list:
