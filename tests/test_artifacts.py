@@ -32,14 +32,15 @@ def test_manifest_contents(built):
     assert m["target"]["name"] == "host" and m["target"]["json"]["kind"] == "llvm"
     assert set(m["versions"]) == {"blockforge", "tvm", "onnx"}
     assert m["inputs"][0] == {"name": "query", "shape": [1, "seq", 64], "dtype": "float32"}
-    assert m["phases"] == ["optimize", "legalize", "schedule", "lower", "finalize"]
+    assert m["phases"] == ["optimize", "prepack", "legalize", "schedule", "lower", "finalize"]
     dumped = sorted(p.name for p in (d / "ir").iterdir())
-    assert dumped == ["00-import.py", "01-optimize.py", "02-legalize.py", "03-schedule.py", "04-lower.py",
-                      "05-finalize.py"]
-    # The default CPU schedule parallelised and vectorised the matmuls.
-    scheduled = (d / "ir" / "03-schedule.py").read_text()
+    assert dumped == ["00-import.py", "01-optimize.py", "02-prepack.py", "03-legalize.py", "04-schedule.py",
+                      "05-lower.py", "06-finalize.py"]
+    # Weights were packed into panels, and the CPU schedule parallelised and vectorised them.
+    assert "packed_matmul" in (d / "ir" / "03-legalize.py").read_text()
+    scheduled = (d / "ir" / "04-schedule.py").read_text()
     assert "T.parallel" in scheduled and "T.vectorized" in scheduled
-    assert "T.prim_func" in (d / "ir" / "02-legalize.py").read_text()
+    assert "T.prim_func" in (d / "ir" / "03-legalize.py").read_text()
 
 
 def test_run_in_fresh_process_matches_oracle(built, tmp_path):
