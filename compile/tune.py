@@ -12,6 +12,7 @@ each finished round is merged into the device database atomically.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -80,6 +81,7 @@ class TuneSummary:
     budget_per_task: int
     tasks: list[TaskSummary]
     salvaged: int = 0
+    seeded: int = 0  # workloads given their default-schedule record in this job
     naive_ms: float | None = None  # TVM's own lowering, no blockforge schedules
     untuned_ms: float | None = None  # blockforge's default schedules, no records
     tuned_ms: float | None = None
@@ -285,8 +287,10 @@ def seed_default(task, target: ResolvedTarget, builder, runner, scratch: Path) -
     if built.error_msg:
         return False
     args = ms.arg_info.ArgInfo.from_prim_func(task.dispatched[0]["main"])
-    res = runner.run([ms.runner.RunnerInput(built.artifact_path, tgt.kind.name, args)])[0].result()
+    device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name
+    res = runner.run([ms.runner.RunnerInput(built.artifact_path, device, args)])[0].result()
     if res.error_msg or not res.run_secs:
+        logging.getLogger("blockforge").warning("default-schedule seed failed: %s", str(res.error_msg)[-500:])
         return False
     db = ms.database.JSONDatabase(work_dir=str(scratch))
     wl = db.commit_workload(task.dispatched[0])
@@ -351,20 +355,26 @@ def tune(opts: TuneOptions) -> TuneSummary:
         builder = _make_builder(target)
         cost_model = ms.cost_model.XGBModel(num_tuning_cores=_cores())
         job = f"{os.getpid()}-{int(time.time())}"
-        n_round = 0
+        n_round = seeded = 0
+        log = logging.getLogger("blockforge")
         try:
+            # Seed every workload once with blockforge's default schedule, measured like any
+            # candidate: the search then starts from it, and the best record can never be
+            # slower than an untuned build. Seeds do not count against the budget.
+            ledger = db.ledger()
             for task, w in zip(tasks, workloads):
-                if before[w] + new[w] >= budget or before[w] > 0:
-                    continue  # already measured (its default schedule was the first record)
+                if ledger.get(w, {}).get("seeded"):
+                    continue
                 n_round += 1
                 scratch = db.scratch_dir(job, n_round)
                 (scratch / "copied_records").write_text("0")
-                if seed_default(task, target, builder, runner, scratch):
+                ok = seed_default(task, target, builder, runner, scratch)
+                if ok:
                     db.merge(scratch, 0)
-                    db.add_to_ledger({w: 1}, {w: task.task_name})
-                    new[w] += 1
-                    if bar:
-                        bar.update(1)
+                    db.mark_seeded(w, task.task_name)
+                    seeded += 1
+                else:
+                    log.warning("no default-schedule seed for %s", task.task_name)
                 shutil.rmtree(scratch, ignore_errors=True)
             while True:
                 todo = [(t, w, f) for t, w, f in zip(tasks, workloads, flops)
@@ -424,7 +434,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
             summaries.append(TaskSummary(task.task_name, w, fl, budget, before[w], new[w],
                                          best * 1e6 if best else None, fl / best / 1e9 if best else None))
         summary = TuneSummary(str(opts.model), target.name, target.key(), str(db_dir), budget, summaries,
-                              salvaged=sum(salvaged.values()), rpc=opts.rpc_key)
+                              salvaged=sum(salvaged.values()), seeded=seeded, rpc=opts.rpc_key)
         if opts.measure and target.run_problem() is None:
             from .tuning_db import load_database
 

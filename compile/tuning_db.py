@@ -214,6 +214,16 @@ class DeviceDB:
         except OSError as e:
             raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
 
+    def mark_seeded(self, shash: str, name: str) -> None:
+        led = self.ledger()
+        entry = led.setdefault(shash, {"trials": 0})
+        entry["seeded"] = True
+        entry["task"] = name
+        try:
+            atomic_write_json(self.path / LEDGER, led)
+        except OSError as e:
+            raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
+
     def scratch_dir(self, job: str, n: int) -> Path:
         d = self.path / "scratch" / f"{job}-{n}"
         if d.exists():
