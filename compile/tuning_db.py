@@ -159,9 +159,12 @@ class DeviceDB:
         return data if isinstance(data, dict) else {}
 
     def spent(self, shash: str, contents: Contents | None = None) -> int:
+        """Trials spent on a workload: the ledger, or its records (minus the default-schedule
+        seed, which is not a search trial) where a lost ledger update undercounts."""
         c = contents or self.contents()
-        recs = len(c.by_workload().get(shash, []))
-        return max(recs, int(self.ledger().get(shash, {}).get("trials", 0)))
+        entry = self.ledger().get(shash, {})
+        recs = len(c.by_workload().get(shash, [])) - (1 if entry.get("seeded") else 0)
+        return max(recs, int(entry.get("trials", 0)))
 
     def digest(self) -> str:
         h = hashlib.sha256()
