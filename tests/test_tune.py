@@ -42,13 +42,14 @@ def test_tune_resume_apply_verify(ffn, tmp_path):
     s = json.loads((tmp_path / "s.json").read_text())
     assert len(s["tasks"]) == 2 and all(t["trials_new"] == 4 and t["status"] == "new" for t in s["tasks"])
     assert all(t["best_us"] and t["gflops"] > 0 for t in s["tasks"])
+    assert s["seeded"] == 2  # every workload got its default-schedule record, outside the budget
     # Measured in this run: tuned beats TVM's own untuned lowering by far, and is never
     # meaningfully slower than blockforge's default schedules (they are seeded as the
     # first record, so the best record is at least as fast per kernel).
     assert s["tuned_ms"] * 5 < s["naive_ms"], s
     assert s["tuned_ms"] <= s["untuned_ms"] * 1.3 + 0.005, s
     c = read_contents(db, tolerate_torn_tail=False)
-    assert len(c.records) >= 8 and len(c.workloads) == 2
+    assert len(c.records) >= 8 + 2 and len(c.workloads) == 2
     assert (db / "tune.log").stat().st_size > 0 and "Traceback" not in r.text
 
     # Resume: the same job spends nothing; a raised budget spends only the difference.
@@ -57,6 +58,7 @@ def test_tune_resume_apply_verify(ffn, tmp_path):
     r = _tune(ffn, db, "--trials-per-task", 6, "--no-measure", cwd=tmp_path)
     assert r.rc == 0 and "spent 4 new trials, reused 8" in r.out, r.text
     assert all(t["trials_new"] == 2 and t["status"] == "extended" for t in _summary(db, ffn)["tasks"])
+    assert _summary(db, ffn)["seeded"] == 0
 
     # Applying: compile records the database hash; verify passes on the tuned build.
     r = run_cli("compile", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db, "-o", tmp_path / "art",
