@@ -35,7 +35,7 @@ def main() -> int:
         if not path.exists():
             export(spec, path)
         s = tune(TuneOptions(model=path, target=PRESET, trials_per_task=a.trials_per_task,
-                             dims={"batch": 1, "seq": 128}, measure=False))
+                             dims={"batch": 1, "seq": 128}, measure=True, progress=False))
         print(f"{name}: {s.trials_new} new trials, {s.trials_reused} reused")
     n = DeviceDB(default_db_dir(target), target).export_best(DEST)
     print(f"wrote {n} records to {DEST}")

@@ -139,9 +139,9 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "inputs": [s.to_dict() for s in ins],
             "outputs": [s.to_dict() for s in outs],
             "params_embedded": True,
-            "tuning": None if db_info is None else {**db_info, "tasks": res.tasks,
-                                                    "applied": res.tasks - len(res.untuned_tasks),
-                                                    "missing": res.untuned_tasks},
+            "tuning": None if db_info is None else {
+                **db_info, "tasks": res.tasks, "applied": res.tasks - len(res.untuned_tasks),
+                "missing": [t for t in res.untuned_tasks if t not in db_info["kept_default"]]},
             "phases": res.phases,
             "versions": _versions(),
         }

@@ -40,6 +40,17 @@ FORMAT = "blockforge.tuning-db/1"
 FAILED_RUN_SECS = 1e9  # MetaSchedule stores 1e10 s for candidates that failed to build/run
 
 
+def _read_ledger(directory: Path) -> dict[str, dict]:
+    p = Path(directory) / LEDGER
+    if not p.exists():
+        return {}
+    try:
+        data = json.loads(p.read_text())
+    except ValueError:
+        return {}  # derived data: records still count (see DeviceDB.spent)
+    return data if isinstance(data, dict) else {}
+
+
 def _compatible(key) -> str:
     """Device keys minus the core count: records stay valid on a machine with other cores."""
     import re
@@ -149,14 +160,15 @@ class DeviceDB:
         return read_contents(self.path, tolerate_torn_tail=False)
 
     def ledger(self) -> dict[str, dict]:
-        p = self.path / LEDGER
-        if not p.exists():
-            return {}
+        return _read_ledger(self.path)
+
+    def set_ledger_flag(self, shash: str, key: str, value) -> None:
+        led = self.ledger()
+        led.setdefault(shash, {"trials": 0})[key] = value
         try:
-            data = json.loads(p.read_text())
-        except ValueError:
-            return {}  # derived data: records still count (see spent())
-        return data if isinstance(data, dict) else {}
+            atomic_write_json(self.path / LEDGER, led)
+        except OSError as e:
+            raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
 
     def spent(self, shash: str, contents: Contents | None = None) -> int:
         """Trials spent on a workload: the ledger, or its records (minus the default-schedule
@@ -218,14 +230,8 @@ class DeviceDB:
             raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
 
     def mark_seeded(self, shash: str, name: str) -> None:
-        led = self.ledger()
-        entry = led.setdefault(shash, {"trials": 0})
-        entry["seeded"] = True
-        entry["task"] = name
-        try:
-            atomic_write_json(self.path / LEDGER, led)
-        except OSError as e:
-            raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
+        self.set_ledger_flag(shash, "seeded", True)
+        self.set_ledger_flag(shash, "task", name)
 
     def scratch_dir(self, job: str, n: int) -> Path:
         d = self.path / "scratch" / f"{job}-{n}"
@@ -322,11 +328,19 @@ class _Lock:
         self._lock.release()
 
 
-def load_database(directory: Path):
-    """A MetaSchedule database with the complete records of `directory` (read-only use)."""
+def load_database(directory: Path, *, only: set[str] | None = None, exclude: set[str] | None = None):
+    """A MetaSchedule database with the complete records of `directory` (read-only use).
+
+    only/exclude select workloads (shash). By default the workloads whose records lost to
+    blockforge's default schedule inside the whole model (ledger `prefer_default`) are left
+    out, so their default schedule applies."""
     from tvm.s_tir import meta_schedule as ms
 
     c = read_contents(directory, tolerate_torn_tail=True)
+    if exclude is None:
+        exclude = {sh for sh, e in _read_ledger(directory).items() if e.get("prefer_default")}
+    keep = {i for i, (sh, _) in enumerate(c.workloads) if sh not in exclude and (only is None or sh in only)}
+    c = Contents(c.workloads, [(i, line) for i, line in c.records if i in keep])
     tmp = Path(tempfile.mkdtemp(prefix="bf-db-"))
     try:
         (tmp / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))
@@ -351,10 +365,13 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
     db = DeviceDB(directory, target if explicit else None)
     if not explicit and (directory / DEVICE).exists():
         db._check_device(target, False)
-    db_obj, contents = load_database(directory)
+    db_obj, contents = load_database(directory, exclude=set())  # coverage: every record counts
     if not contents.records:
         if explicit:
             raise BlockforgeError(f"{directory}: tuning database holds no records (run `blockforge tune` "
                                   "first, or drop --tuning-db)")
         return None, None
-    return db_obj, {"path": str(directory), "sha256": db.digest(), "records": len(contents.records)}
+    db_obj, _ = load_database(directory)  # what is applied: in-model losers left out
+    kept = sorted(e.get("task", sh) for sh, e in db.ledger().items() if e.get("prefer_default"))
+    return db_obj, {"path": str(directory), "sha256": db.digest(), "records": len(contents.records),
+                    "kept_default": kept}

@@ -121,7 +121,9 @@ def cmd_compile(a) -> int:
           f"phases: {' > '.join(m['phases'])})")
     if m.get("tuning"):
         t = m["tuning"]
-        print(f"tuning records: {t['applied']} of {t['tasks']} tasks from {t['path']}")
+        kept = [k for k in t["kept_default"] if k not in t["missing"]]
+        print(f"tuning records: {t['applied']} of {t['tasks']} tasks from {t['path']}"
+              + (f"; default schedule kept (faster in the model) for {len(kept)}" if kept else ""))
         for name in t.get("missing", []):
             print(f"warning: no tuning record for task {name}", file=sys.stderr)
     problem = res.target.run_problem()
@@ -170,6 +172,8 @@ def cmd_tune(a) -> int:
     print(f"spent {s.trials_new} new trials, reused {s.trials_reused}"
           + (f", salvaged {s.salvaged} records of an interrupted job" if s.salvaged else "")
           + f"; database {s.db}")
+    if s.kept_default:
+        print(f"kept blockforge's default schedule (faster inside the model) for: {', '.join(s.kept_default)}")
     if s.untuned_ms is not None:
         print(f"whole model on this device: TVM naive {s.naive_ms:.3f} ms, blockforge untuned {s.untuned_ms:.3f} ms, "
               f"tuned {s.tuned_ms:.3f} ms")
