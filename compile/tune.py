@@ -447,7 +447,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
                     except Exception as e:
                         raise BlockforgeError(f"tuning task {task.task_name} failed: "
                                               f"{(str(e).strip().splitlines() or [type(e).__name__])[-1][:300]}") from None
-                    added = db.merge(scratch, copied)
+                    db.merge(scratch, copied)
                     # A finished round spends its whole request even when the search space
                     # ran out early, so a rerun does not retry an exhausted task forever.
                     db.add_to_ledger({w: k}, {w: task.task_name})
@@ -460,7 +460,6 @@ def tune(opts: TuneOptions) -> TuneSummary:
                             info += f" best {best * 1e6:.1f} us {fl / best / 1e9:.1f} GFLOP/s"
                         bar.set_postfix_str(info, refresh=False)
                         bar.update(k)
-                    del added
         finally:
             if bar:
                 bar.close()

@@ -362,9 +362,7 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
         if explicit:
             raise BlockforgeError(f"{directory}: no such tuning database")
         return None, None
-    db = DeviceDB(directory, target if explicit else None)
-    if not explicit and (directory / DEVICE).exists():
-        db._check_device(target, False)
+    db = DeviceDB(directory, target)
     db_obj, contents = load_database(directory, exclude=set())  # coverage: every record counts
     if not contents.records:
         if explicit:
