@@ -34,6 +34,13 @@ def models(tmp_path_factory):
     }
 
 
+def _no_nvcc():
+    from blockforge.targets import resolve
+
+    return resolve("cuda-sm90").build_problem()
+
+
+@pytest.mark.skipif(bool(_no_nvcc()), reason=f"CUDA builds need nvcc: {_no_nvcc()}")
 @pytest.mark.parametrize("kind", ["mha", "ffn"])
 @pytest.mark.parametrize("preset, arch", [("cuda-sm90", "sm_90"), ("cuda-sm80", "sm_80")])
 def test_cuda_build_carries_device_code(models, tmp_path, kind, preset, arch):
