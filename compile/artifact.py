@@ -21,11 +21,10 @@ import onnx
 import blockforge
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_directory, atomic_write_json, sha256_file
-from blockforge.graph.model_io import signature
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 
-from .frontend import bind_dims, import_onnx
+from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
 from .pipeline import build
 
@@ -108,8 +107,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     if problem:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
-    bound = bind_dims(model, opts.dims)
-    ins, outs = signature(bound)
+    ins, outs = bound_signature(model, opts.dims)
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
     with native_output_to_log():
         mod = import_onnx(model, opts.dims)

@@ -19,11 +19,11 @@ import blockforge
 from blockforge.errors import BlockforgeError
 from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
-from blockforge.graph.model_io import random_inputs, signature
+from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.targets import resolve
 
-from .frontend import bind_dims, import_onnx
+from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
 from .pipeline import build
 
@@ -198,12 +198,11 @@ def bench(opts: BenchOptions) -> BenchReport:
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
     model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
-    bound = bind_dims(model, opts.dims)
-    ins, _ = signature(bound)
+    ins, _ = bound_signature(model, opts.dims)
     for s in ins:
         s.bind({})  # every dim must be static for a benchmark: a clear error names the missing one
     inputs = random_inputs(ins, {}, seed=0)
-    flops = matmul_flops(bound)
+    flops = matmul_flops(model, opts.dims)
     threads = int(target.target_json.get("num-cores", 1))
     runners, notes = {}, []
     if "ort" in opts.against:

@@ -26,6 +26,11 @@ def bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
     return m
 
 
+def bound_signature(model: onnx.ModelProto, dims: dict[str, int]):
+    """(inputs, outputs) of `model` with `dims` bound: what a build for those dims takes."""
+    return signature(bind_dims(model, dims))
+
+
 def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
     """Checked import: returns a Relax IRModule with weights embedded as constants."""
     from tvm.relax.frontend.onnx import from_onnx

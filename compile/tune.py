@@ -24,11 +24,11 @@ import numpy as np
 
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_write_json
-from blockforge.graph.model_io import random_inputs, signature
+from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 
-from .frontend import bind_dims, import_onnx
+from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
 from .pipeline import build, extract_tasks, run_phases
 from .tuning_db import RECORDS, WORKLOADS, FAILED_RUN_SECS, DeviceDB, default_db_dir
@@ -229,7 +229,7 @@ def measure_latency_ms(executable, target: ResolvedTarget, model, dims: dict, re
     import tvm
 
     dev = tvm_device(target.device)
-    ins, _ = signature(bind_dims(model, dims))
+    ins, _ = bound_signature(model, dims)
     inputs = random_inputs(ins, dims, seed=0)
     vm = relax.VirtualMachine(executable, dev)
     args = [tvm.runtime.tensor(inputs[s.name], dev) for s in ins]
