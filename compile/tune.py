@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 from blockforge.fsutil import atomic_write_json
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
@@ -106,10 +106,14 @@ class TuneSummary:
 
 # ---------------------------------------------------------------- budgets
 
-def per_task_budget(n_tasks: int, trials: int | None, trials_per_task: int | None) -> int:
+def check_trials(trials: int | None, trials_per_task: int | None) -> None:
     for name, v in (("--trials", trials), ("--trials-per-task", trials_per_task)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise BlockforgeError(f"{name} must be a positive integer, got {v!r}")
+
+
+def per_task_budget(n_tasks: int, trials: int | None, trials_per_task: int | None) -> int:
+    check_trials(trials, trials_per_task)
     if n_tasks == 0:
         raise BlockforgeError("the model has no tunable tasks")
     budget = trials_per_task or DEFAULT_TRIALS_PER_TASK
@@ -151,7 +155,7 @@ def wait_for_devices(host: str, port: int, key: str, wait_s: float) -> int:
         try:
             summary = rpc.connect_tracker(host, port).summary()
         except Exception as e:
-            raise BlockforgeError(f"RPC tracker at {host}:{port} does not answer: {str(e).splitlines()[0][:200]}") from None
+            raise BlockforgeError(f"RPC tracker at {host}:{port} does not answer: {error_line(e, limit=200)}") from None
         servers = [s for s in summary.get("server_info", []) if s.get("key", "").split(":", 1)[-1] == key]
         if servers:
             return len(servers)
@@ -350,9 +354,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     if not isinstance(opts.round_trials, int) or opts.round_trials <= 0:
         raise BlockforgeError("--round-trials must be a positive integer")
-    for name, v in (("--trials", opts.trials), ("--trials-per-task", opts.trials_per_task)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise BlockforgeError(f"{name} must be a positive integer, got {v!r}")
+    check_trials(opts.trials, opts.trials_per_task)  # before the slow import, not after
     n_servers = 0
     if opts.rpc_tracker or opts.rpc_key:
         if not (opts.rpc_tracker and opts.rpc_key):
