@@ -19,7 +19,7 @@ from pathlib import Path
 import onnx
 
 import blockforge
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 from blockforge.fsutil import atomic_directory, atomic_write_json, sha256_file
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
@@ -85,8 +85,7 @@ def export_module(executable, target: ResolvedTarget, path: Path) -> None:
     try:
         executable.export_library(str(path), **kwargs)
     except Exception as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        raise BlockforgeError(f"export of module.so for {target.name} failed: {(lines[-1] if lines else '?')[:300]}") from None
+        raise BlockforgeError(f"export of module.so for {target.name} failed: {error_line(e, last=True)}") from None
 
 
 def _versions() -> dict:

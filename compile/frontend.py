@@ -5,7 +5,8 @@ from __future__ import annotations
 import onnx
 
 from blockforge.errors import BlockforgeError
-from blockforge.graph.model_io import _first_line, check_model, signature
+from blockforge.errors import error_line
+from blockforge.graph.model_io import check_model, signature
 
 
 def bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
@@ -45,7 +46,7 @@ def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
         if "not supported for frontend ONNX" in text:
             ops = text.split("frontend ONNX:", 1)[1].strip().splitlines()[0]
             raise BlockforgeError(f"TVM cannot import this model: unsupported ONNX op(s): {ops}") from None
-        raise BlockforgeError(f"TVM cannot import this model: {_first_line(e)}") from None
+        raise BlockforgeError(f"TVM cannot import this model: {error_line(e)}") from None
     return embed_weights(mod)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 from blockforge.targets import ResolvedTarget
 
 
@@ -194,8 +194,7 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        raise BlockforgeError(f"TVM build for {target.name} failed: {(lines[-1] if lines else type(e).__name__)[:400]}") from None
+        raise BlockforgeError(f"TVM build for {target.name} failed: {error_line(e, last=True, limit=400)}") from None
     result.executable = ex
     return result
 

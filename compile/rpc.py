@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -22,7 +22,7 @@ def start_tracker(host: str = "127.0.0.1", port: int = 9190):
     try:
         return Tracker(host, port=port, port_end=port + 1, silent=True)
     except Exception as e:
-        raise BlockforgeError(f"cannot start an RPC tracker on {host}:{port}: {str(e).strip().splitlines()[-1]}") from None
+        raise BlockforgeError(f"cannot start an RPC tracker on {host}:{port}: {error_line(e, last=True)}") from None
 
 
 def start_server(tracker: str, key: str, host: str = "127.0.0.1", port: int = 9090):
@@ -34,7 +34,7 @@ def start_server(tracker: str, key: str, host: str = "127.0.0.1", port: int = 90
     try:
         return rpc.Server(host, port=port, port_end=port + 1, key=key, tracker_addr=(thost, tport), silent=True)
     except Exception as e:
-        raise BlockforgeError(f"cannot start an RPC server on {host}:{port}: {str(e).strip().splitlines()[-1]}") from None
+        raise BlockforgeError(f"cannot start an RPC server on {host}:{port}: {error_line(e, last=True)}") from None
 
 
 def serve(role: str, *, host: str, port: int | None, tracker: str | None, key: str | None) -> int:

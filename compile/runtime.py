@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 from blockforge.fsutil import sha256_file
 from blockforge.graph.model_io import TensorSig, check_inputs
 from blockforge.targets import resolve
@@ -89,8 +89,7 @@ def run_vm(vm, device, in_sigs: list[TensorSig], out_sigs: list[TensorSig], inpu
     try:
         out = vm["main"](*args)
     except Exception as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        raise BlockforgeError(f"compiled module failed to run: {(lines[-1] if lines else '?')[:300]}") from None
+        raise BlockforgeError(f"compiled module failed to run: {error_line(e, last=True)}") from None
     outs = list(out) if isinstance(out, (list, tuple)) or type(out).__name__ == "Array" else [out]
     return {s.name: o.numpy() for s, o in zip(out_sigs, outs)}
 
@@ -128,6 +127,6 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     try:
         lib = tvm.runtime.load_module(str(artifact / manifest["module"]))
     except Exception as e:
-        raise BlockforgeError(f"{artifact}: cannot load module.so: {str(e).strip().splitlines()[-1][:300]}") from None
+        raise BlockforgeError(f"{artifact}: cannot load module.so: {error_line(e, last=True)}") from None
     dev = tvm_device(target.device)
     return LoadedModule(artifact, manifest, relax.VirtualMachine(lib, dev), dev)

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 from blockforge.fsutil import atomic_write_json, atomic_write_text
 from blockforge.targets import ResolvedTarget
 
@@ -348,8 +348,7 @@ def load_database(directory: Path, *, only: set[str] | None = None, exclude: set
         try:
             return ms.database.JSONDatabase(work_dir=str(tmp), allow_missing=False), c
         except Exception as e:
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {msg[:300]}") from None
+            raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {error_line(e, last=True)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -15,3 +15,15 @@ class ParityError(BlockforgeError):
     """Outputs disagree beyond tolerance (verify's exit 1)."""
 
     exit_code = 1
+
+
+def error_line(e: BaseException, *, last: bool = False, limit: int = 300) -> str:
+    """One line of an exception's message for a user-facing error.
+
+    ONNX and ONNX Runtime put the cause first; TVM puts its traceback first and the
+    cause last (last=True). Falls back to the exception's type name.
+    """
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return (lines[-1] if last else lines[0])[:limit]

@@ -14,7 +14,7 @@ from blockforge.fsutil import atomic_write_bytes, atomic_write_json, sha256_byte
 
 from .analysis import analyze
 from .builders import build
-from .model_io import _first_line
+from blockforge.errors import error_line
 from .spec import Spec
 from .weights import Weights
 
@@ -49,7 +49,7 @@ def validate(model: onnx.ModelProto) -> None:
         shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as e:
         # A builder bug, not user input: still one clear line.
-        raise BlockforgeError(f"built model fails ONNX validation: {_first_line(e)}") from None
+        raise BlockforgeError(f"built model fails ONNX validation: {error_line(e)}") from None
 
 
 def manifest_for(model: onnx.ModelProto, data: bytes, spec: Spec | None) -> dict:

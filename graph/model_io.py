@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, external_data_helper
 
 from blockforge.errors import BlockforgeError
+from blockforge.errors import error_line
 
 from .spec import Spec, spec_from_dict
 
@@ -102,7 +103,7 @@ def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProt
     try:
         model = onnx.load_model(str(path), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
-        raise BlockforgeError(f"{path}: not an ONNX model (cannot parse: {_first_line(e)})") from None
+        raise BlockforgeError(f"{path}: not an ONNX model (cannot parse: {error_line(e)})") from None
     if not model.HasField("graph") or not model.opset_import:
         raise BlockforgeError(f"{path}: parses as protobuf but is not an ONNX model (no graph or opset)")
     if _external_locations(model):
@@ -110,7 +111,7 @@ def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProt
         try:
             external_data_helper.load_external_data_for_model(model, str(path.parent))
         except Exception as e:
-            raise BlockforgeError(f"{path}: cannot load external data: {_first_line(e)}") from None
+            raise BlockforgeError(f"{path}: cannot load external data: {error_line(e)}") from None
     if check:
         check_model(model, str(path))
     return model
@@ -120,13 +121,7 @@ def check_model(model: onnx.ModelProto, label: str = "model") -> None:
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:
-        raise BlockforgeError(f"{label}: fails the ONNX checker: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[0][:300] if lines else type(e).__name__
+        raise BlockforgeError(f"{label}: fails the ONNX checker: {error_line(e)}") from None
 
 
 def _sig(vi: onnx.ValueInfoProto) -> TensorSig:
@@ -154,7 +149,7 @@ def model_spec(model: onnx.ModelProto) -> Spec | None:
     try:
         return spec_from_dict(json.loads(props[SPEC_KEY]))
     except (ValueError, TypeError) as e:
-        raise BlockforgeError(f"model metadata holds an invalid blockforge spec: {_first_line(e)}") from None
+        raise BlockforgeError(f"model metadata holds an invalid blockforge spec: {error_line(e)}") from None
 
 
 def parse_dims(text: str | None) -> dict[str, int]:
@@ -236,4 +231,4 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise BlockforgeError(f"{path}: not a readable .npz file ({_first_line(e)})") from None
+        raise BlockforgeError(f"{path}: not a readable .npz file ({error_line(e)})") from None

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import onnx
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 
 
 def _ort():
@@ -52,8 +52,7 @@ def session(model: onnx.ModelProto, *, threads: int | None = None, device: str =
     try:
         return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BlockforgeError(f"ONNX Runtime cannot load the model: {msg[:300]}") from None
+        raise BlockforgeError(f"ONNX Runtime cannot load the model: {error_line(e)}") from None
 
 
 def run(model_or_session, inputs: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]:
@@ -61,6 +60,5 @@ def run(model_or_session, inputs: dict[str, np.ndarray], **kw) -> dict[str, np.n
     try:
         outs = sess.run(None, inputs)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BlockforgeError(f"ONNX Runtime failed to run the model: {msg[:300]}") from None
+        raise BlockforgeError(f"ONNX Runtime failed to run the model: {error_line(e)}") from None
     return {o.name: v for o, v in zip(sess.get_outputs(), outs)}

@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, error_line
 
 from .presets import PRESETS
 
@@ -43,8 +43,7 @@ class ResolvedTarget:
         try:
             return tvm.target.Target(self.target_json)
         except Exception as e:
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise BlockforgeError(f"TVM rejects target {json.dumps(self.target_json)}: {msg[:300]}") from None
+            raise BlockforgeError(f"TVM rejects target {json.dumps(self.target_json)}: {error_line(e, last=True)}") from None
 
     def key(self) -> str:
         """Stable device key for tuning databases: what the generated code depends on."""
