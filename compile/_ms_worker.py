@@ -25,19 +25,30 @@ def run_direct(rt_mod, device, evaluator_config, repeated_args):
     time_evaluator and 0.31 ms called directly. Rankings then favour kernels that are
     fast in the evaluator, not in the model.
     """
-    import time
-
     f = rt_mod[rt_mod.entry_name]
     costs = []
     for args in repeated_args:
-        for _ in range(2):
-            f(*args)
-        device.sync()
-        for _ in range(max(1, evaluator_config.repeat)):
-            n, t0 = 0, time.perf_counter()
-            while n < max(1, evaluator_config.number) or (time.perf_counter() - t0) * 1e3 < (evaluator_config.min_repeat_ms or 0):
-                f(*args)
-                n += 1
-            device.sync()
-            costs.append((time.perf_counter() - t0) / n)
+        costs += time_direct(lambda: f(*args), device.sync, warmup=2, repeat=max(1, evaluator_config.repeat),
+                             number=max(1, evaluator_config.number),
+                             min_ms=evaluator_config.min_repeat_ms or 0)
     return costs
+
+
+def time_direct(call, sync, *, warmup: int, repeat: int, number: int, min_ms: float) -> list[float]:
+    """Seconds per call, `repeat` samples of >= `number` calls and >= `min_ms` each, called
+    directly on this thread after `warmup` calls (shared by the tuning runner and tune's
+    whole-model timing)."""
+    import time
+
+    for _ in range(warmup):
+        call()
+    sync()
+    samples = []
+    for _ in range(repeat):
+        n, t0 = 0, time.perf_counter()
+        while n < number or (time.perf_counter() - t0) * 1e3 < min_ms:
+            call()
+            n += 1
+        sync()
+        samples.append((time.perf_counter() - t0) / n)
+    return samples

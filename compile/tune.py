@@ -28,6 +28,7 @@ from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 
+from ._ms_worker import time_direct
 from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
 from .pipeline import build, extract_tasks, run_phases
@@ -240,17 +241,7 @@ def measure_latency_ms(executable, target: ResolvedTarget, model, dims: dict, re
     fn = vm["main"]
     # Direct calls: vm.time_evaluator runs on another thread and defeats the thread
     # pool's warm workers (measured 2x slower for sub-ms kernels).
-    for _ in range(3):
-        fn(*args)
-    samples = []
-    for _ in range(max(repeat, 5)):
-        t0 = time.perf_counter()
-        n = 0
-        while time.perf_counter() - t0 < 0.02 or n < 3:
-            fn(*args)
-            n += 1
-        dev.sync()
-        samples.append((time.perf_counter() - t0) / n)
+    samples = time_direct(lambda: fn(*args), dev.sync, warmup=3, repeat=max(repeat, 5), number=3, min_ms=20)
     return float(np.median(samples)) * 1e3
 
 
