@@ -39,8 +39,8 @@ demo: install
 	$(BF) verify $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128
 	$(BF) verify $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128
 	@echo "== short tuning run (8 trials per task; a full tune: --trials-per-task 256 or more)"
-	$(BF) tune $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 --trials-per-task 8 --db $(DEMO)/tuning
-	$(BF) tune $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128 --trials-per-task 4 --db $(DEMO)/tuning
+	$(BF) tune $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 --trials-per-task 8 --tuning-db $(DEMO)/tuning
+	$(BF) tune $(DEMO)/mha_bert.onnx --target host --shape batch=1,seq=128 --trials-per-task 4 --tuning-db $(DEMO)/tuning
 	$(BF) verify $(DEMO)/ffn_bert.onnx --target host --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning
 	@echo "== ONNX Runtime vs blockforge untuned vs tuned"
 	$(NOBLAS) $(BF) bench $(DEMO)/mha_bert.onnx --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning --repeat 20

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from blockforge.compile.bench import BenchOptions, bench, plot
+from blockforge.bench.harness import BenchOptions, bench, plot
 from blockforge.fsutil import atomic_write_json, atomic_write_text
 from blockforge.graph import FFNSpec, MHASpec, export
 from blockforge.targets import resolve
@@ -51,7 +51,7 @@ def main() -> int:
             export(spec, path)
         dims = {"batch": 1, "seq": seq}
         if a.trials_per_task:
-            from blockforge.compile.tune import TuneOptions, tune
+            from blockforge.tune.jobs import TuneOptions, tune
 
             t0 = time.time()
             # measure=True also A/B-tests every tuned record inside the whole model.

@@ -14,8 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from blockforge.compile.tune import TuneOptions, tune
-from blockforge.compile.tuning_db import DeviceDB, default_db_dir
+from blockforge.tune.jobs import TuneOptions, tune
+from blockforge.compile.records import default_db_dir
+from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, MHASpec, export
 from blockforge.targets import resolve
 

@@ -20,15 +20,14 @@ import onnx
 
 import blockforge
 from blockforge.errors import BlockforgeError, error_line
-from blockforge.fsutil import atomic_directory, atomic_write_json, sha256_file
+from blockforge.fsutil import atomic_directory, atomic_write_json, check_output, sha256_file
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
+from blockforge.targets.toolchain import nvcc
 
-from .frontend import bound_signature, import_onnx
-from .isolate import load_untrusted
-from .pipeline import build
-
-MANIFEST_FORMAT = "blockforge.artifact/1"
+from . import manifest as manifest_io
+from .records import open_for_apply
+from .session import open_model
 
 
 @dataclass
@@ -40,6 +39,7 @@ class CompileOptions:
     dump_ir: Path | None = None
     tuning_db: Path | None = None  # None: the device's default database, if any
     use_tuning: bool = True
+    force: bool = False  # replace an existing output that is not a blockforge artifact
 
 
 @dataclass
@@ -63,14 +63,11 @@ def device_sources(executable, target: ResolvedTarget) -> str | None:
 
 def _nvcc_fatbin(source: str, arch: str, out: Path) -> None:
     """Compile the CUDA kernels ahead of time for `arch` (sm_XX): proves they build for it."""
-    from blockforge.targets.resolve import _nvcc
-
-    nvcc = _nvcc()
     compute = arch.replace("sm_", "compute_")
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / "kernels.cu"
         cu.write_text(source)
-        cmd = [nvcc, "-fatbin", "-O3", f"-gencode=arch={compute},code=[{arch},{compute}]", "-o", str(out), str(cu)]
+        cmd = [nvcc(), "-fatbin", "-O3", f"-gencode=arch={compute},code=[{arch},{compute}]", "-o", str(out), str(cu)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise BlockforgeError(f"nvcc failed for {arch}: {(r.stderr.strip().splitlines() or ['?'])[-1][:300]}")
@@ -95,38 +92,34 @@ def _versions() -> dict:
 
 
 def default_output(model: Path, target: ResolvedTarget) -> Path:
-    return Path("artifacts") / f"{model.stem}.{target.name}"
+    """Beside the model: MODEL.onnx -> MODEL.<target>/."""
+    return model.with_name(f"{model.stem}.{target.name}")
 
 
 def compile_model(opts: CompileOptions) -> CompileResult:
-    from .tuning_db import open_for_apply  # noqa: PLC0415 (tuning is optional)
-
     target = resolve(opts.target)
-    problem = target.build_problem()
-    if problem:
-        raise BlockforgeError(f"cannot build for {target.name}: {problem}")
-    model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
-    ins, outs = bound_signature(model, opts.dims)
-    db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
-    with native_output_to_log():
-        mod = import_onnx(model, opts.dims)
-        res = build(mod, target, database=db, dump_ir=opts.dump_ir)
     dest = Path(opts.output) if opts.output else default_output(Path(opts.model), target)
-    with atomic_directory(dest) as tmp:
+    # The output policy first: a refused or unwritable output costs nothing.
+    check_output(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force)
+    session = open_model(opts.model, target, opts.dims)
+    target, ins, outs = session.target, session.inputs, session.outputs
+    db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
+    res = session.build(database=db, dump_ir=opts.dump_ir)
+    with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
         with native_output_to_log():
             export_module(res.executable, target, tmp / "module.so")
         files["module.so"] = sha256_file(tmp / "module.so")
         src = device_sources(res.executable, target)
         if src:
-            name = f"kernels.{ {'cuda': 'cu'}.get(target.kind, target.source_ext or target.kind) }"
+            name = f"kernels.{target.source_ext or target.kind}"
             (tmp / name).write_text(src)
             files[name] = sha256_file(tmp / name)
         if target.kind == "cuda":
             _nvcc_fatbin(src, target.target_json["arch"], tmp / "device.fatbin")
             files["device.fatbin"] = sha256_file(tmp / "device.fatbin")
         manifest = {
-            "format": MANIFEST_FORMAT,
+            "format": manifest_io.FORMAT,
             "module": "module.so",
             "files": files,
             "source_onnx": {"name": Path(opts.model).name, "sha256": sha256_file(opts.model)},
@@ -142,5 +135,5 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "phases": res.phases,
             "versions": _versions(),
         }
-        atomic_write_json(tmp / "manifest.json", manifest)
+        atomic_write_json(tmp / manifest_io.NAME, manifest)
     return CompileResult(dest, manifest, target)

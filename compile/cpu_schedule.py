@@ -14,6 +14,8 @@ Matmul micro-kernel (C[..., i, j] += A[..., i, k] * B[..., k, j], j contiguous i
 
 from __future__ import annotations
 
+import logging
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
@@ -24,6 +26,16 @@ from tvm.target import Target
 MR = 6  # rows per micro-tile
 NR_VECS = 4  # vectors per row of the micro-tile
 K_BLOCK = 256
+
+
+_log = logging.getLogger("blockforge.schedule")
+
+
+def _why(rule: str, func, what: str, e: BaseException | None = None) -> None:
+    """A rule that does not (fully) apply says why in the log, instead of swallowing it."""
+    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "?"
+    reason = f": {str(e).strip().splitlines()[-1][:200]}" if e is not None and str(e).strip() else ""
+    _log.info("%s on %s: %s%s", rule, name, what, reason)
 
 
 def _lanes(target: Target) -> int:
@@ -115,7 +127,8 @@ class CPUMatmul(ScheduleRule):
         for b in blocks[:idx]:
             try:
                 sch.compute_inline(b)
-            except Exception:
+            except Exception as e:
+                _why("CPUMatmul", func, f"producer {sch.get(b).name_hint} cannot be inlined", e)
                 return None
         lanes = _lanes(target)
         nr = packed_nr or next((w for w in (NR_VECS * lanes, 2 * lanes, lanes) if n % w == 0), None)
@@ -140,15 +153,15 @@ class CPUMatmul(ScheduleRule):
         for b in epilogue[:-1]:
             try:
                 sch.compute_inline(b)
-            except Exception:
-                pass
+            except Exception as e:  # stays a separate loop nest, scheduled below
+                _why("CPUMatmul", func, f"epilogue {sch.get(b).name_hint} not inlined", e)
         acc = sch.cache_write(mm, 0, "local")
         for b in epilogue:
             if _alive(sch, b):
                 try:
                     sch.reverse_compute_inline(b)
-                except Exception:
-                    pass
+                except Exception as e:
+                    _why("CPUMatmul", func, f"epilogue {sch.get(b).name_hint} not folded into the write-back", e)
         sch.reverse_compute_at(acc, io, preserve_unit_loops=True)
         # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
         # as separate loops after the matmul: parallel over rows, vectorised along j.

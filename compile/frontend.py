@@ -4,27 +4,8 @@ from __future__ import annotations
 
 import onnx
 
-from blockforge.errors import BlockforgeError
-from blockforge.errors import error_line
-from blockforge.graph.model_io import check_model, signature
-
-
-def bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
-    """Copy of `model` with symbolic input/output dims replaced by static values."""
-    if not dims:
-        return model
-    known = {d for s in signature(model)[0] for d in s.dims if isinstance(d, str)}
-    unknown = sorted(set(dims) - known)
-    if unknown:
-        raise BlockforgeError(f"--shape names {', '.join(unknown)}, but the model's symbolic dims are "
-                              f"{', '.join(sorted(known)) or 'none'}")
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for vi in list(m.graph.input) + list(m.graph.output):
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param in dims:
-                d.dim_value = dims[d.dim_param]
-    return m
+from blockforge.errors import BlockforgeError, error_line
+from blockforge.graph.model_io import bind_dims, check_model, signature
 
 
 def bound_signature(model: onnx.ModelProto, dims: dict[str, int]):

@@ -18,24 +18,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from blockforge import settings
 from blockforge.errors import BlockforgeError
 
-ENV_SWITCH = "BLOCKFORGE_ISOLATE"  # "0": trust inputs, skip the child (e.g. inside the child)
-DEFAULT_TIMEOUT_S = float(os.environ.get("BLOCKFORGE_ISOLATE_TIMEOUT", "300"))
-
-
-def isolation_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
-def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: float | None = None) -> None:
     """Raise BlockforgeError unless a child process loads (and TVM-imports) the model cleanly."""
-    if not isolation_enabled():
+    if not settings.isolate():
         return
+    timeout = timeout or settings.isolate_timeout_s()
     cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path)]
     if tvm:
         cmd += ["--tvm", "--dims", json.dumps(dims or {})]
-    env = {**os.environ, ENV_SWITCH: "0"}
+    env = {**os.environ, settings.ISOLATE: "0"}  # the child trusts itself
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -52,7 +46,10 @@ def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: f
         lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
         raise BlockforgeError(lines[-1] if lines else f"{path}: rejected")
     if p.returncode != 0:
-        raise BlockforgeError(f"{path}: {what} failed in a child process (exit {p.returncode})")
+        # An exception the child did not expect: its last line is the reason (TVM puts it last).
+        tail = [ln.strip() for ln in (p.stderr or "").splitlines() if ln.strip()]
+        reason = f": {tail[-1][:300]}" if tail else ""
+        raise BlockforgeError(f"{path}: {what} failed in a child process (exit {p.returncode}){reason}")
 
 
 def load_untrusted(path: str | Path, *, tvm: bool = False, dims: dict | None = None):
@@ -74,12 +71,9 @@ def _main(argv: list[str]) -> int:
     try:
         model = load_model(a.model)
         if a.tvm:
-            from blockforge.logs import native_output_to_log
-
             from .frontend import import_onnx
 
-            with native_output_to_log():
-                import_onnx(model, json.loads(a.dims))
+            import_onnx(model, json.loads(a.dims))  # its output is captured by the parent
     except BlockforgeError as e:
         print(str(e))
         return 2

@@ -9,11 +9,11 @@ unless tuning records apply.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from blockforge import settings
 from blockforge.errors import BlockforgeError, error_line
 from blockforge.targets import ResolvedTarget
 
@@ -58,19 +58,23 @@ def _legalize() -> list:
             relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
 
 
-def _gpu_schedule() -> list:
+def default_rules(target: ResolvedTarget) -> list:
+    """The schedule rules an untuned build applies (and tune seeds each task with), in order."""
     from tvm.s_tir import dlight as dl
 
-    return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
-
-
-def _cpu_schedule() -> list:
-    from tvm.s_tir import dlight as dl
-
+    if target.is_gpu:
+        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
     from .cpu_schedule import default_cpu_rules
 
-    return [dl.ApplyDefaultSchedule(*default_cpu_rules())]
+    return default_cpu_rules()
+
+
+def _schedule(target: ResolvedTarget) -> Callable[[], list]:
+    def passes() -> list:
+        from tvm.s_tir import dlight as dl
+
+        return [dl.ApplyDefaultSchedule(*default_rules(target))]
+    return passes
 
 
 def _lower() -> list:
@@ -114,7 +118,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     out = [Phase("optimize", _optimize)]
     if fp16:
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
-    if target.kind == "llvm" and default_schedules and os.environ.get("BLOCKFORGE_PREPACK", "1") != "0":
+    if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))
     out.append(Phase("legalize", _legalize))
     if database is not None:
@@ -123,14 +127,10 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
 
             return [relax.transform.MetaScheduleApplyDatabase(enable_warning=False)]
         out.append(Phase("apply-tuning", apply))
-    if target.is_gpu:
-        out.append(Phase("schedule", _gpu_schedule))
-    elif target.kind == "llvm" and default_schedules:
-        out.append(Phase("schedule", _cpu_schedule))
+    if target.is_gpu or (target.kind == "llvm" and default_schedules):
+        out.append(Phase("schedule", _schedule(target)))
     out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
     return out
-
-
 
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
@@ -177,17 +177,13 @@ def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[st
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
           default_schedules: bool = True) -> BuildResult:
-    """Relax IRModule -> VM executable for `target`.
+    """Relax IRModule -> VM executable for `target` (whether it can build here is the
+    caller's check: compile.session.open_model).
 
     default_schedules=False keeps TVM's own CPU lowering (naive loops): the baseline
     blockforge's schedules and tuning are measured against."""
     import tvm
 
-    problem = target.build_problem()
-    if problem:
-        raise BlockforgeError(f"cannot build for {target.name}: {problem}")
-    if target.kind == "cuda":
-        _cuda_env()
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
                                     default_schedules=default_schedules)
@@ -197,14 +193,3 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
         raise BlockforgeError(f"TVM build for {target.name} failed: {error_line(e, last=True, limit=400)}") from None
     result.executable = ex
     return result
-
-
-def _cuda_env() -> None:
-    # TVM compiles CUDA C when the module is loaded; NVRTC needs the cuda-bindings
-    # package, so fall back to nvcc where it is missing.
-    try:
-        import cuda.bindings  # noqa: F401
-    except ImportError:
-        os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
-    if os.path.isdir("/usr/local/cuda/bin") and "/usr/local/cuda/bin" not in os.environ.get("PATH", ""):
-        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + "/usr/local/cuda/bin"

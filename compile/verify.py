@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockforge.graph.model_io import load_npz, parse_dims, signature
+from blockforge.graph.model_io import load_npz
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
 
@@ -16,31 +16,27 @@ from .isolate import load_untrusted
 class VerifyOptions:
     model: Path
     inputs: Path | None = None
-    shape: str | None = None
+    dims: dict[str, int] = field(default_factory=dict)
     seed: int = 0
-    target: str | None = None
-    tuning_db: Path | None = None
-    no_tuning: bool = False
+    target: str | dict | None = None  # None: ORT vs the oracle only
+    tuning_db: Path | None = None  # None: the device's default database, if any
+    use_tuning: bool = True
 
 
 def verify(opts: VerifyOptions) -> ParityReport:
-    dims = parse_dims(opts.shape)
-    model = load_untrusted(opts.model, tvm=bool(opts.target), dims=dims)
-    inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
+    dims = dict(opts.dims)
     extra, notes = {}, []
     ort_device = "cpu"
     if opts.target:
-        from blockforge.targets import resolve
-
-        from .frontend import import_onnx
-        from .pipeline import build
+        from .records import open_for_apply
         from .runtime import run_vm, tvm_device
-        from .tuning_db import open_for_apply
+        from .session import open_model
 
-        target = resolve(opts.target)
-        db, info = (None, None) if opts.no_tuning else open_for_apply(target, opts.tuning_db)
-        with native_output_to_log():
-            ex = build(import_onnx(model, dims), target, database=db).executable
+        session = open_model(opts.model, opts.target, dims)
+        model, target = session.model, session.target
+        inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
+        db, info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
+        ex = session.build(database=db).executable
         if info:
             notes.append(f"tuning records applied from {info['path']}")
         problem = target.run_problem()
@@ -54,9 +50,11 @@ def verify(opts: VerifyOptions) -> ParityReport:
             if target.device == "cuda" and cuda_available():
                 ort_device = "cuda"  # compare GPU with GPU (TF32 off in graph/ort.py)
             dev = tvm_device(target.device)
-            ins, outs = signature(model)
             with native_output_to_log():
-                extra["tvm"] = run_vm(relax.VirtualMachine(ex, dev), dev, ins, outs, inputs)
+                extra["tvm"] = run_vm(relax.VirtualMachine(ex, dev), dev, session.inputs, session.outputs, inputs)
+    else:
+        model = load_untrusted(opts.model, dims=dims)
+        inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
     report = check_parity(model, inputs, extra, ort_device=ort_device)
     report.notes[:0] = notes
     return report

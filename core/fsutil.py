@@ -7,13 +7,14 @@ sibling first, is fsynced, then renamed over the destination.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -70,12 +71,65 @@ def atomic_write_json(path: str | os.PathLike, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-@contextlib.contextmanager
-def atomic_directory(dest: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory that replaces `dest` only if the block succeeds."""
+def check_output(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | None = None,
+                 what: str = "output", force: bool = False) -> None:
+    """The output policy every verb applies before any work:
+
+    - nothing there, or an empty directory: fine;
+    - the same kind of blockforge output (`is_ours`): replaced, the old one kept until the
+      new one is complete;
+    - anything else (a user's folder, a file, another kind of output): refused unless
+      `force`; even then the old one is only removed once the new one is complete;
+    - the parent directory must be writable (checked now, not after the work).
+    """
+    from blockforge.errors import BlockforgeError
+
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    if dest.is_symlink() and not force:
+        raise BlockforgeError(f"{dest} is a symbolic link; refusing to replace it (pass --force to replace the link)")
+    if dest.exists():
+        empty_dir = dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())
+        ours = is_ours is not None and dest.is_dir() and not dest.is_symlink() and is_ours(dest)
+        if not (empty_dir or ours or force):
+            kind = "a directory" if dest.is_dir() else "a file"
+            raise BlockforgeError(f"{dest} exists and is {kind} that is not a blockforge {what}; refusing to "
+                                  "replace it (choose another output, or pass --force)")
+    parent = dest.parent if str(dest.parent) else Path(".")
+    probe = parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise BlockforgeError(f"{dest}: {probe} is a file, not a directory")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise BlockforgeError(f"{dest}: cannot write in {probe} (permission denied)")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | None = None,
+                     what: str = "output", force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that replaces `dest` only if the block succeeds.
+
+    The output policy (check_output) is applied before and again at the swap (another
+    process may have written `dest` meanwhile). The previous `dest` is moved aside and
+    removed only after the new one is in place; two writers racing to one `dest` end with
+    one complete result, never a mix."""
+    from blockforge.errors import BlockforgeError
+
+    dest = Path(dest)
+    check_output(dest, is_ours=is_ours, what=what, force=force)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    except OSError as e:
+        raise BlockforgeError(f"{dest}: cannot create the output ({e.strerror or e})") from None
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
@@ -83,13 +137,32 @@ def atomic_directory(dest: str | os.PathLike) -> Iterator[Path]:
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
-        old = None
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        for _attempt in range(20):
+            check_output(dest, is_ours=is_ours, what=what, force=force)
+            old = None
+            if dest.exists() or dest.is_symlink():
+                old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{_attempt}")
+                try:
+                    os.replace(dest, old)
+                except FileNotFoundError:
+                    old = None  # another writer moved it meanwhile
+            try:
+                os.replace(tmp, dest)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+                    # another writer's complete result landed in between: ours replaces it next
+                    if old is not None:
+                        _remove(old)
+                    continue
+                if old is not None and not dest.exists():
+                    with contextlib.suppress(OSError):
+                        os.replace(old, dest)  # put the user's previous output back
+                raise BlockforgeError(f"{dest}: cannot write the output ({e.strerror or e})") from None
+            if old is not None:
+                _remove(old)
+            break
+        else:
+            raise BlockforgeError(f"{dest}: other processes keep replacing this output; giving up")
         _fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,9 @@
-"""Where noise goes: TVM's native logging and warnings land in a log file, not the terminal."""
+"""Where noise goes: TVM's native logging and warnings land in a log file, not the terminal.
+
+The file is `settings.log_file()`. Native output (TVM's C++ logging writes to file
+descriptors 1 and 2) is redirected only in a process that asked for it through
+`settings.configure()` (the CLI does); a library user's terminal is left alone.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-DEFAULT_LOG = Path("artifacts") / "logs" / "blockforge.log"
+from blockforge import settings
 
 
 def log_path() -> Path:
-    return Path(os.environ.get("BLOCKFORGE_LOG", str(DEFAULT_LOG)))
+    return settings.log_file()
 
 
 def setup_logging() -> logging.Logger:
@@ -36,7 +41,7 @@ def setup_logging() -> logging.Logger:
 def native_output_to_log(enabled: bool = True, path: Path | None = None) -> Iterator[Path]:
     """Redirect file descriptors 1 and 2 (where TVM's C++ logging writes) to the log file."""
     path = Path(path) if path else log_path()
-    if not enabled:
+    if not (enabled and settings.STATE.redirect_native):
         yield path
         return
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
-from .model_io import DEFAULT_DIMS, TensorSig, signature
+from .model_io import DEFAULT_DIMS, TensorSig, bind_dims, signature
 
 
 @dataclass(frozen=True)
@@ -32,21 +32,11 @@ class ModelFacts:
         }
 
 
-def _bind(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for vi in list(m.graph.input) + list(m.graph.output):
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param in dims:
-                d.dim_value = dims[d.dim_param]
-    return m
-
-
 def matmul_flops(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> int:
     """2*M*N*K for every MatMul/Gemm, with symbolic dims bound (defaults: batch 2, seq 32)."""
     bound = {**DEFAULT_DIMS, **(dims or {})}
     try:
-        inferred = shape_inference.infer_shapes(_bind(model, bound), data_prop=True)
+        inferred = shape_inference.infer_shapes(bind_dims(model, bound, strict=False), data_prop=True)
     except Exception:
         return 0
     shapes: dict[str, list] = {}

@@ -139,6 +139,27 @@ def signature(model: onnx.ModelProto) -> tuple[list[TensorSig], list[TensorSig]]
     return ins, [_sig(v) for v in model.graph.output]
 
 
+def bind_dims(model: onnx.ModelProto, dims: dict[str, int], *, strict: bool = True) -> onnx.ModelProto:
+    """Copy of `model` with symbolic input/output dims replaced by static values.
+
+    strict: a name that is not one of the model's symbolic input dims is an error."""
+    if not dims:
+        return model
+    if strict:
+        known = {d for s in signature(model)[0] for d in s.dims if isinstance(d, str)}
+        unknown = sorted(set(dims) - known)
+        if unknown:
+            raise BlockforgeError(f"--shape names {', '.join(unknown)}, but the model's symbolic dims are "
+                                  f"{', '.join(sorted(known)) or 'none'}")
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for vi in list(m.graph.input) + list(m.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in dims:
+                d.dim_value = dims[d.dim_param]
+    return m
+
+
 def model_spec(model: onnx.ModelProto) -> Spec | None:
     """The spec a blockforge export stored in metadata_props, or None for foreign models."""
     from .builders import SPEC_KEY

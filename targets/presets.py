@@ -4,6 +4,8 @@ Each preset is a TVM target JSON plus what building and running it needs. Values
 in angle brackets are filled in for the machine at resolve time:
   <host-cpu>   tvm.target.codegen.llvm_get_system_cpu()
   <cores>      physical cores of this machine
+Cross compilers and kernel file extensions follow from the arch and kind
+(targets/toolchain.py), so they are not repeated here.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ PRESETS: dict[str, dict] = {
         "target": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"], "num-cores": "<cores>"},
         "device": "cpu",
         "arch": "aarch64",
-        "cross_compiler": "aarch64-linux-gnu-g++",
-        "debian_package": "g++-aarch64-linux-gnu",
     },
     "cuda-sm80": {
         "description": "NVIDIA Ampere (A100), CUDA",
@@ -57,18 +57,15 @@ PRESETS: dict[str, dict] = {
         "description": "OpenCL C kernels (build only: this runtime has no OpenCL)",
         "target": {"kind": "opencl", "host": {"kind": "llvm"}},
         "device": None,
-        "source_ext": "cl",
     },
     "metal": {
         "description": "Metal shading language kernels (build only)",
         "target": {"kind": "metal", "host": {"kind": "llvm"}},
         "device": None,
-        "source_ext": "metal",
     },
     "webgpu": {
         "description": "WGSL kernels for WebGPU (build only)",
         "target": {"kind": "webgpu", "host": {"kind": "llvm"}},
         "device": None,
-        "source_ext": "wgsl",
     },
 }

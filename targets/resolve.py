@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
 import shutil
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -13,6 +12,7 @@ from functools import lru_cache
 from blockforge.errors import BlockforgeError, error_line
 
 from .presets import PRESETS
+from .toolchain import KERNEL_SOURCE_EXT, arch_name, cpu_flags, cross_compiler, host_arch, host_cpu, nvcc, physical_cores
 
 GPU_KINDS = {"cuda", "rocm", "opencl", "metal", "vulkan", "webgpu"}
 
@@ -63,7 +63,7 @@ class ResolvedTarget:
         if self.cross_compiler and not shutil.which(self.cross_compiler):
             return (f"cross compiler {self.cross_compiler} not found; install the Debian package "
                     f"{self.debian_package} (apt-get install {self.debian_package})")
-        if self.toolchain == "nvcc" and not _nvcc():
+        if self.toolchain == "nvcc" and not nvcc():
             return f"nvcc not found (install {self.debian_package} or the CUDA toolkit, or put nvcc on PATH)"
         if not _codegen_enabled(self.kind):
             return f"this TVM build has no {self.kind} code generator"
@@ -81,44 +81,6 @@ class ResolvedTarget:
         if missing:
             return f"this CPU lacks {', '.join(missing)}"
         return None
-
-
-def host_arch() -> str:
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@lru_cache(maxsize=1)
-def host_cpu() -> str:
-    import tvm
-
-    return str(tvm.target.codegen.llvm_get_system_cpu())
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except ImportError:
-        return os.cpu_count() or 1
-
-
-def _nvcc() -> str | None:
-    return shutil.which("nvcc") or next(
-        (p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
 
 
 @lru_cache(maxsize=None)
@@ -168,10 +130,13 @@ def resolve(name_or_json: str | dict) -> ResolvedTarget:
                               "(or pass a TVM target JSON object)")
     p = copy.deepcopy(PRESETS[name_or_json])
     target_json = _fill(p["target"], _PLACEHOLDERS)
+    arch = _fill(p.get("arch", "<host-arch>"), _PLACEHOLDERS)
+    cross = cross_compiler(arch) if target_json["kind"] == "llvm" else None
     return ResolvedTarget(
-        name=name_or_json, target_json=target_json, device=p.get("device"),
-        arch=_fill(p.get("arch", "<host-arch>"), _PLACEHOLDERS), cross_compiler=p.get("cross_compiler"),
-        debian_package=p.get("debian_package"), source_ext=p.get("source_ext"),
+        name=name_or_json, target_json=target_json, device=p.get("device"), arch=arch,
+        cross_compiler=cross[0] if cross else None,
+        debian_package=cross[1] if cross else p.get("debian_package"),
+        source_ext=KERNEL_SOURCE_EXT.get(target_json["kind"]),
         cpu_flags=tuple(p.get("cpu_flags", ())), toolchain=p.get("toolchain"))
 
 
@@ -181,16 +146,14 @@ def _custom(t: dict) -> ResolvedTarget:
     kind = t["kind"]
     if kind == "llvm":
         triple = str(t.get("mtriple", ""))
-        arch = triple.split("-")[0] if triple else host_arch()
-        arch = {"arm64": "aarch64", "x86-64": "x86_64"}.get(arch, arch)
-        cross = "aarch64-linux-gnu-g++" if arch == "aarch64" and host_arch() != "aarch64" else None
-        r = ResolvedTarget("custom", dict(t), "cpu", arch, cross, "g++-aarch64-linux-gnu" if cross else None)
+        arch = arch_name(triple.split("-")[0]) if triple else host_arch()
+        cross = cross_compiler(arch)
+        r = ResolvedTarget("custom", dict(t), "cpu", arch, *(cross or (None, None)))
     elif kind == "cuda":
         r = ResolvedTarget("custom", dict(t), "cuda", host_arch(), toolchain="nvcc",
                            debian_package="nvidia-cuda-toolkit")
     else:
-        ext = {"opencl": "cl", "metal": "metal", "webgpu": "wgsl"}.get(kind)
-        r = ResolvedTarget("custom", dict(t), None, host_arch(), source_ext=ext)
+        r = ResolvedTarget("custom", dict(t), None, host_arch(), source_ext=KERNEL_SOURCE_EXT.get(kind))
     r.tvm_target()  # validate now: one clear error for unknown kinds/attributes
     return r
 

@@ -12,6 +12,25 @@ import numpy as np
 import pytest
 
 BLOCKFORGE = [sys.executable, "-m", "blockforge"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Tests keep per-user state out of the user's cache: a cache under build/ (git-ignored),
+    whose edge-app builds are reused between runs (the aarch64 runtime takes minutes) and
+    whose default tuning databases start empty every run. In-process library calls get the
+    CLI's thread settings (blockforge.configure), but keep native output on the terminal
+    (pytest captures it)."""
+    import shutil
+
+    import blockforge
+
+    if "BLOCKFORGE_CACHE_DIR" not in os.environ:
+        cache = REPO / "build" / "test-cache"
+        shutil.rmtree(cache / "tuning", ignore_errors=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        os.environ["BLOCKFORGE_CACHE_DIR"] = str(cache)
+    blockforge.configure(redirect_native_output=False)
 
 
 @dataclass

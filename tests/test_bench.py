@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from blockforge.compile.bench import SCHEMA, measure_interleaved
+from blockforge.bench.harness import SCHEMA, measure_interleaved
 from blockforge.graph import FFNSpec, export
 
 from conftest import run_cli

@@ -3,6 +3,7 @@
 import pytest
 
 from blockforge.compile import VerifyOptions, verify
+from blockforge.graph.model_io import parse_dims
 from blockforge.graph import BlockSpec, FFNSpec, MHASpec, export
 
 from test_graph_parity import BLOCK_VARIANTS, FFN_VARIANTS, MHA_VARIANTS
@@ -29,7 +30,7 @@ def test_host_parity(workdir, cls, kw, dtype, shape):
     if shape and not getattr(spec, "cross", False) or (shape and getattr(spec, "kv_seq", None)):
         shape = shape.replace(",kv_seq=6", "").replace(",kv_seq=5", "")
     res = export(spec, workdir / "m.onnx")
-    rep = verify(VerifyOptions(model=res.model_path, target="host", shape=shape, no_tuning=True))
+    rep = verify(VerifyOptions(model=res.model_path, target="host", dims=parse_dims(shape), use_tuning=False))
     pairs = {c.pair: c for c in rep.comparisons}
     assert set(pairs) == {"tvm vs ort", "tvm vs oracle", "ort vs oracle"}, rep
     assert rep.passed, [c for c in rep.comparisons if not c.passed]

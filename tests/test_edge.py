@@ -15,14 +15,14 @@ import onnx
 import pytest
 
 from blockforge.compile import CompileOptions, compile_model
-from blockforge.compile.package import PackageOptions, package_artifact, runtime_libs
+from blockforge.deploy.package import PackageOptions, package_artifact, runtime_libs
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import sha256_file
 from blockforge.graph import FFNSpec, MHASpec, export, ort, tolerance_for
-from blockforge.targets.resolve import host_arch
+from blockforge.targets.toolchain import host_arch
 
 REPO = Path(__file__).resolve().parent.parent
-EDGE_APP = REPO / "examples" / "edge_app"
+EDGE_APP = REPO / "deploy" / "edge_app"
 QEMU = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]
 DIMS = {"batch": 1, "seq": 16}
 

@@ -69,7 +69,7 @@ def test_build_only_codegens_emit_source(models, tmp_path, preset, marker):
 
 
 def test_verify_on_build_only_target_says_so(models):
-    rep = verify(VerifyOptions(model=models["ffn"], target="cuda-sm90", shape="batch=1,seq=8"))
+    rep = verify(VerifyOptions(model=models["ffn"], target="cuda-sm90", dims={"batch": 1, "seq": 8}))
     if rep.notes and "not run" in rep.notes[0]:
         assert "no CUDA GPU" in rep.notes[0]
         assert {c.pair for c in rep.comparisons} == {"ort vs oracle"} and rep.passed
@@ -82,7 +82,7 @@ def test_cuda_runs_and_matches_ort(tmp_path, kind, dtype):
     spec = (MHASpec(d_model=256, heads=4, causal=True, dtype=dtype) if kind == "mha"
             else FFNSpec(d_model=256, activation="gelu", dtype=dtype))
     path = export(spec, tmp_path / "m.onnx").model_path
-    rep = verify(VerifyOptions(model=path, target="cuda-sm90", shape="batch=2,seq=64"))
+    rep = verify(VerifyOptions(model=path, target="cuda-sm90", dims={"batch": 2, "seq": 64}))
     assert {"tvm vs ort", "tvm vs oracle"} <= {c.pair for c in rep.comparisons}, rep.notes
     assert rep.passed, rep.to_dict()
 

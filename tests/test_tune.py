@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from blockforge.compile.tuning_db import WORKLOADS, DeviceDB, read_contents
+from blockforge.compile.records import WORKLOADS, read_contents
+from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, export
 
 from conftest import BLOCKFORGE, assert_user_error, run_cli
@@ -81,7 +82,7 @@ def test_database_shared_across_models(ffn, tmp_path):
 
 
 def test_budget_semantics():
-    from blockforge.compile.tune import per_task_budget
+    from blockforge.tune.jobs import per_task_budget
     from blockforge.errors import BlockforgeError
 
     assert per_task_budget(3, None, None) == 64

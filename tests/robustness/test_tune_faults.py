@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from blockforge.compile.tuning_db import RECORDS, load_database, read_contents
+from blockforge.compile.records import RECORDS, load_database, read_contents
 from blockforge.errors import BlockforgeError
 from blockforge.graph import FFNSpec, export
 
@@ -65,8 +65,8 @@ def test_sigkill_at_several_points(tmp_path):
 
 def test_disk_full_keeps_database(tmp_path, monkeypatch):
     """The second merge fails with ENOSPC: a clear error, and the first merge's records stay."""
-    from blockforge.compile import tuning_db
-    from blockforge.compile.tune import TuneOptions, tune
+    from blockforge.tune import database as tuning_db
+    from blockforge.tune.jobs import TuneOptions, tune
 
     model = export(FFNSpec(d_model=32, d_ff=64), tmp_path / "f.onnx").model_path
     db = tmp_path / "db"
@@ -82,13 +82,13 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tuning_db, "atomic_write_text", flaky)
     with pytest.raises(BlockforgeError, match="No space left on device.*intact"):
-        tune(TuneOptions(model=model, target="host", dims=SHAPE, db=db, trials_per_task=4, round_trials=1,
+        tune(TuneOptions(model=model, target="host", dims=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
                          measure=False, progress=False))
     before = (db / RECORDS).read_text().splitlines()
     assert len(before) >= 2
     load_database(db)
     monkeypatch.setattr(tuning_db, "atomic_write_text", real)
-    s = tune(TuneOptions(model=model, target="host", dims=SHAPE, db=db, trials_per_task=4, round_trials=1,
+    s = tune(TuneOptions(model=model, target="host", dims=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
                          measure=False, progress=False))
     after = (db / RECORDS).read_text().splitlines()
     assert after[: len(before)] == before and s.trials_new > 0

@@ -3,12 +3,14 @@
     PACKAGE/
       module.so, manifest.json   the artifact, verified and copied as is
       lib/                       libtvm_runtime.so, libtvm_ffi.so for the artifact's arch
-      bin/edge_app               the C++ runner (examples/edge_app), when app=True
+      bin/edge_app               the C++ runner (deploy/edge_app), when app=True
       run.sh                     how to run it, when app=True
 
 For the host arch the libraries are the apache-tvm wheel's; for aarch64 they are
-cross-built from the runtime sources the wheel ships (examples/edge_app/Makefile).
-Builds are cached under <repo>/build/edge/<arch>/; make decides what is stale.
+cross-built from the runtime sources the wheel ships (deploy/edge_app/Makefile).
+The app's sources ship inside the blockforge package, so this works from any folder of a
+wheel install. Builds are cached under <cache>/edge/<arch>/ (settings.edge_build_root());
+make decides what is stale.
 The directory appears atomically.
 """
 
@@ -23,15 +25,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockforge import settings
+from blockforge.compile.manifest import elf_arch, is_artifact, read_manifest, verify_files
 from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_directory
-from blockforge.targets.resolve import host_arch
+from blockforge.fsutil import atomic_directory, check_output
+from blockforge.targets.toolchain import CROSS_COMPILERS, arch_name, host_arch
 
-from .runtime import elf_arch, read_manifest, verify_files
-
-EDGE_APP_ENV = "BLOCKFORGE_EDGE_APP_DIR"
 RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_ffi.so")
-CROSS = {"aarch64": ("aarch64-linux-gnu-g++", "g++-aarch64-linux-gnu")}
 MAKE_JOBS = 2
 
 
@@ -39,7 +39,8 @@ MAKE_JOBS = 2
 class PackageOptions:
     artifact: Path
     output: Path | None = None  # default: <artifact dir>.pkg next to it
-    app: bool = True  # build (if needed) and include the edge_app binary
+    app: bool = False  # also build (if needed) and include the edge_app binary and run.sh
+    force: bool = False  # replace an existing output that is not a blockforge package
 
 
 @dataclass
@@ -50,28 +51,15 @@ class PackageResult:
 
 
 def edge_app_dir() -> Path:
-    """examples/edge_app: from $BLOCKFORGE_EDGE_APP_DIR, else the repository around the cwd.
-
-    The package is installed (not editable), so its own location says nothing about
-    where the repository is.
-    """
-    env = os.environ.get(EDGE_APP_ENV)
-    if env:
-        d = Path(env).expanduser().resolve()
-        if not (d / "Makefile").is_file():
-            raise BlockforgeError(f"{EDGE_APP_ENV}={env}: no Makefile there "
-                                  "(it must point at the repository's examples/edge_app)")
-        return d
-    cwd = Path.cwd().resolve()
-    for d in (cwd, *cwd.parents):
-        if (d / "examples" / "edge_app" / "Makefile").is_file():
-            return d / "examples" / "edge_app"
-    raise BlockforgeError("edge_app sources (examples/edge_app) not found: run from inside the "
-                          f"blockforge repository or set {EDGE_APP_ENV} to its examples/edge_app")
+    """The edge app's sources, shipped inside the package (blockforge/deploy/edge_app)."""
+    d = Path(__file__).resolve().parent / "edge_app"
+    if not (d / "Makefile").is_file():
+        raise BlockforgeError(f"{d}: the edge app's sources are missing from this install (reinstall blockforge)")
+    return d
 
 
 def build_root() -> Path:
-    return edge_app_dir().parent.parent / "build" / "edge"
+    return settings.edge_build_root()
 
 
 def _package_dir(name: str) -> Path:
@@ -94,13 +82,13 @@ def _check_arch(arch: str) -> str:
     here = host_arch()
     if arch == here:
         return "host"
-    if arch in CROSS:
-        compiler, package = CROSS[arch]
+    if arch in CROSS_COMPILERS:
+        compiler, package = CROSS_COMPILERS[arch]
         if not shutil.which(compiler):
             raise BlockforgeError(f"cross compiler {compiler} not found; install the Debian package {package}")
         return arch
     raise BlockforgeError(f"edge_app cannot be built for {arch} on this {here} machine "
-                          f"(it builds for {here}, and cross-builds for {', '.join(CROSS)})")
+                          f"(it builds for {here}, and cross-builds for {', '.join(CROSS_COMPILERS)})")
 
 
 def _failed_step(log_text: str) -> str:
@@ -142,13 +130,9 @@ def _make(target: str, arch: str) -> Path:
     return root / arch
 
 
-def _arch_name(arch: str) -> str:
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
-
-
 def build_app(arch: str) -> Path:
-    """Build edge_app for `arch` (cached under build/edge/<arch>/) and return the binary."""
-    arch = _arch_name(arch)
+    """Build edge_app for `arch` (cached under <cache>/edge/<arch>/) and return the binary."""
+    arch = arch_name(arch)
     target = _check_arch(arch)
     out = _make(target, arch) / "bin" / "edge_app"
     if not out.is_file():
@@ -159,7 +143,7 @@ def build_app(arch: str) -> Path:
 def runtime_libs(arch: str) -> list[Path]:
     """The runtime libraries to ship for `arch`: the wheel's for the host arch,
     cross-built ones (built here if needed) for aarch64."""
-    arch = _arch_name(arch)
+    arch = arch_name(arch)
     target = _check_arch(arch)
     if target == "host":
         return _wheel_libs()
@@ -187,12 +171,16 @@ exec ${{EDGE_APP_EMULATOR:-}} "$here/bin/edge_app" "$here" "$@"
 """
 
 
-def _check_output(dest: Path, artifact: Path) -> None:
+def is_package(path: Path) -> bool:
+    """A package blockforge wrote: an artifact's manifest plus the runtime libraries."""
+    return is_artifact(path) and (Path(path) / "lib").is_dir()
+
+
+def _check_output(dest: Path, artifact: Path, force: bool) -> None:
     a, d = artifact.resolve(), dest.resolve()
     if d == a or a in d.parents or d in a.parents:
         raise BlockforgeError(f"{dest}: the package cannot be the artifact or inside it; choose another output")
-    if dest.exists() and not (dest.is_dir() and ((dest / "manifest.json").is_file() or not any(dest.iterdir()))):
-        raise BlockforgeError(f"{dest} exists and is not a package; remove it or choose another output")
+    check_output(dest, is_ours=is_package, what="package", force=force)
 
 
 def package_artifact(opts: PackageOptions) -> PackageResult:
@@ -204,7 +192,7 @@ def package_artifact(opts: PackageOptions) -> PackageResult:
         raise BlockforgeError(f"{artifact}: built for {target.get('name')} (device {target.get('device')}); "
                               "only CPU artifacts can be packaged with the edge runtime")
     module = manifest["module"]
-    arch = _arch_name(target.get("arch") or "")
+    arch = arch_name(target.get("arch") or "")
     found = elf_arch(artifact / module)
     if found is None:
         raise BlockforgeError(f"{artifact}: {module} is not an ELF shared library")
@@ -212,11 +200,11 @@ def package_artifact(opts: PackageOptions) -> PackageResult:
         raise BlockforgeError(f"{artifact}: {module} is for {found} but manifest.json says {arch}")
     arch = found
     dest = Path(opts.output) if opts.output else artifact.with_name(artifact.name + ".pkg")
-    _check_output(dest, artifact)
+    _check_output(dest, artifact, opts.force)
 
     libs = runtime_libs(arch)
     app = build_app(arch) if opts.app else None
-    with atomic_directory(dest) as tmp:
+    with atomic_directory(dest, is_ours=is_package, what="package", force=opts.force) as tmp:
         for name in [*manifest["files"], "manifest.json"]:
             shutil.copy2(artifact / name, tmp / name)
         (tmp / "lib").mkdir()

@@ -52,3 +52,29 @@ def time_direct(call, sync, *, warmup: int, repeat: int, number: int, min_ms: fl
         sync()
         samples.append((time.perf_counter() - t0) / n)
     return samples
+
+
+def export_local(root: str, mod) -> str:
+    """MetaSchedule's default export (a tar the runner links), but under the job's own
+    temporary root, which the job removes: TVM's default leaves a tmp* directory in TMPDIR
+    per candidate."""
+    import os
+    import tempfile
+
+    from tvm.support.tar import tar
+
+    path = os.path.join(tempfile.mkdtemp(dir=root), "tvm_tmp_mod." + tar.output_format)
+    mod.export_library(path, fcompile=tar)
+    return path
+
+
+def export_cross(compiler: str, root: str, mod) -> str:
+    """A cross-linked candidate (.so for the RPC device), under the job's temporary root."""
+    import os
+    import tempfile
+
+    from tvm.support import cc
+
+    path = os.path.join(tempfile.mkdtemp(dir=root), "tuned.so")
+    mod.export_library(path, fcompile=cc.cross_compiler(compiler))
+    return path

@@ -19,13 +19,12 @@ import blockforge
 from blockforge.errors import BlockforgeError
 from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
+from blockforge.compile.records import open_for_apply
+from blockforge.compile.runtime import tvm_device
+from blockforge.compile.session import open_model
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.targets import resolve
-
-from .frontend import bound_signature, import_onnx
-from .isolate import load_untrusted
-from .pipeline import build
 
 CONTENDERS = ("ort", "untuned", "tuned")
 SCHEMA = "blockforge.bench/1"
@@ -116,8 +115,6 @@ class _TvmRunner:
         import tvm
         from tvm import relax
 
-        from .runtime import tvm_device
-
         self.dev = tvm_device(device_kind)
         self.vm = relax.VirtualMachine(executable, self.dev)
         self.args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[s.name]), self.dev) for s in ins]
@@ -186,8 +183,6 @@ def measure_interleaved(runners: dict, repeat: int, warmup: int) -> dict[str, li
 
 
 def bench(opts: BenchOptions) -> BenchReport:
-    from .tuning_db import open_for_apply
-
     unknown = [c for c in opts.against if c not in CONTENDERS]
     if unknown or not opts.against:
         raise BlockforgeError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(CONTENDERS)}")
@@ -197,8 +192,8 @@ def bench(opts: BenchOptions) -> BenchReport:
     problem = target.run_problem()
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
-    model = load_untrusted(opts.model, tvm=True, dims=opts.dims)
-    ins, _ = bound_signature(model, opts.dims)
+    session = open_model(opts.model, target, opts.dims)
+    model, ins = session.model, session.inputs
     for s in ins:
         s.bind({})  # every dim must be static for a benchmark: a clear error names the missing one
     inputs = random_inputs(ins, {}, seed=0)
@@ -210,14 +205,14 @@ def bench(opts: BenchOptions) -> BenchReport:
         runners["ort"] = lambda: sess.run(None, inputs)
     with native_output_to_log():
         if "untuned" in opts.against:
-            ex = build(import_onnx(model, opts.dims), target).executable
+            ex = session.build().executable
             runners["untuned"] = _TvmRunner(ex, target.device, ins, inputs)
         if "tuned" in opts.against:
             db, info = open_for_apply(target, opts.tuning_db)
             if db is None:
                 notes.append("tuned: no tuning records for this device (run `blockforge tune`); skipped")
             else:
-                res = build(import_onnx(model, opts.dims), target, database=db)
+                res = session.build(database=db)
                 if res.untuned_tasks:
                     notes.append(f"tuned: {len(res.untuned_tasks)} of {res.tasks} tasks have no record "
                                  "(default schedules used for them)")

@@ -1,0 +1,38 @@
+"""`blockforge bench`: contenders side by side, interleaved in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import add_shape, dims, path_or_none, write_json
+
+
+def add(sub) -> None:
+    from blockforge.bench.harness import CONTENDERS
+
+    p = sub.add_parser("bench", help="ONNX Runtime vs untuned vs tuned TVM, interleaved in one process")
+    p.add_argument("model")
+    p.add_argument("--target", default="host")
+    p.add_argument("--against", default=",".join(CONTENDERS), help=f"comma list of {','.join(CONTENDERS)}")
+    p.add_argument("--repeat", type=int, default=30)
+    add_shape(p, default="batch=1,seq=128")
+    p.add_argument("--tuning-db", default=None, help="tuning database dir (default: the device's)")
+    p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    from blockforge.bench import BenchOptions, bench, plot
+
+    rep = bench(BenchOptions(model=a.model, target=a.target,
+                             against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
+                             repeat=a.repeat, dims=dims(a), tuning_db=path_or_none(a.tuning_db), profile=a.profile))
+    print(rep.markdown())
+    for n in rep.notes:
+        print(f"note: {n}")
+    write_json(a.json, rep.to_dict())
+    if a.plot:
+        plot([rep], Path(a.plot))
+    return 0

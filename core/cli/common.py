@@ -1,0 +1,47 @@
+"""What the verbs share: tables, option parsing into the API's types, and option groups
+whose names and defaults are the same on every verb."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def print_table(headers: list[str], rows: list[list], out=None) -> None:
+    out = out or sys.stdout
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    print(line(headers), file=out)
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|", file=out)
+    for r in cells:
+        print(line(r), file=out)
+
+
+def path_or_none(v: str | None) -> Path | None:
+    return Path(v) if v else None
+
+
+def dims(a: argparse.Namespace) -> dict[str, int]:
+    from blockforge.graph.model_io import parse_dims
+
+    return parse_dims(getattr(a, "shape", None))
+
+
+def add_shape(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--shape", default=default,
+                   help="bind symbolic dims, e.g. batch=1,seq=128" + (f" (default {default})" if default else ""))
+
+
+def add_tuning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tuning-db", default=None,
+                   help="tuning database dir (default: the device's, in the blockforge cache; see `blockforge env`)")
+    p.add_argument("--no-tuning", action="store_true", help="ignore tuning records")
+
+
+def write_json(path: str | None, obj) -> None:
+    if path:
+        from blockforge.fsutil import atomic_write_json
+
+        atomic_write_json(path, obj)

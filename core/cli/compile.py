@@ -1,0 +1,43 @@
+"""`blockforge compile`: an ONNX model into an artifact directory for a target."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import add_shape, add_tuning, dims, path_or_none
+
+
+def add(sub) -> None:
+    p = sub.add_parser("compile", help="compile an ONNX model with TVM into an artifact directory")
+    p.add_argument("model")
+    p.add_argument("--target", required=True, help="preset name (see `blockforge targets`) or TVM target JSON")
+    add_shape(p)
+    p.add_argument("-o", "--output", default=None, help="artifact directory (default <model>.<target> beside the model)")
+    p.add_argument("--force", action="store_true", help="replace an existing output that is not a blockforge artifact")
+    p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
+    add_tuning(p)
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    from blockforge.compile import CompileOptions, compile_model
+
+    res = compile_model(CompileOptions(
+        model=a.model, target=a.target, dims=dims(a), output=path_or_none(a.output),
+        dump_ir=path_or_none(a.dump_ir), tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning,
+        force=a.force))
+    m = res.manifest
+    size = (res.artifact / m["module"]).stat().st_size
+    print(f"compiled {a.model} for {res.target.name} -> {res.artifact}/ (module.so {size / 2**20:.1f} MiB, "
+          f"phases: {' > '.join(m['phases'])})")
+    if m.get("tuning"):
+        t = m["tuning"]
+        kept = [k for k in t["kept_default"] if k not in t["missing"]]
+        print(f"tuning records: {t['applied']} of {t['tasks']} tasks from {t['path']}"
+              + (f"; default schedule kept (faster in the model) for {len(kept)}" if kept else ""))
+        for name in t.get("missing", []):
+            print(f"warning: no tuning record for task {name}", file=sys.stderr)
+    problem = res.target.run_problem()
+    if problem:
+        print(f"note: cannot run here: {problem}")
+    return 0

@@ -1,0 +1,73 @@
+"""`blockforge env`: where things are (cache, log, tuning databases) and what runs here."""
+
+from __future__ import annotations
+
+import json
+
+
+def add(sub) -> None:
+    p = sub.add_parser("env", help="where blockforge keeps its state, and the versions and CPU here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def collect() -> dict:
+    import platform
+    from importlib import metadata
+
+    import blockforge
+    from blockforge import settings
+    from blockforge.compile.records import read_contents
+    from blockforge.errors import BlockforgeError
+    from blockforge.targets.toolchain import cpu_model
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    dbs = []
+    root = settings.tuning_root()
+    if root.is_dir():
+        for d in sorted(p for p in root.iterdir() if p.is_dir()):
+            try:
+                c = read_contents(d, tolerate_torn_tail=True)
+                dbs.append({"device": d.name, "path": str(d), "workloads": len(c.workloads), "records": len(c.records)})
+            except BlockforgeError as e:
+                dbs.append({"device": d.name, "path": str(d), "error": str(e)})
+    return {
+        "blockforge": blockforge.__version__,
+        "cache_dir": str(settings.cache_dir()),
+        "log_file": str(settings.log_file()),
+        "tuning_root": str(root),
+        "tuning_databases": dbs,
+        "edge_builds": str(settings.edge_build_root()),
+        "settings": settings.documented(),
+        "versions": {k: version(k) for k in ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime-gpu",
+                                              "onnxruntime", "numpy", "openvino")},
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "machine": platform.machine(),
+        "physical_cores": settings.physical_cores(),
+    }
+
+
+def run(a) -> int:
+    info = collect()
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"blockforge {info['blockforge']} (python {info['python']}) on {info['cpu']} "
+          f"({info['machine']}, {info['physical_cores']} physical cores)")
+    print(f"cache       {info['cache_dir']}")
+    print(f"log         {info['log_file']}")
+    print(f"edge builds {info['edge_builds']}")
+    print(f"tuning      {info['tuning_root']}")
+    for d in info["tuning_databases"]:
+        print(f"  {d['device']:40} " + (d["error"] if "error" in d else f"{d['records']} records, {d['workloads']} workloads"))
+    if not info["tuning_databases"]:
+        print("  (no databases yet: `blockforge tune` creates one per device)")
+    print("versions    " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v))
+    print("settings    " + ", ".join(f"{k}={v}" for k, v in info["settings"].items()))
+    return 0

@@ -1,0 +1,34 @@
+"""`blockforge verify`: ONNX Runtime vs the numpy oracle, and TVM vs both with --target."""
+
+from __future__ import annotations
+
+from .common import add_shape, add_tuning, dims, path_or_none, print_table, write_json
+
+
+def add(sub) -> None:
+    p = sub.add_parser("verify", help="ONNX Runtime vs numpy oracle (and TVM with --target)")
+    p.add_argument("model")
+    p.add_argument("--inputs", default=None, help=".npz of named inputs (default: random from --seed)")
+    add_shape(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default=None, help="also compile with TVM for this preset or target JSON")
+    add_tuning(p)
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    from blockforge.compile.verify import VerifyOptions, verify
+
+    report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs), dims=dims(a), seed=a.seed,
+                                  target=a.target, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning))
+    for note in report.notes:
+        print(f"note: {note}")
+    for issue in report.input_issues:
+        print(f"warning: {issue}")
+    rows = [[c.pair, c.output, f"{c.max_abs:.3e}", f"{c.max_rel:.3e}", f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
+             ("PASS" if c.passed else "FAIL") + (f" ({c.note})" if c.note else "")] for c in report.comparisons]
+    print_table(["pair", "output", "max abs err", "max rel err", "tolerance", "result"], rows)
+    write_json(a.json, report.to_dict())
+    print("PASS" if report.passed else "FAIL")
+    return 0 if report.passed else 1

@@ -1,0 +1,125 @@
+"""Every environment variable blockforge reads, and the process-wide settings it applies.
+
+Nothing here runs at import time. Values are read when asked for, so a test (or a
+long-lived service) that changes the environment sees the change.
+
+| variable | default | what |
+|---|---|---|
+| `BLOCKFORGE_CACHE_DIR` | `$XDG_CACHE_HOME/blockforge` or `~/.cache/blockforge` | per-user state: default tuning databases, logs, edge-app builds |
+| `BLOCKFORGE_LOG` | `<cache>/logs/blockforge.log` | where Python logs and TVM's native output go |
+| `BLOCKFORGE_ISOLATE` | `1` | `0` skips the child-process check of untrusted models |
+| `BLOCKFORGE_ISOLATE_TIMEOUT` | `300` | seconds the child-process check may take |
+| `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
+| `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
+| `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
+
+`configure()` applies the process-wide parts: the CLI calls it first thing; a library
+user calls `blockforge.configure()` once to get the same behaviour (thread pool sized to
+the cores, TVM's native output redirected to the log file instead of the terminal).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_DIR = "BLOCKFORGE_CACHE_DIR"
+LOG = "BLOCKFORGE_LOG"
+ISOLATE = "BLOCKFORGE_ISOLATE"
+ISOLATE_TIMEOUT = "BLOCKFORGE_ISOLATE_TIMEOUT"
+PREPACK = "BLOCKFORGE_PREPACK"
+
+# Measured: TVM's pool starts one thread on these VMs and runtime.config_threadpool does
+# not change it; the variable does (a 128x768x3072 GEMM: 252 GFLOP/s with 1, 516 with 2).
+TVM_THREADS = "TVM_NUM_THREADS"
+# Idle TVM workers spin before sleeping; the default spin steals a core from ONNX Runtime
+# (or the app) running next. 10k spins keeps back-to-back calls warm.
+TVM_SPIN = "TVM_THREAD_POOL_SPIN_COUNT"
+TVM_SPIN_DEFAULT = "10000"
+
+
+@dataclass
+class _State:
+    redirect_native: bool = False  # native_output_to_log() redirects fds 1/2 only when True
+
+
+STATE = _State()
+
+
+def _flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """Per-user state: default tuning databases, logs, edge-app builds."""
+    if os.environ.get(CACHE_DIR):
+        return Path(os.environ[CACHE_DIR]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "blockforge"
+
+
+def log_file() -> Path:
+    v = os.environ.get(LOG)
+    return Path(v).expanduser() if v else cache_dir() / "logs" / "blockforge.log"
+
+
+def tuning_root() -> Path:
+    """Where default per-device tuning databases live: <cache>/tuning/<device-key>/."""
+    return cache_dir() / "tuning"
+
+
+def edge_build_root() -> Path:
+    return cache_dir() / "edge"
+
+
+def isolate() -> bool:
+    return _flag(ISOLATE, True)
+
+
+def isolate_timeout_s() -> float:
+    v = os.environ.get(ISOLATE_TIMEOUT, "300")
+    try:
+        t = float(v)
+    except ValueError:
+        t = 300.0
+    return t if t > 0 else 300.0
+
+
+def prepack() -> bool:
+    return _flag(PREPACK, True)
+
+
+def physical_cores() -> int:
+    """Physical cores of this machine (TVM's pool and ORT's intra-op threads use as many)."""
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1
+
+
+def documented() -> dict[str, str]:
+    """Every variable this module owns, with its current effective value (for `blockforge env`)."""
+    return {CACHE_DIR: str(cache_dir()), LOG: str(log_file()), ISOLATE: "1" if isolate() else "0",
+            ISOLATE_TIMEOUT: f"{isolate_timeout_s():g}", PREPACK: "1" if prepack() else "0",
+            TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
+            TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}
+
+
+def configure(*, threads: int | None = None, redirect_native_output: bool = True) -> None:
+    """Apply the process-wide settings (before TVM's runtime starts its thread pool).
+
+    threads: TVM's pool size; default the physical cores (an explicit TVM_NUM_THREADS wins).
+    redirect_native_output: send TVM's C++ logging (fds 1/2) to log_file() while blockforge
+    compiles, tunes and runs, instead of the terminal.
+    """
+    if TVM_THREADS not in os.environ:
+        os.environ[TVM_THREADS] = str(threads or physical_cores())
+    os.environ.setdefault(TVM_SPIN, TVM_SPIN_DEFAULT)
+    STATE.redirect_native = redirect_native_output

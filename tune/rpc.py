@@ -1,0 +1,102 @@
+"""TVM's own RPC tracker and server as blockforge's device farm.
+
+They bind 127.0.0.1 unless told otherwise: a TVM RPC server loads and runs any module
+sent to it (arbitrary native code) for anyone who can reach its port, and the tracker
+hands its servers out to anyone who asks. Reach remote boards through an SSH tunnel.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+
+from blockforge.errors import BlockforgeError, error_line
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+TRACKER_PORT = 9190  # TVM's conventional ports
+SERVER_PORT = 9090
+
+
+
+def parse_tracker(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise BlockforgeError(f"bad --rpc-tracker {text!r}: expected HOST:PORT")
+    try:
+        p = int(port)
+    except ValueError:
+        raise BlockforgeError(f"bad --rpc-tracker {text!r}: port {port!r} is not an integer") from None
+    if not 0 < p < 65536:
+        raise BlockforgeError(f"bad --rpc-tracker {text!r}: port out of range")
+    return host, p
+
+
+def wait_for_devices(host: str, port: int, key: str, wait_s: float) -> int:
+    """Number of servers behind `key`; a clear error after at most `wait_s` seconds."""
+    from tvm import rpc
+
+    deadline = time.monotonic() + wait_s
+    try:
+        with socket.create_connection((host, port), timeout=min(3.0, max(wait_s, 0.1))):
+            pass
+    except OSError as e:
+        raise BlockforgeError(f"no RPC tracker at {host}:{port} ({e.strerror or e}); start one with "
+                              f"`blockforge rpc tracker --port {port}`") from None
+    while True:
+        try:
+            summary = rpc.connect_tracker(host, port).summary()
+        except Exception as e:
+            raise BlockforgeError(f"RPC tracker at {host}:{port} does not answer: {error_line(e, limit=200)}") from None
+        servers = [s for s in summary.get("server_info", []) if s.get("key", "").split(":", 1)[-1] == key]
+        if servers:
+            return len(servers)
+        if time.monotonic() >= deadline:
+            keys = sorted({s.get("key", "").split(":", 1)[-1] for s in summary.get("server_info", [])})
+            raise BlockforgeError(f"RPC tracker {host}:{port} has no device for key {key!r} after "
+                                  f"{wait_s:.0f}s (keys present: {', '.join(keys) or 'none'})")
+        time.sleep(0.5)
+
+
+def start_tracker(host: str = "127.0.0.1", port: int = TRACKER_PORT):
+    from tvm.rpc.tracker import Tracker
+
+    try:
+        return Tracker(host, port=port, port_end=port + 1, silent=True)
+    except Exception as e:
+        raise BlockforgeError(f"cannot start an RPC tracker on {host}:{port}: {error_line(e, last=True)}") from None
+
+
+def start_server(tracker: str, key: str, host: str = "127.0.0.1", port: int = SERVER_PORT):
+    from tvm import rpc
+
+    thost, tport = parse_tracker(tracker)
+    try:
+        return rpc.Server(host, port=port, port_end=port + 1, key=key, tracker_addr=(thost, tport), silent=True)
+    except Exception as e:
+        raise BlockforgeError(f"cannot start an RPC server on {host}:{port}: {error_line(e, last=True)}") from None
+
+
+def serve(role: str, *, host: str, port: int | None, tracker: str | None, key: str | None) -> int:
+    if host not in LOOPBACK:
+        print(f"warning: binding {host}: a TVM RPC server runs any code sent to it; keep it on a trusted "
+              "network or reach it through an SSH tunnel", file=sys.stderr)
+    if role == "tracker":
+        proc = start_tracker(host, TRACKER_PORT if port is None else port)
+        print(f"RPC tracker on {host}:{proc.port} (Ctrl-C to stop)", flush=True)
+    else:
+        if not tracker or not key:
+            raise BlockforgeError("rpc server needs --tracker HOST:PORT and --key KEY")
+        proc = start_server(tracker, key, host, SERVER_PORT if port is None else port)
+        print(f"RPC server on {host}:{proc.port}, key {key!r}, registered at {tracker} (Ctrl-C to stop)", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        proc.terminate()
+    return 0
