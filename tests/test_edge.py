@@ -166,7 +166,7 @@ def test_package_refuses_bad_artifacts(built, tmp_path, monkeypatch):
         package_artifact(PackageOptions(tmp_path / "nope"))
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "notes.txt").write_text("mine")
-    with pytest.raises(BlockforgeError, match="not a package"):
+    with pytest.raises(BlockforgeError, match="not a blockforge package"):
         package_artifact(PackageOptions(artifact, output=tmp_path / "occupied"))
     # an artifact directory is not a package: refused as an output, left as it was
     with pytest.raises(BlockforgeError, match="not a blockforge package"):

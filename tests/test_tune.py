@@ -170,13 +170,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_listening(port: int, timeout: float = 60.0) -> None:
+    """Until something accepts on 127.0.0.1:port (a loaded machine starts Python slowly)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def test_rpc_tracker_and_two_servers(ffn, tmp_path):
     port = _free_port()
     env = {**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")}
     procs = [subprocess.Popen([*BLOCKFORGE, "rpc", "tracker", "--port", str(port)], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        time.sleep(1.5)
+        _wait_listening(port)
         for i in range(2):
             procs.append(subprocess.Popen(
                 [*BLOCKFORGE, "rpc", "server", "--port", str(_free_port()), "--tracker", f"127.0.0.1:{port}",
