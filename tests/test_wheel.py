@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,15 +56,14 @@ class Installed:
 
 
 def _sources(dest: Path) -> Path:
-    """What the wheel is built from: pyproject.toml, the README it names and the folders its
-    package-dir maps; copied, so the checkout's build/ and *.egg-info cannot leak into it."""
-    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
-    folders = sorted(set(meta["tool"]["setuptools"]["package-dir"].values()))
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ["pyproject.toml", meta["project"].get("readme", "README.md"), *(p.name for p in REPO.glob("LICENSE*"))]:
-        shutil.copy2(REPO / name, dest / name)
-    for folder in folders:
-        shutil.copytree(REPO / folder, dest / folder, ignore=ignore)
+    """What the wheel is built from: pyproject.toml, README.md and the top-level Python
+    packages (the folders pyproject's package-dir maps); copied, so the checkout's build/ and
+    *.egg-info cannot leak into the wheel."""
+    for path in [REPO / "pyproject.toml", REPO / "README.md", *REPO.glob("LICENSE*")]:
+        shutil.copy2(path, dest / path.name)
+    for folder in sorted(p.parent for p in REPO.glob("*/__init__.py")):
+        if folder.name != "tests":
+            shutil.copytree(folder, dest / folder.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return dest
 
 
@@ -114,9 +112,11 @@ def test_wheel_installs_blockforge_apart_from_the_checkout(installed):
     data, no checkout on sys.path, no generic top-level modules."""
     probe = installed.root / "probe"
     probe.mkdir()
-    code = ("import json, sys, importlib.util, blockforge, blockforge.graph\n"
+    code = ("import json, sys, importlib.util, blockforge\n"
             "from blockforge.deploy.package import edge_app_dir\n"
-            "print(json.dumps({'init': blockforge.__file__, 'graph': blockforge.graph.__file__,\n"
+            "subs = ('cli', 'graph', 'targets', 'compile', 'tune', 'bench', 'deploy')\n"
+            "print(json.dumps({'init': blockforge.__file__,\n"
+            "  'subs': [importlib.util.find_spec('blockforge.' + n).origin for n in subs],\n"
             "  'edge_app': str(edge_app_dir()), 'path': sys.path,\n"
             "  'leaked': [n for n in ('graph', 'compile', 'targets', 'core', 'tune', 'bench', 'deploy')\n"
             "             if importlib.util.find_spec(n)]}))")
@@ -124,7 +124,7 @@ def test_wheel_installs_blockforge_apart_from_the_checkout(installed):
                        capture_output=True, text=True, timeout=120, check=True)
     info = json.loads(p.stdout)
     site = str(installed.site)
-    assert info["init"].startswith(site) and info["graph"].startswith(site), info
+    assert info["init"].startswith(site) and all(o.startswith(site) for o in info["subs"]), info
     assert info["leaked"] == [], info
     assert not [e for e in info["path"] if e and Path(e).resolve().is_relative_to(REPO)], info["path"]
     app = Path(info["edge_app"])
@@ -193,18 +193,23 @@ def test_tune_env_and_a_second_folder_share_the_default_database(installed):
     assert info["cache_dir"] == str(installed.cache)
     assert info["log_file"] == str(installed.cache / "logs" / "blockforge.log")
     assert info["edge_builds"] == str(installed.cache / "edge")
+    assert info["package"] == str(installed.site / "blockforge")
+    assert info["settings_source"]["BLOCKFORGE_CACHE_DIR"] == "default"
+    built = sorted({"aarch64", os.uname().machine})
+    assert info["edge_built"] == [a for a in built if (installed.cache / "edge" / a / "bin" / "edge_app").is_file()]
     (listed,) = info["tuning_databases"]
     assert listed["device"] == db.name and listed["path"] == str(db), listed
     assert listed["records"] >= 2 and listed["workloads"] == 2, listed  # one trial (+ a seed) per FFN task
     text = installed.ok("env", cwd=other)
     assert str(installed.cache) in text and db.name in text and f"{listed['records']} records" in text, text
+    assert f"edge builds {installed.cache / 'edge'} ({', '.join(info['edge_built'])}" in text or not info["edge_built"]
 
     # the one setting that moves all of it
     moved = installed.root / "moved-cache"
     info = json.loads(installed.ok("env", "--json", cwd=other, env={"BLOCKFORGE_CACHE_DIR": str(moved)}))
     assert (info["cache_dir"], info["log_file"], info["tuning_root"], info["edge_builds"]) == (
         str(moved), str(moved / "logs" / "blockforge.log"), str(moved / "tuning"), str(moved / "edge"))
-    assert info["tuning_databases"] == []
+    assert info["tuning_databases"] == [] and info["settings_source"]["BLOCKFORGE_CACHE_DIR"] == "environment"
 
     installed.ok("compile", work / "ffn.onnx", "--target", "host", "--shape", SHAPE, "-o", "ffn.tuned", cwd=other)
     tuning = json.loads((other / "ffn.tuned" / "manifest.json").read_text())["tuning"]
