@@ -134,7 +134,7 @@ def _edge_deps_why_not() -> str:
     or what it would have found)."""
     status = os.environ.get(EDGE_DEPS_STATUS)
     if status in ("present", "installed by this run"):
-        return f"`make test` found them {status}; the reasons above say what is still missing"
+        return f"`make test` reports the packages {status}; the reasons above say what is still missing"
     if status:
         return status
     if shutil.which("apt-get") is None:
