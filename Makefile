@@ -51,9 +51,14 @@ demo: install
 	  $(NOBLAS) $(BF) bench $(DEMO)/ffn_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(SHIPPED) --repeat 20; \
 	else echo "(this CPU has no AVX-512: the shipped x86-64-avx512 records are not used)"; fi
 
-# pytest exits 5 when it collected nothing: that is a failure, not a pass.
+# The aarch64 edge tests' Debian packages are installed first where that is possible (root and
+# apt-get; EDGE_DEPS=0 skips it). The last thing printed is which test groups were skipped and
+# what enables each (tests/conftest.py). pytest exits 5 when it collected nothing: a failure.
+SKIP_SUMMARY := build/skipped-groups.txt
 test: install
-	@set +e; $(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \
+	@set +e; status=$$(.ci/edge-deps); rm -f $(SKIP_SUMMARY); \
+	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
+	if [ -s $(SKIP_SUMMARY) ]; then cat $(SKIP_SUMMARY); fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 clean:

@@ -42,6 +42,7 @@ TVM_SPIN_DEFAULT = "10000"
 @dataclass
 class _State:
     redirect_native: bool = False  # native_output_to_log() redirects fds 1/2 only when True
+    filled_in: tuple[str, ...] = ()  # variables configure() set because they were unset
 
 
 STATE = _State()
@@ -104,6 +105,14 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+def source(name: str) -> str:
+    """Where a documented variable's value comes from: "environment", "default", or
+    "default, exported" (unset, so configure() set it for TVM)."""
+    if name in STATE.filled_in:
+        return "default, exported"
+    return "environment" if os.environ.get(name) else "default"
+
+
 def documented() -> dict[str, str]:
     """Every variable this module owns, with its current effective value (for `blockforge env`)."""
     return {CACHE_DIR: str(cache_dir()), LOG: str(log_file()), ISOLATE: "1" if isolate() else "0",
@@ -119,7 +128,12 @@ def configure(*, threads: int | None = None, redirect_native_output: bool = True
     redirect_native_output: send TVM's C++ logging (fds 1/2) to log_file() while blockforge
     compiles, tunes and runs, instead of the terminal.
     """
+    filled = []
     if TVM_THREADS not in os.environ:
         os.environ[TVM_THREADS] = str(threads or physical_cores())
-    os.environ.setdefault(TVM_SPIN, TVM_SPIN_DEFAULT)
+        filled.append(TVM_THREADS)
+    if TVM_SPIN not in os.environ:
+        os.environ[TVM_SPIN] = TVM_SPIN_DEFAULT
+        filled.append(TVM_SPIN)
+    STATE.filled_in = (*STATE.filled_in, *filled)
     STATE.redirect_native = redirect_native_output

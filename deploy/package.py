@@ -9,13 +9,15 @@
 For the host arch the libraries are the apache-tvm wheel's; for aarch64 they are
 cross-built from the runtime sources the wheel ships (deploy/edge_app/Makefile).
 The app's sources ship inside the blockforge package, so this works from any folder of a
-wheel install. Builds are cached under <cache>/edge/<arch>/ (settings.edge_build_root());
+wheel install. Builds are cached under <cache>/edge/<arch>/ (settings.edge_build_root()),
+made from a copy of the sources in <cache>/edge/src/ that changes only with their content;
 make decides what is stale.
 The directory appears atomically.
 """
 
 from __future__ import annotations
 
+import filecmp
 import importlib.util
 import os
 import re
@@ -105,10 +107,31 @@ def _failed_step(log_text: str) -> str:
     return f"{step}: {first_error[:300]}" if first_error else step
 
 
+def _synced_sources(root: Path) -> Path:
+    """The app's sources copied to <build root>/src, a file rewritten only when its bytes
+    changed, and make run from there. make judges staleness by mtime, and pip gives every
+    file of a reinstall a new one: run from the installed files, each `pip install` (so each
+    `make test`) recompiled 7 of the aarch64 runtime's objects, whose dependencies include
+    runtime/compat headers. Called under the build lock."""
+    src, dest = edge_app_dir(), root / "src"
+    wanted = {p.relative_to(src) for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    for rel in sorted(wanted):
+        d = dest / rel
+        if d.is_file() and filecmp.cmp(src / rel, d, shallow=False):
+            continue
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, d.with_name(d.name + ".tmp"))
+        os.replace(d.with_name(d.name + ".tmp"), d)
+    for d in [p for p in dest.rglob("*") if p.is_file()]:
+        if d.relative_to(dest) not in wanted:
+            d.unlink()  # gone from the package: make must not pick it up
+    return dest
+
+
 def _make(target: str, arch: str) -> Path:
     from filelock import FileLock
 
-    app_dir = edge_app_dir()
+    edge_app_dir()  # the sources are there, or one clear error
     if not shutil.which("make"):
         raise BlockforgeError("make not found; install the Debian packages make and g++")
     cxx = os.environ.get("CXX", "g++")
@@ -117,9 +140,9 @@ def _make(target: str, arch: str) -> Path:
     root = build_root()
     root.mkdir(parents=True, exist_ok=True)
     log = root / f"make-{arch}.log"
-    cmd = ["make", "-C", str(app_dir), f"-j{MAKE_JOBS}", target, f"BUILD_DIR={root}",
-           f"TVM_DIR={_package_dir('tvm')}", f"TVM_FFI_DIR={_package_dir('tvm_ffi')}"]
     with FileLock(str(root / ".build.lock")):  # one build at a time per build dir
+        cmd = ["make", "-C", str(_synced_sources(root)), f"-j{MAKE_JOBS}", target, f"BUILD_DIR={root}",
+               f"TVM_DIR={_package_dir('tvm')}", f"TVM_FFI_DIR={_package_dir('tvm_ffi')}"]
         with open(log, "w") as f:
             f.write("$ " + shlex.join(cmd) + "\n")
             f.flush()

@@ -34,6 +34,7 @@ class ParityReport:
             "input_issues": self.input_issues,
             "comparisons": [
                 {"pair": c.pair, "output": c.output, "max_abs": c.max_abs, "max_rel": c.max_rel,
+                 "rel_count": c.rel_count, "count": c.count,  # max_rel: over |expected| > atol
                  "rtol": c.tol.rtol, "atol": c.tol.atol, "passed": c.passed, "note": c.note}
                 for c in self.comparisons
             ],

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,12 @@ import pytest
 
 BLOCKFORGE = [sys.executable, "-m", "blockforge"]
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skip-summary", default=None, metavar="FILE",
+                     help="write the skipped-groups summary to FILE instead of the terminal "
+                          "(`make test` prints it last, after pytest's own summary)")
 
 
 def pytest_configure(config):
@@ -89,3 +97,89 @@ def workdir(tmp_path, monkeypatch):
 def save_npz(path: Path, **arrays: np.ndarray) -> Path:
     np.savez(path, **arrays)
     return path
+
+
+# ------------------------------------------------------------------ skipped groups
+
+EDGE_DEBS = "g++-aarch64-linux-gnu qemu-user"
+# Set by `make test` (.ci/edge-deps): what it did about the edge tests' Debian packages.
+EDGE_DEPS_STATUS = "EDGE_DEPS_STATUS"
+
+
+@dataclass(frozen=True)
+class SkipGroup:
+    name: str
+    patterns: tuple[str, ...]  # lower-case fragments of the skip reasons that belong here
+    enable: str  # what makes the group run
+
+
+SKIP_GROUPS = (
+    SkipGroup("aarch64 edge tests (cross-build + qemu)", ("aarch64-linux-gnu", "qemu"),
+              f"apt-get install {EDGE_DEBS}   (`make test` does this itself as root)"),
+    SkipGroup("gpu tests (CUDA device)", ("cuda gpu",),
+              "a machine with an NVIDIA GPU and its driver (nvidia-smi lists it); then `make test`"),
+    SkipGroup("CUDA build tests (nvcc)", ("nvcc",),
+              "the CUDA toolkit with nvcc on PATH (e.g. apt-get install nvidia-cuda-toolkit)"),
+)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _edge_deps_why_not() -> str:
+    """Why the aarch64 edge tests' packages are not here (the status `make test` passed on,
+    or what it would have found)."""
+    status = os.environ.get(EDGE_DEPS_STATUS)
+    if status in ("present", "installed by this run"):
+        return f"`make test` reports the packages {status}; the reasons above say what is still missing"
+    if status:
+        return status
+    if shutil.which("apt-get") is None:
+        return "no apt-get on this system: install an aarch64 cross g++ and qemu-user with its package manager"
+    if os.geteuid() != 0:
+        return f"not root (uid {os.geteuid()}): run `sudo apt-get install {EDGE_DEBS}`"
+    return "pytest ran directly: `make test` installs them (root and apt-get are both here)"
+
+
+def skipped_groups_lines(reasons: list[str]) -> list[str]:
+    """The summary: each skipped group, how many tests, why, and what enables it."""
+    if not reasons:
+        return ["no test was skipped: every group ran"]
+    grouped: dict[SkipGroup | None, Counter] = {}
+    for r in reasons:
+        group = next((g for g in SKIP_GROUPS if any(p in r.lower() for p in g.patterns)), None)
+        grouped.setdefault(group, Counter())[r] += 1
+    lines = []
+    for group in [g for g in SKIP_GROUPS if g in grouped] + ([None] if None in grouped else []):
+        counts = grouped[group]
+        n = sum(counts.values())
+        lines.append(f"{group.name if group else 'other skips'}: {n} test{'s' if n != 1 else ''} skipped")
+        for reason, k in counts.most_common():
+            lines.append(f"    because: {reason}" + (f" ({k})" if len(counts) > 1 else ""))
+        if group is None:
+            lines.append("    (no package enables these here)")
+            continue
+        lines.append(f"    enable:  {group.enable}")
+        if group is SKIP_GROUPS[0]:
+            lines.append(f"    not installed: {_edge_deps_why_not()}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say loudly which groups of tests did not run and the command that enables each,
+    instead of one line per test lost among the -ra skips."""
+    reasons = [_skip_reason(r) for r in terminalreporter.stats.get("skipped", [])
+               if getattr(r, "when", "call") in ("setup", "call")]
+    lines = skipped_groups_lines(reasons)
+    title = f"SKIPPED TEST GROUPS: {len(reasons)} test{'s' if len(reasons) != 1 else ''} did not run"
+    dest = config.getoption("--skip-summary")
+    if dest:
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        Path(dest).write_text("\n".join([f"==== {title} ====", *lines]) + "\n")
+        return
+    terminalreporter.write_sep("=", title, yellow=bool(reasons), green=not reasons, bold=True)
+    for line in lines:
+        terminalreporter.write_line(line, yellow=bool(reasons) and not line.startswith(" "))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def add(sub) -> None:
@@ -28,6 +29,7 @@ def collect() -> dict:
             return None
 
     dbs = []
+    edge = settings.edge_build_root()
     root = settings.tuning_root()
     if root.is_dir():
         for d in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -42,8 +44,11 @@ def collect() -> dict:
         "log_file": str(settings.log_file()),
         "tuning_root": str(root),
         "tuning_databases": dbs,
-        "edge_builds": str(settings.edge_build_root()),
+        "edge_builds": str(edge),
+        "edge_built": sorted(p.parent.parent.name for p in edge.glob("*/bin/edge_app")),  # arches
+        "package": str(Path(blockforge.__file__).parent),
         "settings": settings.documented(),
+        "settings_source": {k: settings.source(k) for k in settings.documented()},
         "versions": {k: version(k) for k in ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime-gpu",
                                               "onnxruntime", "numpy", "openvino")},
         "python": platform.python_version(),
@@ -60,14 +65,18 @@ def run(a) -> int:
         return 0
     print(f"blockforge {info['blockforge']} (python {info['python']}) on {info['cpu']} "
           f"({info['machine']}, {info['physical_cores']} physical cores)")
+    print(f"package     {info['package']}")
     print(f"cache       {info['cache_dir']}")
     print(f"log         {info['log_file']}")
-    print(f"edge builds {info['edge_builds']}")
+    built = ", ".join(info["edge_built"]) or "none yet: `blockforge package --app` builds one per arch"
+    print(f"edge builds {info['edge_builds']} ({built})")
     print(f"tuning      {info['tuning_root']}")
     for d in info["tuning_databases"]:
         print(f"  {d['device']:40} " + (d["error"] if "error" in d else f"{d['records']} records, {d['workloads']} workloads"))
     if not info["tuning_databases"]:
         print("  (no databases yet: `blockforge tune` creates one per device)")
     print("versions    " + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v))
-    print("settings    " + ", ".join(f"{k}={v}" for k, v in info["settings"].items()))
+    print("settings")
+    for k, v in info["settings"].items():
+        print(f"  {k:27} {v}  ({info['settings_source'][k]})")
     return 0

@@ -26,9 +26,24 @@ def run(a) -> int:
         print(f"note: {note}")
     for issue in report.input_issues:
         print(f"warning: {issue}")
-    rows = [[c.pair, c.output, f"{c.max_abs:.3e}", f"{c.max_rel:.3e}", f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
+    rows = [[c.pair, c.output, f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}",
+             f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
              ("PASS" if c.passed else "FAIL") + (f" ({c.note})" if c.note else "")] for c in report.comparisons]
-    print_table(["pair", "output", "max abs err", "max rel err", "tolerance", "result"], rows)
+    print_table(["pair", "output", "max abs err", "max rel err (|expected| >= atol/rtol)", "err/allowed",
+                 "tolerance", "result"], rows)
+    if report.comparisons:
+        print("An element passes when |actual - expected| <= atol + rtol * |expected| (err/allowed <= 1). "
+              "Below |expected| = atol/rtol the allowance is mostly atol, so relative error is left out "
+              "there (n = elements it covers).")
     write_json(a.json, report.to_dict())
     print("PASS" if report.passed else "FAIL")
     return 0 if report.passed else 1
+
+
+def _rel(c) -> str:
+    """The relative-error cell: only over elements where rtol, not atol, sets the allowance."""
+    if c.max_rel is None:
+        return f"n/a (no |expected| >= {c.rel_floor:g})"
+    if c.count and c.rel_count < c.count:
+        return f"{c.max_rel:.3e} (n={c.rel_count}/{c.count})"
+    return f"{c.max_rel:.3e}"
