@@ -19,7 +19,7 @@ from pathlib import Path
 import onnx
 
 import blockforge
-from blockforge.errors import BlockforgeError, error_line
+from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
 from blockforge.fsutil import atomic_directory, atomic_write_json, check_output, sha256_file
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
@@ -79,9 +79,13 @@ def export_module(executable, target: ResolvedTarget, path: Path) -> None:
     kwargs = {}
     if target.cross_compiler:
         kwargs["fcompile"] = cc.cross_compiler(target.cross_compiler)
+    # TVM's intermediates (lib0.o, devc.o) go beside the output, not to a tmp* directory of
+    # TVM's in TMPDIR that an interrupted export leaves behind.
     try:
-        executable.export_library(str(path), **kwargs)
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=path.parent) as workspace:
+            executable.export_library(str(path), workspace_dir=workspace, **kwargs)
     except Exception as e:
+        raise_if_stopped()  # the compiler was stopped by the same signal: not an export failure
         raise BlockforgeError(f"export of module.so for {target.name} failed: {error_line(e, last=True)}") from None
 
 
