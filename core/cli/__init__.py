@@ -162,7 +162,7 @@ def _main(argv: list[str] | None) -> int:
     return rc
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, _program: bool = False) -> int:
     import threading
 
     from blockforge.errors import reset_stop
@@ -177,8 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         return _stopped()
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
+            # The program: the exit code is decided and the cleanup done, so a signal in the
+            # last milliseconds (a second Ctrl-C) must not turn into a traceback or a death by
+            # signal. A library caller gets its own handlers back.
+            signal.signal(s, signal.SIG_IGN if _program else h)
+
+
+def entry() -> None:
+    """The `blockforge` program (console script and `python -m blockforge`)."""
+    sys.exit(main(_program=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
