@@ -20,7 +20,7 @@ import onnx
 
 import blockforge
 from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
-from blockforge.fsutil import atomic_directory, atomic_write_json, check_output, sha256_file
+from blockforge.fsutil import atomic_directory, atomic_write_json, check_dir_output, check_output, sha256_file
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
@@ -105,6 +105,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     dest = Path(opts.output) if opts.output else default_output(Path(opts.model), target)
     # The output policy first: a refused or unwritable output costs nothing.
     check_output(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force)
+    if opts.dump_ir:
+        check_dir_output(opts.dump_ir, "--dump-ir directory")
     session = open_model(opts.model, target, opts.dims)
     target, ins, outs = session.target, session.inputs, session.outputs
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)

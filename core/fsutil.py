@@ -152,13 +152,14 @@ def check_output(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | N
             kind = "a directory" if dest.is_dir() else "a file"
             raise BlockforgeError(f"{dest} exists and is {kind} that is not a blockforge {what}; refusing to "
                                   "replace it (choose another output, or pass --force)")
-    _check_parent(dest)
+    check_parent(dest)
 
 
-def _check_parent(dest: Path) -> None:
+def check_parent(dest: str | os.PathLike) -> None:
     """The nearest existing ancestor of `dest` must be a directory we can write in."""
     from blockforge.errors import BlockforgeError
 
+    dest = Path(dest)
     probe = dest.parent if str(dest.parent) else Path(".")
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -166,6 +167,20 @@ def _check_parent(dest: Path) -> None:
         raise BlockforgeError(f"{dest}: {probe} is a file, not a directory")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise BlockforgeError(f"{dest}: cannot write in {probe} (permission denied)")
+
+
+def check_dir_output(dest: str | os.PathLike, what: str = "output directory") -> Path:
+    """A directory output written into (not replaced), checked before any work."""
+    from blockforge.errors import BlockforgeError
+
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise BlockforgeError(f"{dest}: the {what} must be a directory, and this is a file")
+    if not dest.exists():
+        check_parent(dest)
+    elif not os.access(dest, os.W_OK | os.X_OK):
+        raise BlockforgeError(f"{dest}: cannot write in it (permission denied)")
+    return dest
 
 
 def check_file_output(dest: str | os.PathLike, what: str = "output file") -> Path:
@@ -176,7 +191,7 @@ def check_file_output(dest: str | os.PathLike, what: str = "output file") -> Pat
     dest = Path(dest)
     if dest.is_dir():
         raise BlockforgeError(f"{dest} is a directory; the {what} must be a file path")
-    _check_parent(dest)
+    check_parent(dest)
     return dest
 
 

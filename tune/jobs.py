@@ -26,7 +26,7 @@ from blockforge.compile.records import FAILED_RUN_SECS, default_db_dir, load_dat
 from blockforge.compile.runtime import tvm_device
 from blockforge.compile.session import Session, open_model
 from blockforge.errors import BlockforgeError, raise_if_stopped
-from blockforge.fsutil import atomic_write_json, private_temp_root
+from blockforge.fsutil import atomic_write_json, check_dir_output, private_temp_root
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
@@ -488,8 +488,9 @@ def tune(opts: TuneOptions) -> TuneSummary:
     if problem:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     n_servers = _check_options(opts, target)  # before the slow import, not after
-    session = open_model(opts.model, target, opts.dims)
     db_dir = Path(opts.tuning_db) if opts.tuning_db else default_db_dir(target, opts.rpc_key)
+    check_dir_output(db_dir, "tuning database")  # a refused database costs nothing
+    session = open_model(opts.model, target, opts.dims)
     db = DeviceDB(db_dir, target, create=True)
     term = _terminal()
     try:
