@@ -446,15 +446,17 @@ def _end_workers(runner, since: float) -> None:
         except Exception as e:
             logging.getLogger("blockforge").info("runner pool shutdown: %s", e)
     try:
-        workers = [p for p in psutil.Process().children(recursive=True) if p.create_time() >= since - 1.0]
+        mine = [p for p in psutil.Process().children(recursive=True) if p.create_time() >= since - 1.0]
+        workers = {p.pid for p in mine if "tvm.exec.popen_worker" in " ".join(p.cmdline())}
+        doomed = [p for p in mine if p.pid in workers or any(a.pid in workers for a in p.parents())]
     except psutil.Error:
         return
-    for p in workers:
+    for p in doomed:  # a worker and what it runs (a compiler); their files are in the job's temporary root
         try:
-            p.kill()  # workers hold no state of ours; their files are in the job's temporary root
+            p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(workers, timeout=5)
+    psutil.wait_procs(doomed, timeout=5)
 
 
 def _summarize(job: _Job, salvaged: dict) -> TuneSummary:

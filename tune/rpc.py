@@ -62,11 +62,9 @@ def free_port(host: str) -> int:
     """A port the OS picks as free on `host` (for --port 0). TVM binds the port it is given,
     with SO_REUSEADDR, so handing it the number right after this socket closes works; a
     process taking it in between makes the start fail with a clear error."""
-    import socket as _s
-
-    family = _s.AF_INET6 if ":" in host else _s.AF_INET
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        with _s.socket(family, _s.SOCK_STREAM) as sock:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             return sock.getsockname()[1]
     except OSError as e:

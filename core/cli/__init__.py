@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 
-from blockforge.errors import BlockforgeError, Terminated  # noqa: F401  (Terminated: re-exported)
+from blockforge.errors import BlockforgeError, Terminated
 
 VERB_NAMES = ("export", "inspect", "verify", "targets", "compile", "run", "tune", "rpc", "bench", "package", "env")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
