@@ -19,8 +19,8 @@ from pathlib import Path
 import onnx
 
 import blockforge
-from blockforge.errors import BlockforgeError, error_line
-from blockforge.fsutil import atomic_directory, atomic_write_json, check_output, sha256_file
+from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
+from blockforge.fsutil import atomic_directory, atomic_write_json, check_dir_output, check_output, sha256_file
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
@@ -79,9 +79,13 @@ def export_module(executable, target: ResolvedTarget, path: Path) -> None:
     kwargs = {}
     if target.cross_compiler:
         kwargs["fcompile"] = cc.cross_compiler(target.cross_compiler)
+    # TVM's intermediates (lib0.o, devc.o) go beside the output, not to a tmp* directory of
+    # TVM's in TMPDIR that an interrupted export leaves behind.
     try:
-        executable.export_library(str(path), **kwargs)
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=path.parent) as workspace:
+            executable.export_library(str(path), workspace_dir=workspace, **kwargs)
     except Exception as e:
+        raise_if_stopped()  # the compiler was stopped by the same signal: not an export failure
         raise BlockforgeError(f"export of module.so for {target.name} failed: {error_line(e, last=True)}") from None
 
 
@@ -101,6 +105,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     dest = Path(opts.output) if opts.output else default_output(Path(opts.model), target)
     # The output policy first: a refused or unwritable output costs nothing.
     check_output(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force)
+    if opts.dump_ir:
+        check_dir_output(opts.dump_ir, "--dump-ir directory")
     session = open_model(opts.model, target, opts.dims)
     target, ins, outs = session.target, session.inputs, session.outputs
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)

@@ -19,7 +19,11 @@ import sys
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, raise_if_stopped
+
+# A child ended by one of these was stopped from outside (a terminal's Ctrl-C reaches the
+# whole process group), not crashed by the model.
+_STOPPED_BY = {signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP}
 
 def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: float | None = None) -> None:
     """Raise BlockforgeError unless a child process loads (and TVM-imports) the model cleanly."""
@@ -31,16 +35,23 @@ def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: f
         cmd += ["--tvm", "--dims", json.dumps(dims or {})]
     env = {**os.environ, settings.ISOLATE: "0"}  # the child trusts itself
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        # On any exception here (KeyboardInterrupt, Terminated included) subprocess.run kills
+        # and reaps the child before re-raising: no checker is left running.
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise BlockforgeError(f"{path}: checking the model did not finish within {timeout:.0f} s "
                               "(a hang in native code?); refusing it") from None
+    raise_if_stopped()  # the same signal reached the child (its process group): a stop, not a verdict
     what = "TVM's importer" if tvm else "the ONNX parser/checker"
     if p.returncode < 0:
         try:
             sig = signal.Signals(-p.returncode).name
         except ValueError:
             sig = f"signal {-p.returncode}"
+        if -p.returncode in _STOPPED_BY:
+            raise BlockforgeError(f"{path}: the child process checking the model was stopped from outside "
+                                  f"({sig}); nothing was decided about the model")
         raise BlockforgeError(f"{path}: {what} crashed ({sig}) on this model; refusing it")
     if p.returncode == 2:
         lines = [ln for ln in p.stdout.splitlines() if ln.strip()]

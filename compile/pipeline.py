@@ -1,6 +1,7 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
-    optimize -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+    optimize -> [fp32-compute (CPU) | fp32-accumulate (GPU): float16 models] -> [prepack (CPU)]
+    -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
 so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
@@ -103,6 +104,17 @@ def _fp32_accumulate() -> list:
     return [relax.transform.ToMixedPrecision(out_dtype="float32")]
 
 
+def _fp32_compute() -> list:
+    from .fast_math import fast_activations
+    from .fp32_compute import float16_as_float32
+
+    # CPU: ONNX Runtime's CPU provider computes float16 graphs in float32 (casts at the
+    # inputs and outputs only); float16 intermediates overflowed where its stay finite
+    # (MHA inputs x300: 1024 of 1024 outputs NaN vs 0). fp32_compute.py has the numbers.
+    # The activations converted to float32 then get the fast kernels float32 models get.
+    return [float16_as_float32, fast_activations]
+
+
 def has_fp16(mod) -> bool:
     from tvm import relax
 
@@ -117,7 +129,10 @@ def has_fp16(mod) -> bool:
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True) -> list[Phase]:
     out = [Phase("optimize", _optimize)]
     if fp16:
-        out.append(Phase("fp32-accumulate", _fp32_accumulate))
+        # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels); CPUs compute
+        # in float32 as ORT's CPU provider does.
+        out.append(Phase("fp32-compute", _fp32_compute) if target.kind == "llvm"
+                   else Phase("fp32-accumulate", _fp32_accumulate))
     if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))
     out.append(Phase("legalize", _legalize))

@@ -1,5 +1,3 @@
-import sys
+from blockforge.cli import entry
 
-from blockforge.cli import main
-
-sys.exit(main())
+entry()

@@ -21,3 +21,76 @@ def error_line(e: BaseException, *, last: bool = False, limit: int = 300) -> str
     if not lines:
         return type(e).__name__
     return (lines[-1] if last else lines[0])[:limit]
+
+
+# ---------------------------------------------------------------- stopping on a signal
+#
+# The CLI turns SIGINT/SIGTERM into exceptions in the main thread (KeyboardInterrupt,
+# Terminated), so every finally block and context manager cleans up. The first signal is
+# also remembered here: TVM converts a Python exception raised inside its callbacks into a
+# RuntimeError (message lost), and code that catches Exception to carry on (a schedule rule
+# that does not apply, a failed candidate) would swallow the request. raise_if_stopped()
+# re-raises it at such places; the CLI reads stop_signal() to choose the exit code.
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so cleanup (finally blocks, context managers) runs."""
+
+
+class _StopState:
+    signum: int | None = None  # the first SIGINT/SIGTERM this process received
+    deferring: int = 0  # > 0 inside stop_deferred(): the exception waits until the block ends
+    pending: bool = False
+
+
+_STOP = _StopState()
+
+
+def stop_exception(signum: int) -> BaseException:
+    import signal
+
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def request_stop(signum: int) -> bool:
+    """Record a stop signal (the CLI's handler calls this). True when it should raise now:
+    the first signal, outside stop_deferred(). Later signals never raise, so they cannot
+    interrupt the cleanup the first one started."""
+    if _STOP.signum is not None:
+        return False
+    _STOP.signum = signum
+    if _STOP.deferring:
+        _STOP.pending = True
+        return False
+    return True
+
+
+def stop_signal() -> int | None:
+    return _STOP.signum
+
+
+def reset_stop() -> None:
+    _STOP.signum, _STOP.deferring, _STOP.pending = None, 0, False
+
+
+def raise_if_stopped() -> None:
+    """Re-raise a stop request that TVM's wrapping or a broad `except` swallowed."""
+    if _STOP.signum is not None:
+        raise stop_exception(_STOP.signum)
+
+
+class stop_deferred:
+    """A block a stop signal must not cut in two (two renames that belong together, a child
+    process started but not yet owned): the signal is remembered and raised when it ends."""
+
+    def __enter__(self):
+        _STOP.deferring += 1
+        return self
+
+    def __exit__(self, *exc):
+        _STOP.deferring -= 1
+        if not _STOP.deferring and _STOP.pending:
+            _STOP.pending = False
+            if exc[0] is None:
+                raise stop_exception(_STOP.signum)
+        return False

@@ -63,12 +63,70 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+def atomic_write_group(files: dict[str | os.PathLike, bytes]) -> list[Path]:
+    """Write several files that belong together (a model and its manifest): all of them
+    or none. Each is staged (written, fsynced) beside its destination first; only then are
+    they renamed into place, with stop signals deferred, and a failed rename puts back
+    what the earlier ones replaced."""
+    from blockforge.errors import stop_deferred
+
+    staged: list[tuple[Path, str]] = []
+    try:
+        for dest, data in files.items():
+            dest = Path(dest)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+            staged.append((dest, tmp))
+            os.fchmod(fd, 0o666 & ~_umask())
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        with stop_deferred():
+            done: list[tuple[Path, str | None]] = []  # (dest, backup of what it replaced)
+            try:
+                for dest, tmp in staged:
+                    backup = None
+                    if dest.is_file() and not dest.is_symlink():
+                        backup = f"{tmp}.old"
+                        try:
+                            os.link(dest, backup)  # the old file stays in place until the rename
+                        except OSError:  # a file system without hard links
+                            shutil.copy2(dest, backup)
+                    done.append((dest, backup))
+                    os.replace(tmp, dest)
+            except BaseException:
+                for dest, backup in reversed(done):
+                    with contextlib.suppress(OSError):
+                        if backup:
+                            os.replace(backup, dest)
+                        else:
+                            dest.unlink()
+                raise
+            for _, backup in done:
+                if backup:
+                    with contextlib.suppress(OSError):
+                        os.unlink(backup)
+    finally:
+        for _, tmp in staged:
+            for leftover in (tmp, f"{tmp}.old"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+    for parent in {Path(d).parent for d in files}:
+        _fsync_dir(parent)
+    return [Path(d) for d in files]
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
 def atomic_write_json(path: str | os.PathLike, obj) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    return atomic_write_bytes(path, json_bytes(obj))
 
 
 def check_output(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | None = None,
@@ -94,14 +152,84 @@ def check_output(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | N
             kind = "a directory" if dest.is_dir() else "a file"
             raise BlockforgeError(f"{dest} exists and is {kind} that is not a blockforge {what}; refusing to "
                                   "replace it (choose another output, or pass --force)")
-    parent = dest.parent if str(dest.parent) else Path(".")
-    probe = parent
+    check_parent(dest)
+
+
+def check_parent(dest: str | os.PathLike) -> None:
+    """The nearest existing ancestor of `dest` must be a directory we can write in."""
+    from blockforge.errors import BlockforgeError
+
+    dest = Path(dest)
+    probe = dest.parent if str(dest.parent) else Path(".")
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise BlockforgeError(f"{dest}: {probe} is a file, not a directory")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise BlockforgeError(f"{dest}: cannot write in {probe} (permission denied)")
+
+
+def check_dir_output(dest: str | os.PathLike, what: str = "output directory") -> Path:
+    """A directory output written into (not replaced), checked before any work."""
+    from blockforge.errors import BlockforgeError
+
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise BlockforgeError(f"{dest}: the {what} must be a directory, and this is a file")
+    if not dest.exists():
+        check_parent(dest)
+    elif not os.access(dest, os.W_OK | os.X_OK):
+        raise BlockforgeError(f"{dest}: cannot write in it (permission denied)")
+    return dest
+
+
+def check_file_output(dest: str | os.PathLike, what: str = "output file") -> Path:
+    """A file output (--json, --output, --plot, -o MODEL.onnx), checked before any work:
+    not a directory, and a writable directory to put it in."""
+    from blockforge.errors import BlockforgeError
+
+    dest = Path(dest)
+    if dest.is_dir():
+        raise BlockforgeError(f"{dest} is a directory; the {what} must be a file path")
+    check_parent(dest)
+    return dest
+
+
+def write_error(dest: str | os.PathLike, e: OSError):
+    """One line for a write that failed after the checks (a full disk, a race)."""
+    from blockforge.errors import BlockforgeError
+
+    return BlockforgeError(f"cannot write {dest}: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
+    """A fresh directory under the temporary directory that is TMPDIR (and tempfile's
+    default) inside the block, removed at its end whatever happens.
+
+    TVM writes intermediate files (export_library's tmp*/lib0.o, MetaSchedule's candidate
+    tars) to the default temporary directory, in this process and in the worker processes
+    it starts, which inherit TMPDIR. A worker killed mid-export cannot remove its own; this
+    root takes them all. Yields None (and changes nothing) where no directory can be made."""
+    from blockforge.errors import stop_deferred
+
+    try:
+        root = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=tempfile.gettempdir())
+    except OSError:
+        yield None
+        return
+    saved_env, saved_default = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+    try:
+        yield Path(root)
+    finally:
+        with stop_deferred():  # a signal now must not leave half the tree behind
+            tempfile.tempdir = saved_default
+            if saved_env is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved_env
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:

@@ -9,12 +9,11 @@ import onnx
 from onnx import shape_inference
 
 import blockforge
-from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes
+from blockforge.errors import BlockforgeError, error_line
+from blockforge.fsutil import atomic_write_group, check_file_output, json_bytes, sha256_bytes, write_error
 
 from .analysis import analyze
 from .builders import build
-from blockforge.errors import error_line
 from .spec import Spec
 from .weights import Weights
 
@@ -67,16 +66,19 @@ def manifest_for(model: onnx.ModelProto, data: bytes, spec: Spec | None) -> dict
 
 
 def export(spec: Spec, output: str | Path | None = None) -> ExportResult:
-    """Build `spec`, validate it and write MODEL.onnx + MODEL.json (both atomically)."""
-    model, weights = build(spec)
-    validate(model)
+    """Build `spec`, validate it and write MODEL.onnx + MODEL.json: both or neither."""
     path = Path(output) if output else Path("artifacts") / default_name(spec)
     if path.suffix != ".onnx":
         raise BlockforgeError(f"output path {path} must end in .onnx")
-    if path.is_dir():
-        raise BlockforgeError(f"output path {path} is a directory")
+    mpath = path.with_suffix(".json")
+    check_file_output(path, "model")  # before the build: a refused output costs nothing
+    check_file_output(mpath, "model's manifest")
+    model, weights = build(spec)
+    validate(model)
     data = model.SerializeToString()  # weights inline: no external-data files to trust
     manifest = manifest_for(model, data, spec)
-    atomic_write_bytes(path, data)
-    mpath = atomic_write_json(path.with_suffix(".json"), manifest)
+    try:
+        atomic_write_group({path: data, mpath: json_bytes(manifest)})
+    except OSError as e:
+        raise write_error(path, e) from None
     return ExportResult(path, mpath, manifest, model, weights)

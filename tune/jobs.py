@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,8 +25,8 @@ from blockforge.compile.pipeline import extract_tasks, run_phases
 from blockforge.compile.records import FAILED_RUN_SECS, default_db_dir, load_database
 from blockforge.compile.runtime import tvm_device
 from blockforge.compile.session import Session, open_model
-from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_write_json
+from blockforge.errors import BlockforgeError, raise_if_stopped
+from blockforge.fsutil import atomic_write_json, check_dir_output, private_temp_root
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
@@ -220,6 +219,7 @@ def default_schedule(task, target: ResolvedTarget):
             try:
                 sch = rule.apply(func, tgt, False)
             except Exception as e:  # a rule that cannot apply says why, and the next one tries
+                raise_if_stopped()  # unless it was a stop signal TVM wrapped in a RuntimeError
                 logging.getLogger("blockforge").info("rule %s on %s: %s", type(rule).__name__, task.task_name, e)
                 sch = None
             if sch is not None:
@@ -381,8 +381,7 @@ def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
             builder=builder, runner=runner, cost_model=cost_model,
             database=ms.database.JSONDatabase(work_dir=str(rnd.path)), task_scheduler="round-robin")
     except Exception as e:
-        if "KeyboardInterrupt" in str(e):  # TVM wraps Ctrl-C in a RuntimeError
-            raise KeyboardInterrupt from None
+        raise_if_stopped()  # TVM turns a KeyboardInterrupt in its callbacks into RuntimeError('')
         raise BlockforgeError(f"tuning task {task.task_name} failed: "
                               f"{(str(e).strip().splitlines() or [type(e).__name__])[-1][:300]}") from None
     job.db.commit_round(rnd)
@@ -406,29 +405,58 @@ def _search(job: _Job, term) -> None:
         print(f"blockforge tune: {len(job.tasks)} tasks, {job.budget} trials per task, {job.to_spend()} to spend, "
               f"{sum(min(b, job.budget) for b in job.before.values())} reused; database {job.db.path}; "
               f"TVM log {job.db.path / 'tune.log'}", file=term)
-    runner = _make_runner(opts, job.session.target, job.n_servers)
-    tmp_root = tempfile.mkdtemp(prefix="blockforge-tune-")
-    builder = _make_builder(job.session.target, tmp_root)
-    cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
+    # The job's temporary root is TMPDIR for this process and the builder/runner workers:
+    # candidates, TVM's own tmp* export directories and the compilers' files land in it,
+    # and it goes when the job ends, however it ends.
+    started, runner = time.time(), None
+    with private_temp_root("blockforge-tune-") as tmp_root:
+        try:
+            runner = _make_runner(opts, job.session.target, job.n_servers)
+            builder = _make_builder(job.session.target, str(tmp_root or tempfile.gettempdir()))
+            cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
+            _seed_all(job, builder, runner)
+            while job.todo():
+                for task, w, fl in job.todo():
+                    if bar:
+                        bar.set_postfix_str(f"{task.task_name} {job.before[w] + job.new[w]}/{job.budget}", refresh=True)
+                    k = _tune_round(job, task, w, builder, runner, cost_model)
+                    if bar:
+                        best = _best(job.db.contents().by_workload().get(w, []))
+                        info = f"{task.task_name} {job.before[w] + job.new[w]}/{job.budget}"
+                        if best:
+                            info += f" best {best * 1e6:.1f} us {fl / best / 1e9:.1f} GFLOP/s"
+                        bar.set_postfix_str(info, refresh=False)
+                        bar.update(k)
+        finally:
+            if bar:
+                bar.close()
+            _end_workers(runner, started)
+            job.db.salvage()  # interrupted (Ctrl-C, error): keep whatever the current round finished
+
+
+def _end_workers(runner, since: float) -> None:
+    """Stop the builder/runner worker processes now, not when garbage collection finds the
+    pools: an interrupted build leaves its pool (and the workers' compilers) running."""
+    import psutil
+
+    pool = getattr(runner, "pool", None)
+    if pool is not None:
+        try:
+            pool.shutdown(wait=False)
+        except Exception as e:
+            logging.getLogger("blockforge").info("runner pool shutdown: %s", e)
     try:
-        _seed_all(job, builder, runner)
-        while job.todo():
-            for task, w, fl in job.todo():
-                if bar:
-                    bar.set_postfix_str(f"{task.task_name} {job.before[w] + job.new[w]}/{job.budget}", refresh=True)
-                k = _tune_round(job, task, w, builder, runner, cost_model)
-                if bar:
-                    best = _best(job.db.contents().by_workload().get(w, []))
-                    info = f"{task.task_name} {job.before[w] + job.new[w]}/{job.budget}"
-                    if best:
-                        info += f" best {best * 1e6:.1f} us {fl / best / 1e9:.1f} GFLOP/s"
-                    bar.set_postfix_str(info, refresh=False)
-                    bar.update(k)
-    finally:
-        if bar:
-            bar.close()
-        shutil.rmtree(tmp_root, ignore_errors=True)
-        job.db.salvage()  # interrupted (Ctrl-C, error): keep whatever the current round finished
+        mine = [p for p in psutil.Process().children(recursive=True) if p.create_time() >= since - 1.0]
+        workers = {p.pid for p in mine if "tvm.exec.popen_worker" in " ".join(p.cmdline())}
+        doomed = [p for p in mine if p.pid in workers or any(a.pid in workers for a in p.parents())]
+    except psutil.Error:
+        return
+    for p in doomed:  # a worker and what it runs (a compiler); their files are in the job's temporary root
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(doomed, timeout=5)
 
 
 def _summarize(job: _Job, salvaged: dict) -> TuneSummary:
@@ -462,8 +490,9 @@ def tune(opts: TuneOptions) -> TuneSummary:
     if problem:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     n_servers = _check_options(opts, target)  # before the slow import, not after
-    session = open_model(opts.model, target, opts.dims)
     db_dir = Path(opts.tuning_db) if opts.tuning_db else default_db_dir(target, opts.rpc_key)
+    check_dir_output(db_dir, "tuning database")  # a refused database costs nothing
+    session = open_model(opts.model, target, opts.dims)
     db = DeviceDB(db_dir, target, create=True)
     term = _terminal()
     try:

@@ -7,17 +7,16 @@ hands its servers out to anyone who asks. Reach remote boards through an SSH tun
 
 from __future__ import annotations
 
-import signal
+import logging
 import socket
 import sys
 import time
 
-from blockforge.errors import BlockforgeError, error_line
+from blockforge.errors import BlockforgeError, error_line, raise_if_stopped, stop_deferred
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TRACKER_PORT = 9190  # TVM's conventional ports
 SERVER_PORT = 9090
-
 
 
 def parse_tracker(text: str) -> tuple[str, int]:
@@ -59,12 +58,33 @@ def wait_for_devices(host: str, port: int, key: str, wait_s: float) -> int:
         time.sleep(0.5)
 
 
+def free_port(host: str) -> int:
+    """A port the OS picks as free on `host` (for --port 0). TVM binds the port it is given,
+    with SO_REUSEADDR, so handing it the number right after this socket closes works; a
+    process taking it in between makes the start fail with a clear error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return sock.getsockname()[1]
+    except OSError as e:
+        raise BlockforgeError(f"cannot bind {host}: {e.strerror or e}") from None
+
+
+def check_port(port: int) -> None:
+    if not 0 <= port < 65536:
+        raise BlockforgeError(f"--port {port} is out of range (0..65535; 0 picks a free port)")
+
+
 def start_tracker(host: str = "127.0.0.1", port: int = TRACKER_PORT):
     from tvm.rpc.tracker import Tracker
 
+    check_port(port)
+    port = port or free_port(host)
     try:
         return Tracker(host, port=port, port_end=port + 1, silent=True)
     except Exception as e:
+        raise_if_stopped()
         raise BlockforgeError(f"cannot start an RPC tracker on {host}:{port}: {error_line(e, last=True)}") from None
 
 
@@ -72,31 +92,59 @@ def start_server(tracker: str, key: str, host: str = "127.0.0.1", port: int = SE
     from tvm import rpc
 
     thost, tport = parse_tracker(tracker)
+    check_port(port)
+    port = port or free_port(host)
     try:
         return rpc.Server(host, port=port, port_end=port + 1, key=key, tracker_addr=(thost, tport), silent=True)
     except Exception as e:
+        raise_if_stopped()
         raise BlockforgeError(f"cannot start an RPC server on {host}:{port}: {error_line(e, last=True)}") from None
 
 
+def stop(proc) -> None:
+    """End a tracker or server and everything it started, without a word.
+
+    TVM's Server.terminate kills its worker; Tracker.terminate first asks the tracker to stop
+    over a connection to 127.0.0.1, which fails (a traceback) for a tracker bound to any
+    other address. Both run in a TVM PopenWorker whose process tree (the server forks one
+    process per session) is killed here directly."""
+    worker = getattr(proc, "proc", None)
+    if worker is None:
+        return
+    proc.proc = None  # TVM's own terminate/__del__ then do nothing
+    try:
+        worker.kill()  # SIGKILL to the worker's descendants, then to the worker; reaped
+    except Exception as e:  # already gone
+        logging.getLogger("blockforge").info("stopping the RPC %s: %s", type(proc).__name__, e)
+
+
 def serve(role: str, *, host: str, port: int | None, tracker: str | None, key: str | None) -> int:
+    """Run a tracker or a server until SIGINT/SIGTERM (which end it as they end every verb:
+    KeyboardInterrupt / Terminated from the CLI's handler); the worker process is ended on
+    every way out, a signal during startup included."""
+    if role == "server" and (not tracker or not key):
+        raise BlockforgeError("rpc server needs --tracker HOST:PORT and --key KEY")
     if host not in LOOPBACK:
         print(f"warning: binding {host}: a TVM RPC server runs any code sent to it; keep it on a trusted "
               "network or reach it through an SSH tunnel", file=sys.stderr)
-    if role == "tracker":
-        proc = start_tracker(host, TRACKER_PORT if port is None else port)
-        print(f"RPC tracker on {host}:{proc.port} (Ctrl-C to stop)", flush=True)
-    else:
-        if not tracker or not key:
-            raise BlockforgeError("rpc server needs --tracker HOST:PORT and --key KEY")
-        proc = start_server(tracker, key, host, SERVER_PORT if port is None else port)
-        print(f"RPC server on {host}:{proc.port}, key {key!r}, registered at {tracker} (Ctrl-C to stop)", flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    proc = None
     try:
-        while not stop:
+        # A stop signal while TVM starts the worker would leave it running with nobody holding
+        # it (a listener that runs any code sent to it): the signal waits until it is owned.
+        with stop_deferred():
+            if role == "tracker":
+                proc = start_tracker(host, TRACKER_PORT if port is None else port)
+            else:
+                proc = start_server(tracker, key, host, SERVER_PORT if port is None else port)
+        if role == "tracker":
+            print(f"RPC tracker on {host}:{proc.port} (Ctrl-C to stop)", flush=True)
+        else:
+            print(f"RPC server on {host}:{proc.port}, key {key!r}, registered at {tracker} (Ctrl-C to stop)",
+                  flush=True)
+        while True:
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+            if not proc.proc.is_alive():
+                raise BlockforgeError(f"the RPC {role} process ended unexpectedly (see the log)")
     finally:
-        proc.terminate()
-    return 0
+        if proc is not None:
+            stop(proc)

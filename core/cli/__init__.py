@@ -5,28 +5,35 @@ settings, logging, and how every way of ending becomes one line and an exit code
 
 Exit codes: 0 success, 1 parity failure (verify), 2 user error (bad input),
 130 interrupted (SIGINT), 143 terminated (SIGTERM), 70 internal error (a bug).
+
+A signal ends every verb the same way: the first SIGINT/SIGTERM raises in the main thread
+(KeyboardInterrupt / errors.Terminated), cleanup runs (temporary files, locks, the
+database's scratch rounds), child processes started during the run are ended, and the
+run's private temporary directory (TMPDIR for TVM and every child) is removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
+import time
 import traceback
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, Terminated
 
-from . import bench, compile, env, export, inspect, package, rpc, run, targets, tune, verify
-
-VERBS = (export, inspect, verify, targets, compile, run, tune, rpc, bench, package, env)
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so cleanup (finally blocks, context managers) runs."""
+VERB_NAMES = ("export", "inspect", "verify", "targets", "compile", "run", "tune", "rpc", "bench", "package", "env")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+CHILD_GRACE_S = 2.0  # children get SIGTERM, then SIGKILL after this long
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EISDIR,
+                       errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST, errno.ENOTEMPTY}
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+def _verbs():
+    import importlib
+
+    return [importlib.import_module(f"{__name__}.{name}") for name in VERB_NAMES]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,53 +42,151 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockforge", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"blockforge {blockforge.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for verb in VERBS:
+    for verb in _verbs():
         verb.add(sub)
     return parser
 
 
-def _interrupted(e: BaseException) -> bool:
-    """TVM wraps a KeyboardInterrupt raised inside its callbacks in a RuntimeError."""
-    return isinstance(e, KeyboardInterrupt) or "KeyboardInterrupt" in str(e)
+def _on_signal(signum, frame):
+    from blockforge import errors
+
+    if errors.request_stop(signum):
+        raise errors.stop_exception(signum)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _stopped() -> int:
+    from blockforge.errors import stop_signal
+
+    if stop_signal() == signal.SIGTERM:
+        print("blockforge: terminated", file=sys.stderr)
+        return 143
+    print("blockforge: interrupted", file=sys.stderr)
+    return 130
+
+
+def end_children(since: float, grace_s: float = CHILD_GRACE_S) -> list[int]:
+    """End the descendants of this process started at or after `since` (time.time()):
+    builder/runner worker pools, RPC workers, compilers, the isolated-import child. A
+    library caller's own older children are left alone. Returns the pids ended."""
+    try:
+        import psutil
+    except ImportError:  # a dependency; without it only the owners' own cleanup runs
+        return []
+    try:
+        kids = [p for p in psutil.Process().children(recursive=True) if p.create_time() >= since - 1.0]
+    except psutil.Error:
+        return []
+    for p in kids:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(kids, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in kids]
+
+
+def _dispatch(args, log) -> int:
+    from blockforge.errors import stop_deferred
+    from blockforge.fsutil import private_temp_root
+
+    started = time.time()
+    try:
+        with private_temp_root():
+            try:
+                return int(args.func(args) or 0)
+            finally:
+                with stop_deferred():
+                    end_children(started)  # before the temporary root goes: they may write in it
+    except BlockforgeError as e:
+        if _stop_requested():
+            return _stopped()
+        print(f"blockforge: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (KeyboardInterrupt, Terminated):
+        return _stopped()
+    except OSError as e:
+        if _stop_requested():
+            return _stopped()
+        if e.errno not in _ENVIRONMENT_ERRNOS:
+            return _internal_error(e, log)
+        # the file system said no (permissions, a full disk, a directory where a file was
+        # expected): the user's to fix, not a bug; the traceback still goes to the log
+        log.error("file system error\n%s", traceback.format_exc())
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"blockforge: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if _stop_requested():
+            return _stopped()  # TVM wrapped our KeyboardInterrupt/Terminated in a RuntimeError
+        return _internal_error(e, log)
+
+
+def _internal_error(e: BaseException, log) -> int:
+    """A bug: one line on the terminal, the traceback in the log."""
+    from blockforge.logs import log_path
+
+    log.error("internal error\n%s", traceback.format_exc())
+    print(f"blockforge: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+          f"(traceback in {log_path()})", file=sys.stderr)
+    return 70
+
+
+def _stop_requested() -> bool:
+    from blockforge.errors import stop_signal
+
+    return stop_signal() is not None
+
+
+def _main(argv: list[str] | None) -> int:
     from blockforge import settings
     from blockforge.logs import log_path, setup_logging
 
     parser = build_parser()
     args = parser.parse_args(argv)
     settings.configure()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         log = setup_logging()
     except OSError as e:
         print(f"blockforge: error: cannot write the log file {log_path()}: {e.strerror or e} "
               f"(set {settings.LOG} or {settings.CACHE_DIR})", file=sys.stderr)
         return 2
+    rc = _dispatch(args, log)
+    if rc not in (130, 143) and _stop_requested():
+        return _stopped()  # a signal some library code swallowed: still a stopped run
+    return rc
+
+
+def main(argv: list[str] | None = None, *, _program: bool = False) -> int:
+    import threading
+
+    from blockforge.errors import reset_stop
+
+    reset_stop()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+        previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
     try:
-        return int(args.func(args) or 0)
-    except BlockforgeError as e:
-        print(f"blockforge: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except Terminated:
-        print("blockforge: terminated", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
-        print("blockforge: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if _interrupted(e):
-            print("blockforge: interrupted", file=sys.stderr)
-            return 130
-        # a bug: one line on the terminal, the traceback in the log
-        log.error("internal error\n%s", traceback.format_exc())
-        print(f"blockforge: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-              f"(traceback in {log_path()})", file=sys.stderr)
-        return 70
+        return _main(argv)
+    except (KeyboardInterrupt, Terminated):  # while parsing arguments or printing the last line
+        return _stopped()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            # The program: the exit code is decided and the cleanup done, so a signal in the
+            # last milliseconds (a second Ctrl-C) must not turn into a traceback or a death by
+            # signal. A library caller gets its own handlers back.
+            signal.signal(s, signal.SIG_IGN if _program else h)
+
+
+def entry() -> None:
+    """The `blockforge` program (console script and `python -m blockforge`)."""
+    sys.exit(main(_program=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

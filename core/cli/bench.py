@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_shape, dims, path_or_none, write_json
+from .common import add_shape, check_outputs, dims, path_or_none, write_json
 
 
 def add(sub) -> None:
@@ -25,7 +25,9 @@ def add(sub) -> None:
 
 def run(a) -> int:
     from blockforge.bench import BenchOptions, bench, plot
+    from blockforge.fsutil import write_error
 
+    check_outputs(json=a.json, plot=a.plot)
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
                              repeat=a.repeat, dims=dims(a), tuning_db=path_or_none(a.tuning_db), profile=a.profile))
@@ -34,5 +36,8 @@ def run(a) -> int:
         print(f"note: {n}")
     write_json(a.json, rep.to_dict())
     if a.plot:
-        plot([rep], Path(a.plot))
+        try:
+            plot([rep], Path(a.plot))
+        except OSError as e:
+            raise write_error(a.plot, e) from None
     return 0

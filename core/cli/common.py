@@ -40,8 +40,20 @@ def add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tuning", action="store_true", help="ignore tuning records")
 
 
+def check_outputs(**paths: str | None) -> None:
+    """File outputs (--json, --output, --plot) checked before the work, not after it."""
+    from blockforge.fsutil import check_file_output
+
+    for flag, path in paths.items():
+        if path:
+            check_file_output(path, f"--{flag.replace('_', '-')} output")
+
+
 def write_json(path: str | None, obj) -> None:
     if path:
-        from blockforge.fsutil import atomic_write_json
+        from blockforge.fsutil import atomic_write_json, write_error
 
-        atomic_write_json(path, obj)
+        try:
+            atomic_write_json(path, obj)
+        except OSError as e:
+            raise write_error(path, e) from None

@@ -8,7 +8,7 @@ def add(sub) -> None:
     p.add_argument("role", choices=["tracker", "server"])
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: the server runs "
                                                        "arbitrary code for anyone who reaches it)")
-    p.add_argument("--port", type=int, default=None, help="tracker default 9190, server 9090")
+    p.add_argument("--port", type=int, default=None, help="tracker default 9190, server 9090; 0 picks a free port (printed)")
     p.add_argument("--tracker", default=None, help="server: HOST:PORT of the tracker")
     p.add_argument("--key", default=None, help="server: device key")
     p.set_defaults(func=run)

@@ -18,10 +18,13 @@ def run(a) -> int:
     import numpy as np
 
     from blockforge.compile import load_artifact
-    from blockforge.fsutil import atomic_write_bytes
+    from blockforge.fsutil import atomic_write_bytes, write_error
     from blockforge.graph.model_io import load_npz
     from blockforge.logs import native_output_to_log
 
+    from .common import check_outputs
+
+    check_outputs(output=a.output)
     inputs = load_npz(a.inputs)
     mod = load_artifact(a.artifact)
     with native_output_to_log():
@@ -30,6 +33,9 @@ def run(a) -> int:
         dt = time.perf_counter() - t0
     buf = io.BytesIO()
     np.savez(buf, **outs)
-    atomic_write_bytes(a.output, buf.getvalue())
+    try:
+        atomic_write_bytes(a.output, buf.getvalue())
+    except OSError as e:
+        raise write_error(a.output, e) from None
     print(f"ran {a.artifact} in {dt * 1e3:.2f} ms -> {a.output} ({', '.join(f'{k} {v.shape}' for k, v in outs.items())})")
     return 0

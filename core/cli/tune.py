@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_shape, dims, path_or_none, print_table, write_json
+from .common import add_shape, check_outputs, dims, path_or_none, print_table, write_json
 
 
 def add(sub) -> None:
@@ -32,6 +32,7 @@ def add(sub) -> None:
 def run(a) -> int:
     from blockforge.tune import TuneOptions, tune
 
+    check_outputs(json=a.json)
     s = tune(TuneOptions(model=a.model, target=a.target, trials=a.trials, trials_per_task=a.trials_per_task,
                          tuning_db=path_or_none(a.tuning_db), rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
                          dims=dims(a), round_trials=a.round_trials, measure=not a.no_measure,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_shape, add_tuning, dims, path_or_none, print_table, write_json
+from .common import add_shape, add_tuning, check_outputs, dims, path_or_none, print_table, write_json
 
 
 def add(sub) -> None:
@@ -20,6 +20,7 @@ def add(sub) -> None:
 def run(a) -> int:
     from blockforge.compile.verify import VerifyOptions, verify
 
+    check_outputs(json=a.json)
     report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs), dims=dims(a), seed=a.seed,
                                   target=a.target, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning))
     for note in report.notes:

@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -55,8 +56,12 @@ def test_sigkill_at_several_points(tmp_path):
             load_database(db)  # MetaSchedule loads what the kill left
         kept = lines
         survived += 1
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    tmpdir = tmp_path / "tmpdir"  # a completed job leaves nothing in TMPDIR (TVM's tmp*/tvm_tmp_mod.tar)
+    tmpdir.mkdir()
+    r = subprocess.run(cmd, cwd=tmp_path, env={**env, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr
+    assert list(tmpdir.iterdir()) == [], f"left in TMPDIR: {list(tmpdir.rglob('*'))[:5]}"
     final = (db / RECORDS).read_text().splitlines()
     assert final[: len(kept)] == kept
     assert "spent" in r.stdout
@@ -88,7 +93,12 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
     assert len(before) >= 2
     load_database(db)
     monkeypatch.setattr(tuning_db, "atomic_write_text", real)
+    tmpdir = tmp_path / "tmpdir"  # the library call, too, leaves nothing in TMPDIR (workers' exports)
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     s = tune(TuneOptions(model=model, target="host", dims=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
                          measure=False, progress=False))
     after = (db / RECORDS).read_text().splitlines()
     assert after[: len(before)] == before and s.trials_new > 0
+    assert list(tmpdir.iterdir()) == [], f"left in TMPDIR: {list(tmpdir.rglob('*'))[:5]}"
