@@ -5,7 +5,10 @@ hangs them must not take down a long job (a tuning run, a service). The child do
 same work the parent is about to do; only when it exits cleanly does the parent repeat
 it in-process. A crash (signal) or a hang (time limit) becomes one clear error.
 
-    python -m blockforge.compile.isolate MODEL.onnx [--tvm] [--dims JSON]
+    python -m blockforge.compile.isolate MODEL.onnx [--tvm] [--request JSON]
+
+With --tvm the child runs the whole prelude: resolve the dims of the request (--shape,
+input shapes, defaults), prepare (compile/prepare.py) and import.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from pathlib import Path
 from blockforge import settings
 from blockforge.errors import BlockforgeError
 
-def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: float | None = None) -> None:
+def probe(path: Path, *, tvm: bool = False, request: dict | None = None, timeout: float | None = None) -> None:
     """Raise BlockforgeError unless a child process loads (and TVM-imports) the model cleanly."""
     if not settings.isolate():
         return
     timeout = timeout or settings.isolate_timeout_s()
     cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path)]
     if tvm:
-        cmd += ["--tvm", "--dims", json.dumps(dims or {})]
+        cmd += ["--tvm", "--request", json.dumps(request or {})]
     env = {**os.environ, settings.ISOLATE: "0"}  # the child trusts itself
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -52,11 +55,12 @@ def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: f
         raise BlockforgeError(f"{path}: {what} failed in a child process (exit {p.returncode}){reason}")
 
 
-def load_untrusted(path: str | Path, *, tvm: bool = False, dims: dict | None = None):
-    """probe() then load in-process; returns the checked ModelProto."""
+def load_untrusted(path: str | Path, *, tvm: bool = False, request: dict | None = None):
+    """probe() then load in-process; returns the checked ModelProto. `request`: open_model's
+    dims/input_shapes/default_dims, as the child needs them to prepare and import."""
     from blockforge.graph.model_io import load_model
 
-    probe(Path(path), tvm=tvm, dims=dims)
+    probe(Path(path), tvm=tvm, request=request)
     return load_model(path)
 
 
@@ -64,16 +68,20 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--tvm", action="store_true")
-    ap.add_argument("--dims", default="{}")
+    ap.add_argument("--request", default="{}")
     a = ap.parse_args(argv)
     from blockforge.graph.model_io import load_model
 
     try:
         model = load_model(a.model)
         if a.tvm:
-            from .frontend import import_onnx
+            from .frontend import bound_signature
+            from .prepare import prepare
+            from .session import bind_request, import_prepared
 
-            import_onnx(model, json.loads(a.dims))  # its output is captured by the parent
+            dims = bind_request(model, **json.loads(a.request))
+            prepared, _ = prepare(model, dims)
+            import_prepared(prepared, bound_signature(model, dims)[0])  # output captured by the parent
     except BlockforgeError as e:
         print(str(e))
         return 2
