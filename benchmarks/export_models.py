@@ -30,8 +30,10 @@ FULL = Path("artifacts/models")
 
 # Tiny: a few hundred KB each. vocab 128 keeps the embedding tables small.
 TINY = dict(hidden=32, heads=2, layers=2, ff=64, vocab=128, positions=64, image=32, patch=8)
-# Full width (BERT-base / GPT-2 small / ViT-B/16); layers are an option (12 in the real models).
+# Full size: BERT-base, DistilBERT (6 layers), RoBERTa-base, GPT-2 small (vocab 50257), ViT-B/16.
 FULL_SIZE = dict(hidden=768, heads=12, layers=12, ff=3072, vocab=30522, positions=512, image=224, patch=16)
+FULL_LAYERS = {"distilbert": 6}
+FULL_VOCAB = {"gpt2": 50257, "roberta": 50265}
 MODELS = ("bert", "distilbert", "roberta", "gpt2", "vit")
 EXPORTERS = ("dynamo", "legacy")
 OPSETS = (17, 18)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--exporters", default=",".join(EXPORTERS))
     ap.add_argument("--opsets", default=None, help="comma list (tiny default 17,18; full default 17)")
-    ap.add_argument("--layers", type=int, default=None, help="full: encoder layers (default 12)")
+    ap.add_argument("--layers", type=int, default=None, help="full: layers (default the real model's: 12, DistilBERT 6)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     tiny = a.what == "tiny"
@@ -165,10 +167,14 @@ def main(argv=None) -> int:
     opsets = [int(x) for x in (a.opsets or ("17,18" if tiny else "17")).split(",")]
     index = []
     for kind in a.models.split(","):
+        kind_size = dict(size)
+        if not tiny:
+            kind_size["layers"] = a.layers or FULL_LAYERS.get(kind, size["layers"])
+            kind_size["vocab"] = FULL_VOCAB.get(kind, size["vocab"])
         for exporter in a.exporters.split(","):
             for opset in opsets:
                 name = f"{kind}_{exporter}_op{opset}.onnx"
-                entry = export_one(kind, exporter, opset, size, out / name)
+                entry = export_one(kind, exporter, opset, kind_size, out / name)
                 index.append(entry)
                 if entry.get("skipped"):
                     print(f"skipped {name}: {entry['skipped']}", flush=True)

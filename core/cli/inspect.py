@@ -17,20 +17,33 @@ def add(sub) -> None:
 
 def run(a) -> int:
     from blockforge.compile.isolate import load_untrusted
+    from blockforge.compile.prepare import prepare
+    from blockforge.compile.session import bind_request
     from blockforge.graph.analysis import analyze
-    from blockforge.graph.model_io import model_spec
+    from blockforge.graph.model_io import DEFAULT_DIMS, model_spec, signature, unbound_dims
+    from blockforge.logs import native_output_to_log
 
     model = load_untrusted(a.model)
-    facts = analyze(model, dims(a))
+    # FLOPs on the prepared model: exports compute their shapes at run time (Shape ->
+    # Concat -> Reshape), which shape inference alone cannot see through.
+    bound = bind_request(model, dims(a), default_dims=DEFAULT_DIMS)
+    with native_output_to_log():
+        prepared, report = prepare(model, bound)
+    facts = analyze(model, bound, prepared)
     spec = model_spec(model)
+    open_dims = unbound_dims(signature(model)[0], bound)
     if a.json:
-        print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None}, indent=2))
+        print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None,
+                          "unbound_dims": open_dims, "prepare": report.to_dict()}, indent=2))
         return 0
     print(f"model: {a.model}  (opset {facts.opset}, {'blockforge ' + spec.kind if spec else 'foreign model'})")
     for label, sigs in (("input", facts.inputs), ("output", facts.outputs)):
         for s in sigs:
             print(f"  {label:6} {s.name:18} {s.dtype:8} {list(s.dims)}")
     print(f"  params {facts.params:,} ({facts.param_bytes / 2**20:.2f} MiB)")
-    print(f"  MatMul FLOPs {facts.flops:,} at {facts.dims}")
+    print(f"  MatMul/Gemm/Conv/attention FLOPs {facts.flops:,} at {facts.dims}")
+    if open_dims:
+        print(f"  note: dims {', '.join(open_dims)} are unbound: FLOPs count only the static part "
+              "(give --shape, e.g. input_ids=1x128)")
     print("  ops: " + ", ".join(f"{k} x{v}" for k, v in facts.ops.items()))
     return 0
