@@ -5,10 +5,11 @@ hangs them must not take down a long job (a tuning run, a service). The child do
 same work the parent is about to do; only when it exits cleanly does the parent repeat
 it in-process. A crash (signal) or a hang (time limit) becomes one clear error.
 
-    python -m blockforge.compile.isolate MODEL.onnx [--tvm] [--request JSON]
+    python -m blockforge.compile.isolate MODEL.onnx [--prepare | --tvm] [--request JSON]
 
-With --tvm the child runs the whole prelude: resolve the dims of the request (--shape,
-input shapes, defaults), prepare (compile/prepare.py) and import.
+--prepare: the child also resolves the request's dims (--shape, input shapes, defaults) and
+runs prepare (compile/prepare.py: its constant folding evaluates subgraphs natively);
+--tvm: prepare and TVM's import, the whole prelude.
 """
 
 from __future__ import annotations
@@ -24,21 +25,22 @@ from pathlib import Path
 from blockforge import settings
 from blockforge.errors import BlockforgeError
 
-def probe(path: Path, *, tvm: bool = False, request: dict | None = None, timeout: float | None = None) -> None:
+def probe(path: Path, *, tvm: bool = False, prepare: bool = False, request: dict | None = None,
+          timeout: float | None = None) -> None:
     """Raise BlockforgeError unless a child process loads (and TVM-imports) the model cleanly."""
     if not settings.isolate():
         return
     timeout = timeout or settings.isolate_timeout_s()
     cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path)]
-    if tvm:
-        cmd += ["--tvm", "--request", json.dumps(request or {})]
+    if tvm or prepare:
+        cmd += ["--tvm" if tvm else "--prepare", "--request", json.dumps(request or {})]
     env = {**os.environ, settings.ISOLATE: "0"}  # the child trusts itself
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise BlockforgeError(f"{path}: checking the model did not finish within {timeout:.0f} s "
                               "(a hang in native code?); refusing it") from None
-    what = "TVM's importer" if tvm else "the ONNX parser/checker"
+    what = "TVM's importer" if tvm else ("prepare (constant folding)" if prepare else "the ONNX parser/checker")
     if p.returncode < 0:
         try:
             sig = signal.Signals(-p.returncode).name
@@ -55,12 +57,12 @@ def probe(path: Path, *, tvm: bool = False, request: dict | None = None, timeout
         raise BlockforgeError(f"{path}: {what} failed in a child process (exit {p.returncode}){reason}")
 
 
-def load_untrusted(path: str | Path, *, tvm: bool = False, request: dict | None = None):
+def load_untrusted(path: str | Path, *, tvm: bool = False, prepare: bool = False, request: dict | None = None):
     """probe() then load in-process; returns the checked ModelProto. `request`: open_model's
-    dims/input_shapes/default_dims, as the child needs them to prepare and import."""
+    dims/input_shapes/default_dims/static, as the child needs them to prepare and import."""
     from blockforge.graph.model_io import load_model
 
-    probe(Path(path), tvm=tvm, request=request)
+    probe(Path(path), tvm=tvm, prepare=prepare, request=request)
     return load_model(path)
 
 
@@ -68,20 +70,22 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--tvm", action="store_true")
+    ap.add_argument("--prepare", action="store_true")
     ap.add_argument("--request", default="{}")
     a = ap.parse_args(argv)
     from blockforge.graph.model_io import load_model
 
     try:
         model = load_model(a.model)
-        if a.tvm:
+        if a.tvm or a.prepare:
             from .frontend import bound_signature
             from .prepare import prepare
             from .session import bind_request, import_prepared
 
             dims = bind_request(model, **json.loads(a.request))
             prepared, _ = prepare(model, dims)
-            import_prepared(prepared, bound_signature(model, dims)[0])  # output captured by the parent
+            if a.tvm:
+                import_prepared(prepared, bound_signature(model, dims)[0])  # output captured by the parent
     except BlockforgeError as e:
         print(str(e))
         return 2

@@ -59,7 +59,7 @@ class Session:
         return res
 
 
-def bind_request(model: onnx.ModelProto, dims: dict | None, input_shapes: dict | None = None,
+def bind_request(model: onnx.ModelProto, dims: dict | None = None, input_shapes: dict | None = None,
                  default_dims: dict | None = None, static: bool = False) -> dict[str, int]:
     """The model's symbolic dims bound from what the user gave (see model_io.resolve_dims);
     static: every dim must be bound (bench), else one clear error naming the inputs."""

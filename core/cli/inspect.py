@@ -16,25 +16,33 @@ def add(sub) -> None:
 
 
 def run(a) -> int:
-    from blockforge.compile.isolate import load_untrusted
-    from blockforge.compile.prepare import prepare
+    from pathlib import Path
+
+    from blockforge.compile.isolate import load_untrusted, probe
+    from blockforge.compile.prepare import SHAPE_OPS, prepare
     from blockforge.compile.session import bind_request
     from blockforge.graph.analysis import analyze
     from blockforge.graph.model_io import DEFAULT_DIMS, model_spec, signature, unbound_dims
     from blockforge.logs import native_output_to_log
 
-    model = load_untrusted(a.model)
     # FLOPs on the prepared model: exports compute their shapes at run time (Shape ->
-    # Concat -> Reshape), which shape inference alone cannot see through.
-    bound = bind_request(model, dims(a), default_dims=DEFAULT_DIMS)
-    with native_output_to_log():
-        prepared, report = prepare(model, bound)
+    # Concat -> Reshape), which shape inference alone cannot see through. Prepare's folding
+    # evaluates subgraphs natively: a child process runs it on the untrusted model first.
+    # Graphs without shape arithmetic skip it (the folder's import alone costs ~1 s).
+    request = dict(dims=dims(a), default_dims=DEFAULT_DIMS)
+    model = load_untrusted(a.model)
+    bound = bind_request(model, **request)
+    prepared, report = None, None
+    if any(n.op_type in SHAPE_OPS for n in model.graph.node):
+        probe(Path(a.model), prepare=True, request=request)
+        with native_output_to_log():
+            prepared, report = prepare(model, bound)
     facts = analyze(model, bound, prepared)
     spec = model_spec(model)
     open_dims = unbound_dims(signature(model)[0], bound)
     if a.json:
         print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None,
-                          "unbound_dims": open_dims, "prepare": report.to_dict()}, indent=2))
+                          "unbound_dims": open_dims, "prepare": report.to_dict() if report else None}, indent=2))
         return 0
     print(f"model: {a.model}  (opset {facts.opset}, {'blockforge ' + spec.kind if spec else 'foreign model'})")
     for label, sigs in (("input", facts.inputs), ("output", facts.outputs)):
