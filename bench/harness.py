@@ -37,7 +37,11 @@ class BenchOptions:
     against: tuple[str, ...] = CONTENDERS
     repeat: int = 30
     warmup: int = 2
-    dims: dict[str, int] = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
+    # Bound only where the model has such a dim and `dims` left it open: the CLI's default
+    # batch=1,seq=128 then fits blockforge's blocks without breaking a static model or an
+    # export whose dims are named otherwise (s33, s50: those need --shape).
+    default_dims: dict[str, int] = field(default_factory=dict)
     tuning_db: Path | None = None
     profile: bool = False
     gemm_n: int = 2048
@@ -192,12 +196,11 @@ def bench(opts: BenchOptions) -> BenchReport:
     problem = target.run_problem()
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
-    session = open_model(opts.model, target, opts.dims)
+    # static: every dim must be bound for a benchmark; a clear error names the missing one.
+    session = open_model(opts.model, target, opts.dims, default_dims=opts.default_dims, static=True)
     model, ins = session.model, session.inputs
-    for s in ins:
-        s.bind({})  # every dim must be static for a benchmark: a clear error names the missing one
     inputs = random_inputs(ins, {}, seed=0)
-    flops = matmul_flops(model, opts.dims)
+    flops = matmul_flops(session.prepared, session.dims)  # after prepare: shapes are static
     threads = int(target.target_json.get("num-cores", 1))
     runners, notes = {}, []
     if "ort" in opts.against:
@@ -229,7 +232,7 @@ def bench(opts: BenchOptions) -> BenchReport:
                                        med / ort_med if ort_med else None, 100 * gf / ceiling, s))
     host = {"machine": platform.machine(), "node": platform.node(), "cpu": target.target_json.get("mcpu"),
             "blockforge": blockforge.__version__}
-    return BenchReport(str(opts.model), target.name, opts.dims, threads, flops, ceiling, results, profile, notes, host)
+    return BenchReport(str(opts.model), target.name, session.dims, threads, flops, ceiling, results, profile, notes, host)
 
 
 def plot(reports: list[BenchReport], path: Path) -> None:

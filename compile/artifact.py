@@ -34,7 +34,7 @@ from .session import open_model
 class CompileOptions:
     model: Path
     target: str | dict = "host"
-    dims: dict[str, int] = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
     output: Path | None = None
     dump_ir: Path | None = None
     tuning_db: Path | None = None  # None: the device's default database, if any
@@ -131,14 +131,15 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "source_onnx": {"name": Path(opts.model).name, "sha256": sha256_file(opts.model)},
             "target": {"name": target.name, "json": target.target_json, "device": target.device,
                        "arch": target.arch, "key": target.key()},
-            "dims": opts.dims,
+            "dims": session.dims,  # resolved: symbolic dim name -> value
             "inputs": [s.to_dict() for s in ins],
             "outputs": [s.to_dict() for s in outs],
             "params_embedded": True,
             "tuning": None if db_info is None else {
                 **db_info, "tasks": res.tasks, "applied": res.tasks - len(res.untuned_tasks),
                 "missing": [t for t in res.untuned_tasks if t not in db_info["kept_default"]]},
-            "phases": res.phases,
+            "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/prepare.py)
+            "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),
         }
         atomic_write_json(tmp / manifest_io.NAME, manifest)

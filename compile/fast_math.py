@@ -1,15 +1,28 @@
-"""Vectorisable activations: gelu/erf/tanh through TVM's polynomial fast_erf/fast_tanh.
+"""Relax rewrites for speed: vectorisable activations, pow as multiplies, patch convs as GEMMs.
+
+Activations: gelu/erf/tanh through TVM's polynomial fast_erf/fast_tanh.
 
 LLVM lowers TIR's erf to a scalar libm call per element, which breaks vectorisation
 of the fused matmul epilogue: on the BERT-base FFN the exact gelu epilogue alone cost
 ~2 ms, more than ONNX Runtime's whole FFN. topi.fast_erf is a rational approximation
 (max abs error ~1e-7 in float32), well inside the float32 tolerance of the parity table.
+
+Exporters spell GELU themselves: erf form x * 0.5 * (1 + erf(x / sqrt2)) (BERT, ViT; the
+erf is caught above) and the tanh form with Pow(x, 3) (GPT-2's gelu_new). TIR's pow is a
+scalar libm powf call per element, so power(x, 2|3) becomes x*x(*x) (`_power`).
+
+Patch embedding (ViT): a Conv whose stride equals its kernel and has no padding reads every
+input pixel once: it is a GEMM of the image cut into patches (N*P, C*kh*kw) with the weights
+(C*kh*kw, O). `_patch_conv` rewrites it to reshape/permute + matmul, so the weight is
+prepacked and the product runs in the CPU matmul kernel (cpu_schedule.CPUMatmul) instead of
+TVM's untuned direct conv2d loops.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -30,11 +43,63 @@ def _gelu_tanh(x):
                          topi.add(topi.fast_tanh(inner), tvm.tirx.const(1.0, x.dtype)))
 
 
+def _const_scalar(e) -> float | None:
+    if not isinstance(e, tvm.ir.expr.GenericConst):
+        return None
+    v = e.value.numpy()
+    return float(v) if v.size == 1 else None
+
+
+def _static(shape) -> list[int] | None:
+    try:
+        return [int(d) for d in shape]
+    except (TypeError, ValueError):
+        return None
+
+
 @mutator
 class _FastActivations(PyExprMutator):
+    def _power(self, call):
+        x, e = call.args
+        p = _const_scalar(e)
+        if p not in (2.0, 3.0) or getattr(x.ty, "dtype", None) not in ("float32", "float16"):
+            return call
+        fn = (lambda t: topi.multiply(t, t)) if p == 2.0 else (lambda t: topi.multiply(t, topi.multiply(t, t)))
+        return self.builder_.call_te(fn, x, primfunc_name_hint="square" if p == 2.0 else "cube")
+
+    def _patch_conv(self, call):
+        x, w = call.args
+        a = call.attrs
+        if not isinstance(w, tvm.ir.expr.GenericConst) or getattr(x.ty, "dtype", None) != "float32":
+            return call
+        xs = _static(getattr(x.ty, "shape", None) or [])
+        wt = w.value.numpy()
+        if xs is None or len(xs) != 4 or wt.ndim != 4 or wt.dtype != np.float32:
+            return call
+        n, c, h, wd = xs
+        o, ci, kh, kw = wt.shape
+        if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCHW", "OIHW", "NCHW") \
+                or int(a.groups) != 1 or ci != c or [int(v) for v in a.strides] != [kh, kw] \
+                or any(int(v) for v in a.padding) or any(int(v) != 1 for v in a.dilation) \
+                or h % kh or wd % kw or str(a.out_dtype) not in ("None", "", "void", "float32"):
+            return call
+        hp, wp = h // kh, wd // kw
+        b = self.builder_
+        cols = b.emit(relax.op.reshape(x, (n, c, hp, kh, wp, kw)))
+        cols = b.emit(relax.op.permute_dims(cols, [0, 2, 4, 1, 3, 5]))  # (N, Hp, Wp, C, kh, kw)
+        cols = b.emit(relax.op.reshape(cols, (n * hp * wp, c * kh * kw)))  # (N*P, C*kh*kw)
+        wmat = relax.const(np.ascontiguousarray(wt.reshape(o, c * kh * kw).T))  # (C*kh*kw, O)
+        y = b.emit(relax.op.matmul(cols, wmat))  # (N*P, O)
+        y = b.emit(relax.op.reshape(y, (n, hp, wp, o)))
+        return relax.op.permute_dims(y, [0, 3, 1, 2])  # (N, O, Hp, Wp)
+
     def visit_call_(self, call):
         call = super().visit_call_(call)
         op = getattr(call.op, "name", None)
+        if op == "relax.power":
+            return self._power(call)
+        if op == "relax.nn.conv2d":
+            return self._patch_conv(call)
         if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh", "relax.nn.softmax"):
             return call
         dtype = getattr(call.args[0].ty, "dtype", None)

@@ -5,7 +5,11 @@ hangs them must not take down a long job (a tuning run, a service). The child do
 same work the parent is about to do; only when it exits cleanly does the parent repeat
 it in-process. A crash (signal) or a hang (time limit) becomes one clear error.
 
-    python -m blockforge.compile.isolate MODEL.onnx [--tvm] [--dims JSON]
+    python -m blockforge.compile.isolate MODEL.onnx [--prepare | --tvm] [--request JSON]
+
+--prepare: the child also resolves the request's dims (--shape, input shapes, defaults) and
+runs prepare (compile/prepare.py: its constant folding evaluates subgraphs natively);
+--tvm: prepare and TVM's import, the whole prelude.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ from blockforge.errors import BlockforgeError, raise_if_stopped
 # whole process group), not crashed by the model.
 _STOPPED_BY = {signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP}
 
-def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: float | None = None) -> None:
+def probe(path: Path, *, tvm: bool = False, prepare: bool = False, request: dict | None = None,
+          timeout: float | None = None) -> None:
     """Raise BlockforgeError unless a child process loads (and TVM-imports) the model cleanly."""
     if not settings.isolate():
         return
     timeout = timeout or settings.isolate_timeout_s()
     cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path)]
-    if tvm:
-        cmd += ["--tvm", "--dims", json.dumps(dims or {})]
+    if tvm or prepare:
+        cmd += ["--tvm" if tvm else "--prepare", "--request", json.dumps(request or {})]
     env = {**os.environ, settings.ISOLATE: "0"}  # the child trusts itself
     try:
         # On any exception here (KeyboardInterrupt, Terminated included) subprocess.run kills
@@ -43,7 +48,7 @@ def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: f
         raise BlockforgeError(f"{path}: checking the model did not finish within {timeout:.0f} s "
                               "(a hang in native code?); refusing it") from None
     raise_if_stopped()  # the same signal reached the child (its process group): a stop, not a verdict
-    what = "TVM's importer" if tvm else "the ONNX parser/checker"
+    what = "TVM's importer" if tvm else ("prepare (constant folding)" if prepare else "the ONNX parser/checker")
     if p.returncode < 0:
         try:
             sig = signal.Signals(-p.returncode).name
@@ -63,11 +68,12 @@ def probe(path: Path, *, tvm: bool = False, dims: dict | None = None, timeout: f
         raise BlockforgeError(f"{path}: {what} failed in a child process (exit {p.returncode}){reason}")
 
 
-def load_untrusted(path: str | Path, *, tvm: bool = False, dims: dict | None = None):
-    """probe() then load in-process; returns the checked ModelProto."""
+def load_untrusted(path: str | Path, *, tvm: bool = False, prepare: bool = False, request: dict | None = None):
+    """probe() then load in-process; returns the checked ModelProto. `request`: open_model's
+    dims/input_shapes/default_dims/static, as the child needs them to prepare and import."""
     from blockforge.graph.model_io import load_model
 
-    probe(Path(path), tvm=tvm, dims=dims)
+    probe(Path(path), tvm=tvm, prepare=prepare, request=request)
     return load_model(path)
 
 
@@ -75,16 +81,22 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--tvm", action="store_true")
-    ap.add_argument("--dims", default="{}")
+    ap.add_argument("--prepare", action="store_true")
+    ap.add_argument("--request", default="{}")
     a = ap.parse_args(argv)
     from blockforge.graph.model_io import load_model
 
     try:
         model = load_model(a.model)
-        if a.tvm:
-            from .frontend import import_onnx
+        if a.tvm or a.prepare:
+            from .frontend import bound_signature
+            from .prepare import prepare
+            from .session import bind_request, import_prepared
 
-            import_onnx(model, json.loads(a.dims))  # its output is captured by the parent
+            dims = bind_request(model, **json.loads(a.request))
+            prepared, _ = prepare(model, dims)
+            if a.tvm:
+                import_prepared(prepared, bound_signature(model, dims)[0])  # output captured by the parent
     except BlockforgeError as e:
         print(str(e))
         return 2

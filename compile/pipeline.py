@@ -55,7 +55,9 @@ def _optimize() -> list:
 def _legalize() -> list:
     from tvm import relax
 
-    return [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+    # DispatchSortScan first: cumsum/sort/topk have no LegalizeOps rule (RoBERTa's position
+    # ids are a cumsum of the mask; without it the VM codegen meets a bare R.cumsum).
+    return [relax.backend.DispatchSortScan(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
             relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
 
 

@@ -1,62 +1,110 @@
 """The prelude every verb shares: one entry from a model path to a buildable model.
 
-    resolve target -> can it build here? -> isolated load + check -> bind dims -> import (once)
+    resolve target -> can it build here? -> isolated load + check (+ prepare + import in a
+    child) -> resolve dims -> prepare (bind, fold shape arithmetic) -> import (once)
 
-`open_model()` returns a `Session`; `Session.relax()` imports the model into Relax the
-first time it is asked and reuses that module for every later build (compile, verify,
+`open_model()` returns a `Session`; `Session.relax()` imports the prepared model into Relax
+the first time it is asked and reuses that module for every later build (compile, verify,
 bench's untuned/tuned contenders, tune's A/B builds), instead of re-importing per build.
 Relax passes are functional (they return new modules), so reuse is safe.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from blockforge.errors import BlockforgeError
-from blockforge.graph.model_io import TensorSig
+from blockforge.graph.model_io import TensorSig, resolve_dims, signature, unbound_dims
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 
 from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
 from .pipeline import BuildResult, build
+from .prepare import PrepareReport, prepare
 
 
 @dataclass
 class Session:
     path: Path
-    model: onnx.ModelProto  # as loaded and checked (dims not bound)
-    dims: dict[str, int]
+    model: onnx.ModelProto  # as loaded and checked (dims not bound): what ONNX Runtime runs
+    dims: dict[str, int]  # resolved: symbolic dim name -> value
     target: ResolvedTarget
     inputs: list[TensorSig]  # the signature at the bound dims
     outputs: list[TensorSig]
+    prepared: onnx.ModelProto | None = field(default=None, repr=False)  # what TVM imports
+    prepare_report: PrepareReport | None = None
     _relax: object = field(default=None, repr=False)
 
     def relax(self):
         """The imported Relax module (weights embedded), imported once."""
         if self._relax is None:
             with native_output_to_log():
-                self._relax = import_onnx(self.model, self.dims)
+                self._relax = import_prepared(self.prepared, self.inputs)
         return self._relax
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True) -> BuildResult:
+        if dump_ir:
+            dump_ir.mkdir(parents=True, exist_ok=True)
+            onnx.save(self.prepared, str(dump_ir / "00-prepare.onnx"))
+            (dump_ir / "00-prepare.json").write_text(json.dumps(self.prepare_report.to_dict(), indent=1))
         with native_output_to_log():
-            return build(self.relax(), self.target, database=database, dump_ir=dump_ir,
-                         default_schedules=default_schedules)
+            res = build(self.relax(), self.target, database=database, dump_ir=dump_ir,
+                        default_schedules=default_schedules)
+        res.phases.insert(0, "prepare")
+        return res
+
+
+def bind_request(model: onnx.ModelProto, dims: dict | None = None, input_shapes: dict | None = None,
+                 default_dims: dict | None = None, static: bool = False) -> dict[str, int]:
+    """The model's symbolic dims bound from what the user gave (see model_io.resolve_dims);
+    static: every dim must be bound (bench), else one clear error naming the inputs."""
+    ins = signature(model)[0]
+    bound = resolve_dims(ins, dims, input_shapes=input_shapes, defaults=default_dims)
+    if static:
+        for s in ins:
+            s.bind(bound)  # raises, naming the input, the dim and both ways to give it
+    return bound
+
+
+def import_prepared(prepared: onnx.ModelProto, inputs: list[TensorSig]):
+    """import_onnx of a prepared model; an import failure with dims left unbound says so."""
+    try:
+        return import_onnx(prepared, {})
+    except BlockforgeError as e:
+        open_dims = unbound_dims(inputs, {})
+        if not open_dims:
+            raise
+        example = ",".join(f"{s.name}={'x'.join(str(d) if isinstance(d, int) else 'N' for d in s.dims)}"
+                           for s in inputs)
+        raise BlockforgeError(f"{e} (dims {', '.join(open_dims)} are unbound: exports often import only with "
+                              f"static shapes, e.g. --shape {example})") from None
 
 
 def open_model(model: str | Path, target: str | dict | ResolvedTarget = "host",
-               dims: dict[str, int] | None = None, *, tvm_probe: bool = True) -> Session:
+               dims: dict | None = None, *, input_shapes: dict | None = None,
+               default_dims: dict[str, int] | None = None, static: bool = False,
+               tvm_probe: bool = True) -> Session:
     """Resolve the target, check it can be built here, load the model (checked in a child
-    process first: `tvm_probe` also runs TVM's importer there) and bind its dims."""
+    process first: `tvm_probe` also prepares and imports it there), bind its dims and
+    prepare it.
+
+    dims: --shape as parsed (dim names and/or whole input shapes); input_shapes: shapes of
+    user-supplied arrays, binding what dims leaves open; default_dims: bound only where the
+    model has such a dim and nothing else bound it; static: every dim must end up bound."""
     t = target if isinstance(target, ResolvedTarget) else resolve(target)
     problem = t.build_problem()
     if problem:
         raise BlockforgeError(f"cannot build for {t.name}: {problem}")
-    dims = dict(dims or {})
-    proto = load_untrusted(model, tvm=tvm_probe, dims=dims)
-    ins, outs = bound_signature(proto, dims)
-    return Session(Path(model), proto, dims, t, ins, outs)
+    request = dict(dims=dict(dims or {}), input_shapes=dict(input_shapes or {}),
+                   default_dims=dict(default_dims or {}), static=static)
+    proto = load_untrusted(model, tvm=tvm_probe, request=request)
+    bound = bind_request(proto, **request)
+    ins, outs = bound_signature(proto, bound)
+    with native_output_to_log():
+        prepared, report = prepare(proto, bound)
+    return Session(Path(model), proto, bound, t, ins, outs, prepared, report)

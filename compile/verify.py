@@ -16,7 +16,7 @@ from .isolate import load_untrusted
 class VerifyOptions:
     model: Path
     inputs: Path | None = None
-    dims: dict[str, int] = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
     seed: int = 0
     target: str | dict | None = None  # None: ORT vs the oracle only
     tuning_db: Path | None = None  # None: the device's default database, if any
@@ -24,7 +24,10 @@ class VerifyOptions:
 
 
 def verify(opts: VerifyOptions) -> ParityReport:
-    dims = dict(opts.dims)
+    """Dims come from --shape (dim names or whole input shapes) and, where it is silent,
+    from the shapes of the --inputs arrays."""
+    npz = load_npz(opts.inputs) if opts.inputs else None
+    shapes = {k: v.shape for k, v in (npz or {}).items()}
     extra, notes = {}, []
     ort_device = "cpu"
     if opts.target:
@@ -32,9 +35,9 @@ def verify(opts: VerifyOptions) -> ParityReport:
         from .runtime import run_vm, tvm_device
         from .session import open_model
 
-        session = open_model(opts.model, opts.target, dims)
+        session = open_model(opts.model, opts.target, opts.dims, input_shapes=shapes)
         model, target = session.model, session.target
-        inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
+        inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         db, info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
         ex = session.build(database=db).executable
         if info:
@@ -53,8 +56,10 @@ def verify(opts: VerifyOptions) -> ParityReport:
             with native_output_to_log():
                 extra["tvm"] = run_vm(relax.VirtualMachine(ex, dev), dev, session.inputs, session.outputs, inputs)
     else:
-        model = load_untrusted(opts.model, dims=dims)
-        inputs = prepare_inputs(model, load_npz(opts.inputs) if opts.inputs else None, dims, opts.seed)
+        from .session import bind_request
+
+        model = load_untrusted(opts.model)
+        inputs = prepare_inputs(model, npz, bind_request(model, opts.dims, shapes), opts.seed)
     report = check_parity(model, inputs, extra, ort_device=ort_device)
     report.notes[:0] = notes
     return report

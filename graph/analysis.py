@@ -1,4 +1,4 @@
-"""Static facts about a model: op histogram, parameter count, MatMul FLOPs."""
+"""Static facts about a model: op histogram, parameter count, MatMul/Gemm/Conv/attention FLOPs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ModelFacts:
     ops: dict[str, int]
     params: int
     param_bytes: int
-    flops: int  # 2*M*N*K summed over MatMul/Gemm at `dims`
+    flops: int  # 2 per multiply-add of MatMul/Gemm/Conv/attention at `dims`
     dims: dict[str, int]
     inputs: list[TensorSig]
     outputs: list[TensorSig]
@@ -32,8 +32,30 @@ class ModelFacts:
         }
 
 
+def _attention_flops(n: onnx.NodeProto, shapes: dict[str, list]) -> int:
+    """QK^T and PV of ONNX Attention (opset 23) and com.microsoft.MultiHeadAttention:
+    2 * B * H * Sq * Skv * (Dqk + Dv). 4-D inputs are (B, H, S, D); 3-D are (B, S, H*D)."""
+    q, k, v = (shapes.get(n.input[i]) if len(n.input) > i and n.input[i] else None for i in range(3))
+    if not q or not k or None in q or None in k:
+        return 0
+    attrs = {a.name: a.i for a in n.attribute}
+    if len(q) == 4:
+        b, h, sq, dqk = q
+        skv = k[2]
+        dv = v[3] if v and len(v) == 4 and v[3] else dqk
+        return 2 * b * h * sq * skv * (dqk + dv)
+    heads = attrs.get("q_num_heads") or attrs.get("num_heads")
+    if len(q) != 3 or not heads or len(k) != 3:
+        return 0
+    b, sq, hidden = q
+    dv_total = v[2] if v and len(v) == 3 and v[2] else hidden
+    return 2 * b * sq * k[1] * (hidden + dv_total)
+
+
 def matmul_flops(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> int:
-    """2*M*N*K for every MatMul/Gemm, with symbolic dims bound (defaults: batch 2, seq 32)."""
+    """Multiply-add FLOPs (2 per MAC) of MatMul, Gemm, Conv and attention ops, with symbolic
+    dims bound (defaults: batch 2, seq 32). Exports compute their reshape targets at run
+    time: count on the prepared model (compile/prepare.py), where shapes are static."""
     bound = {**DEFAULT_DIMS, **(dims or {})}
     try:
         inferred = shape_inference.infer_shapes(bind_dims(model, bound, strict=False), data_prop=True)
@@ -44,19 +66,33 @@ def matmul_flops(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> 
         shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
     for t in inferred.graph.initializer:
         shapes[t.name] = list(t.dims)
+    for n in inferred.graph.node:  # Constant nodes (legacy exports keep weights there too)
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            shapes[n.output[0]] = list(n.attribute[0].t.dims)
     total = 0
     for n in inferred.graph.node:
-        if n.op_type not in ("MatMul", "Gemm"):
+        if n.op_type in ("Attention", "MultiHeadAttention"):
+            total += _attention_flops(n, shapes)
+            continue
+        if n.op_type not in ("MatMul", "Gemm", "Conv"):
             continue
         a, out = shapes.get(n.input[0]), shapes.get(n.output[0])
         if not a or not out or None in a or None in out:
+            continue
+        if n.op_type == "Conv":
+            w = shapes.get(n.input[1])
+            if not w or None in w:
+                continue
+            total += 2 * int(np.prod(out, dtype=np.int64)) * int(np.prod(w[1:], dtype=np.int64))
             continue
         k = a[-1] if not (n.op_type == "Gemm" and any(x.name == "transA" and x.i for x in n.attribute)) else a[0]
         total += 2 * int(np.prod(out, dtype=np.int64)) * k
     return int(total)
 
 
-def analyze(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> ModelFacts:
+def analyze(model: onnx.ModelProto, dims: dict[str, int] | None = None,
+            prepared: onnx.ModelProto | None = None) -> ModelFacts:
+    """Facts of `model`; FLOPs are counted on `prepared` (its shapes folded) when given."""
     ops = collections.Counter(n.op_type for n in model.graph.node)
     params = sum(int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer)
     nbytes = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
@@ -64,4 +100,5 @@ def analyze(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> Model
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     bound = {**DEFAULT_DIMS, **(dims or {})}
     used = {d: bound[d] for s in ins for d in s.dims if isinstance(d, str) and d in bound}
-    return ModelFacts(dict(sorted(ops.items())), params, nbytes, matmul_flops(model, bound), used, ins, outs, opset)
+    return ModelFacts(dict(sorted(ops.items())), params, nbytes, matmul_flops(prepared if prepared is not None else model, bound),
+                      used, ins, outs, opset)

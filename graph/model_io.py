@@ -56,8 +56,10 @@ class TensorSig:
             elif d in dims:
                 out.append(dims[d])
             else:
+                shape = "x".join(str(x) if isinstance(x, int) else "N" for x in self.dims)
                 raise BlockforgeError(
-                    f"input {self.name!r} has symbolic dim {d!r}: give it a value with --shape {d}=N"
+                    f"input {self.name!r} has symbolic dim {d!r}: give it a value with --shape {d}=N "
+                    f"or the whole input shape, --shape {self.name}={shape}"
                 )
         return tuple(out)
 
@@ -173,23 +175,104 @@ def model_spec(model: onnx.ModelProto) -> Spec | None:
         raise BlockforgeError(f"model metadata holds an invalid blockforge spec: {error_line(e)}") from None
 
 
-def parse_dims(text: str | None) -> dict[str, int]:
-    """'batch=1,seq=128' -> {'batch': 1, 'seq': 128}."""
-    out: dict[str, int] = {}
+def parse_dims(text: str | None) -> dict[str, int | tuple[int, ...]]:
+    """'batch=1,seq=128' -> {'batch': 1, 'seq': 128}; whole input shapes too:
+    'input_ids=1x128,pixel_values=1x3x224x224' -> {'input_ids': (1, 128), ...}.
+    Which names are dims and which are inputs is decided against a model: resolve_dims()."""
+    out: dict[str, int | tuple[int, ...]] = {}
     if not text:
         return out
     for part in text.split(","):
         name, sep, value = part.strip().partition("=")
         if not sep or not name.strip():
-            raise BlockforgeError(f"bad --shape entry {part!r}: expected NAME=INT, e.g. seq=128")
+            raise BlockforgeError(f"bad --shape entry {part!r}: expected NAME=INT (a dim) or INPUT=AxB "
+                                  "(an input's shape), e.g. seq=128 or input_ids=1x128")
         try:
-            v = int(value)
+            vals = tuple(int(v) for v in value.strip().lower().split("x"))
         except ValueError:
-            raise BlockforgeError(f"bad --shape entry {part!r}: {value!r} is not an integer") from None
-        if not 0 < v <= MAX_BOUND_DIM:
-            raise BlockforgeError(f"bad --shape entry {part!r}: value must be in [1, {MAX_BOUND_DIM}]")
-        out[name.strip()] = v
+            raise BlockforgeError(f"bad --shape entry {part!r}: {value!r} is not an integer "
+                                  "or a shape like 1x128") from None
+        if not all(0 < v <= MAX_BOUND_DIM for v in vals):
+            raise BlockforgeError(f"bad --shape entry {part!r}: every value must be in [1, {MAX_BOUND_DIM}]")
+        out[name.strip()] = vals[0] if len(vals) == 1 and "x" not in value.lower() else vals
     return out
+
+
+def symbolic_dims(sigs: list[TensorSig]) -> list[str]:
+    """The model's symbolic input dim names, in order of first appearance."""
+    return list(dict.fromkeys(d for s in sigs for d in s.dims if isinstance(d, str)))
+
+
+def describe_inputs(sigs: list[TensorSig]) -> str:
+    """'input_ids [s33, s50], attention_mask [s6, s50]': for error messages."""
+    return ", ".join(f"{s.name} [{', '.join(str(d) for d in s.dims)}]" for s in sigs) or "none"
+
+
+def _bind_shape(sig: TensorSig, shape: tuple[int, ...], bound: dict[str, int], source: dict[str, str],
+                what: str) -> None:
+    """Bind sig's symbolic dims from a whole shape; static dims must match."""
+    if len(shape) != len(sig.dims):
+        raise BlockforgeError(f"{what} gives input {sig.name!r} rank {len(shape)} {list(shape)}, "
+                              f"the model's is rank {len(sig.dims)} {list(sig.dims)}")
+    for axis, (v, d) in enumerate(zip(shape, sig.dims)):
+        if isinstance(d, int):
+            if v != d:
+                raise BlockforgeError(f"{what} gives input {sig.name!r} shape {list(shape)}, but axis {axis} "
+                                      f"of the model's {list(sig.dims)} is fixed at {d}")
+        elif isinstance(d, str):
+            if d in bound and bound[d] != v:
+                raise BlockforgeError(f"{what} gives {d}={v} through input {sig.name!r}, "
+                                      f"but {source[d]} gave {d}={bound[d]}")
+            bound.setdefault(d, v)
+            source.setdefault(d, f"{what} ({sig.name})")
+        else:
+            raise BlockforgeError(f"input {sig.name!r} axis {axis} is dynamic without a name; "
+                                  "it cannot be bound (re-export the model with named dynamic axes)")
+
+
+def resolve_dims(sigs: list[TensorSig], spec: dict | None, *, input_shapes: dict | None = None,
+                 defaults: dict[str, int] | None = None) -> dict[str, int]:
+    """Symbolic dim name -> value for a model with inputs `sigs`, from what the user gave.
+
+    spec: parse_dims() output: DIM=INT entries, and INPUT=shape entries (a rank-1 input may
+    be given as INPUT=INT). input_shapes: shapes of arrays the user supplied (verify --inputs,
+    run); they bind what the spec leaves open, and must agree with it. defaults: applied only
+    to dims the model has and nothing else bound (bench's batch=1,seq=128 on any model)."""
+    spec = dict(spec or {})
+    by_input = {s.name: s for s in sigs}
+    names = symbolic_dims(sigs)
+    bound: dict[str, int] = {}
+    source: dict[str, str] = {}
+    unknown = []
+    for name, v in spec.items():
+        if isinstance(v, (list, tuple)) or (name in by_input and name not in names):
+            if name not in by_input:
+                unknown.append(name)
+                continue
+            _bind_shape(by_input[name], tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else (v,))),
+                        bound, source, "--shape")
+        elif name in names:
+            if name in bound and bound[name] != int(v):
+                raise BlockforgeError(f"--shape gives {name}={v}, but {source[name]} gave {name}={bound[name]}")
+            bound[name] = int(v)
+            source[name] = "--shape"
+        else:
+            unknown.append(name)
+    if unknown:
+        raise BlockforgeError(
+            f"--shape names {', '.join(sorted(unknown))}, which the model does not have: its inputs are "
+            f"{describe_inputs(sigs)}; its symbolic dims are {', '.join(names) or 'none (fully static)'}")
+    for name, shape in (input_shapes or {}).items():
+        if name in by_input:  # names the model lacks: check_inputs reports them
+            _bind_shape(by_input[name], tuple(shape), bound, source, "--inputs")
+    for name, v in (defaults or {}).items():
+        if name in names and name not in bound:
+            bound[name] = int(v)
+    return {d: bound[d] for d in names if d in bound}
+
+
+def unbound_dims(sigs: list[TensorSig], dims: dict[str, int]) -> list[str]:
+    return [d for d in symbolic_dims(sigs) if d not in dims]
 
 
 def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:

@@ -7,6 +7,9 @@ from pathlib import Path
 from .common import add_shape, check_outputs, dims, path_or_none, write_json
 
 
+DEFAULT_SHAPE = "batch=1,seq=128"
+
+
 def add(sub) -> None:
     from blockforge.bench.harness import CONTENDERS
 
@@ -15,7 +18,7 @@ def add(sub) -> None:
     p.add_argument("--target", default="host")
     p.add_argument("--against", default=",".join(CONTENDERS), help=f"comma list of {','.join(CONTENDERS)}")
     p.add_argument("--repeat", type=int, default=30)
-    add_shape(p, default="batch=1,seq=128")
+    add_shape(p, default_note=f"{DEFAULT_SHAPE} for the dims the model has")
     p.add_argument("--tuning-db", default=None, help="tuning database dir (default: the device's)")
     p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
     p.add_argument("--json", default=None)
@@ -26,11 +29,12 @@ def add(sub) -> None:
 def run(a) -> int:
     from blockforge.bench import BenchOptions, bench, plot
     from blockforge.fsutil import write_error
+    from blockforge.graph.model_io import parse_dims
 
     check_outputs(json=a.json, plot=a.plot)
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
-                             repeat=a.repeat, dims=dims(a), tuning_db=path_or_none(a.tuning_db), profile=a.profile))
+                             repeat=a.repeat, dims=dims(a), default_dims=parse_dims(DEFAULT_SHAPE), tuning_db=path_or_none(a.tuning_db), profile=a.profile))
     print(rep.markdown())
     for n in rep.notes:
         print(f"note: {n}")

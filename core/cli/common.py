@@ -23,15 +23,19 @@ def path_or_none(v: str | None) -> Path | None:
     return Path(v) if v else None
 
 
-def dims(a: argparse.Namespace) -> dict[str, int]:
+def dims(a: argparse.Namespace) -> dict:
+    """--shape as parsed: dim names (batch=1) and/or whole input shapes (input_ids=1x128);
+    resolved against the model by open_model (model_io.resolve_dims)."""
     from blockforge.graph.model_io import parse_dims
 
     return parse_dims(getattr(a, "shape", None))
 
 
-def add_shape(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    p.add_argument("--shape", default=default,
-                   help="bind symbolic dims, e.g. batch=1,seq=128" + (f" (default {default})" if default else ""))
+def add_shape(p: argparse.ArgumentParser, default_note: str | None = None) -> None:
+    p.add_argument("--shape", default=None,
+                   help="bind symbolic dims by name (batch=1,seq=128) or by whole input shapes "
+                        "(input_ids=1x128,attention_mask=1x128; pixel_values=1x3x224x224)"
+                        + (f" (default {default_note})" if default_note else ""))
 
 
 def add_tuning(p: argparse.ArgumentParser) -> None:

@@ -16,21 +16,42 @@ def add(sub) -> None:
 
 
 def run(a) -> int:
-    from blockforge.compile.isolate import load_untrusted
-    from blockforge.graph.analysis import analyze
-    from blockforge.graph.model_io import model_spec
+    from pathlib import Path
 
+    from blockforge.compile.isolate import load_untrusted, probe
+    from blockforge.compile.prepare import SHAPE_OPS, prepare
+    from blockforge.compile.session import bind_request
+    from blockforge.graph.analysis import analyze
+    from blockforge.graph.model_io import DEFAULT_DIMS, model_spec, signature, unbound_dims
+    from blockforge.logs import native_output_to_log
+
+    # FLOPs on the prepared model: exports compute their shapes at run time (Shape ->
+    # Concat -> Reshape), which shape inference alone cannot see through. Prepare's folding
+    # evaluates subgraphs natively: a child process runs it on the untrusted model first.
+    # Graphs without shape arithmetic skip it (the folder's import alone costs ~1 s).
+    request = dict(dims=dims(a), default_dims=DEFAULT_DIMS)
     model = load_untrusted(a.model)
-    facts = analyze(model, dims(a))
+    bound = bind_request(model, **request)
+    prepared, report = None, None
+    if any(n.op_type in SHAPE_OPS for n in model.graph.node):
+        probe(Path(a.model), prepare=True, request=request)
+        with native_output_to_log():
+            prepared, report = prepare(model, bound)
+    facts = analyze(model, bound, prepared)
     spec = model_spec(model)
+    open_dims = unbound_dims(signature(model)[0], bound)
     if a.json:
-        print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None}, indent=2))
+        print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None,
+                          "unbound_dims": open_dims, "prepare": report.to_dict() if report else None}, indent=2))
         return 0
     print(f"model: {a.model}  (opset {facts.opset}, {'blockforge ' + spec.kind if spec else 'foreign model'})")
     for label, sigs in (("input", facts.inputs), ("output", facts.outputs)):
         for s in sigs:
             print(f"  {label:6} {s.name:18} {s.dtype:8} {list(s.dims)}")
     print(f"  params {facts.params:,} ({facts.param_bytes / 2**20:.2f} MiB)")
-    print(f"  MatMul FLOPs {facts.flops:,} at {facts.dims}")
+    print(f"  MatMul/Gemm/Conv/attention FLOPs {facts.flops:,} at {facts.dims}")
+    if open_dims:
+        print(f"  note: dims {', '.join(open_dims)} are unbound: FLOPs count only the static part "
+              "(give --shape, e.g. input_ids=1x128)")
     print("  ops: " + ", ".join(f"{k} x{v}" for k, v in facts.ops.items()))
     return 0

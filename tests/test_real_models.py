@@ -1,0 +1,187 @@
+"""Real PyTorch / Hugging Face exports (tests/fixtures/models, made by
+benchmarks/export_models.py; torch is not needed here): prepare, shape binding, compile for
+host with ONNX Runtime parity (the oracle does not apply to foreign models), FLOPs, tuning."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from blockforge.errors import BlockforgeError
+from blockforge.graph.model_io import TensorSig, parse_dims, resolve_dims, signature
+
+from conftest import assert_user_error, run_cli, save_npz
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+INDEX = json.loads((FIXTURES / "index.json").read_text())
+MODELS = [e for e in INDEX["models"] if e.get("file")]
+TEXT_SHAPE = (2, 9)  # odd seq: no dim is a multiple of the vector width
+IMAGE_SHAPE = (2, 3, 32, 32)
+
+
+def _shapes(entry: dict) -> dict[str, tuple]:
+    """Whole input shapes, as `--shape input_ids=2x9,...` gives them."""
+    return {i["name"]: IMAGE_SHAPE if i["name"] == "pixel_values" else TEXT_SHAPE for i in entry["inputs"]}
+
+
+def test_corpus_index():
+    """Every model with both exporters at opsets 17/18, files as indexed, IR <= 10 (ORT 1.31)."""
+    kinds = {e["model"] for e in INDEX["models"]}
+    assert kinds == {"bert", "distilbert", "roberta", "gpt2", "vit"}
+    for kind in kinds:
+        combos = {(e["exporter"], e["opset"]) for e in INDEX["models"] if e["model"] == kind}
+        assert combos == {(x, o) for x in ("dynamo", "legacy") for o in (17, 18)}, kind
+    skipped = [e for e in INDEX["models"] if not e.get("file")]
+    assert all(e["skipped"] for e in skipped) and len(MODELS) >= 18
+    for e in MODELS:
+        data = (FIXTURES / e["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == e["sha256"], e["file"]
+        assert len(data) < 512 * 1024, e["file"]
+        m = onnx.load_from_string(data)
+        assert m.ir_version <= 10 and m.opset_import[0].version == e["opset"]
+
+
+@pytest.mark.parametrize("entry", MODELS, ids=[e["file"][:-5] for e in MODELS])
+def test_export_compiles_and_matches_ort(entry, workdir, monkeypatch):
+    """Each export compiles for host at whole-input-shape dims and matches ONNX Runtime."""
+    from blockforge.compile import VerifyOptions, open_model, verify
+
+    # The child-process check is exercised by the CLI tests below; in-process here keeps
+    # the 19 builds to ~1 minute on 2 cores.
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    path = FIXTURES / entry["file"]
+    session = open_model(path, "host", _shapes(entry))
+    rep = session.prepare_report
+    assert rep.shape_ops_after == 0 and rep.nodes_after < rep.nodes_before, rep
+    assert [s.name for s in signature(session.prepared)[0]] == [i["name"] for i in entry["inputs"]]
+    report = verify(VerifyOptions(model=path, target="host", dims=_shapes(entry), use_tuning=False))
+    pairs = {c.pair for c in report.comparisons}
+    assert pairs == {"tvm vs ort"}, report
+    assert report.passed, [c for c in report.comparisons if not c.passed]
+
+
+def test_prepare_folds_what_tvm_refuses():
+    """A legacy export computes reshape targets at run time (Shape -> Gather -> Concat):
+    prepare folds them away and keeps the model's interface."""
+    from blockforge.compile.prepare import prepare
+
+    model = onnx.load(str(FIXTURES / "gpt2_legacy_op17.onnx"))
+    assert sum(n.op_type == "Shape" for n in model.graph.node) > 10
+    prepared, rep = prepare(model, {"batch": 1, "seq": 5})
+    assert rep.shape_ops_before > 10 and rep.shape_ops_after == 0 and not rep.notes
+    ins, outs = signature(prepared)
+    assert [(s.name, s.dims) for s in ins] == [("input_ids", (1, 5)), ("attention_mask", (1, 5))]
+    assert [s.name for s in outs] == ["last_hidden_state"]
+    import onnxruntime as ort
+
+    feeds = {"input_ids": np.array([[3, 1, 4, 1, 5]]), "attention_mask": np.ones((1, 5), np.int64)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(prepared.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ shape binding
+
+SIGS = [TensorSig("input_ids", ("s33", "s50"), "int64"), TensorSig("attention_mask", ("s6", "s50"), "int64"),
+        TensorSig("pixel_values", ("s33", 3, 8, 8), "float32")]
+
+
+def test_parse_dims_names_and_shapes():
+    assert parse_dims("batch=1,seq=128") == {"batch": 1, "seq": 128}
+    assert parse_dims("input_ids=1x128, pixel_values=1X3x224x224") == {"input_ids": (1, 128),
+                                                                         "pixel_values": (1, 3, 224, 224)}
+    for bad, frag in (("x=1xa", "not an integer"), ("x=0x4", "[1,"), ("x", "NAME=INT")):
+        with pytest.raises(BlockforgeError, match=frag.replace("[", r"\[")):
+            parse_dims(bad)
+
+
+def test_resolve_dims():
+    assert resolve_dims(SIGS, {"input_ids": (2, 9), "attention_mask": (2, 9)}) == {"s33": 2, "s50": 9, "s6": 2}
+    assert resolve_dims(SIGS, {"s33": 1, "attention_mask": (1, 4)}) == {"s33": 1, "s50": 4, "s6": 1}
+    # Arrays bind what --shape leaves open; defaults only dims the model has.
+    assert resolve_dims(SIGS, {"s50": 3}, input_shapes={"input_ids": (5, 3), "other": (1,)},
+                        defaults={"s6": 7, "batch": 1}) == {"s33": 5, "s50": 3, "s6": 7}
+    assert resolve_dims(SIGS[2:], {}, defaults={"batch": 1, "seq": 128}) == {}
+    cases = [({"batch": 1}, "its inputs are input_ids [s33, s50], attention_mask [s6, s50]"),
+             ({"input_ids": (1, 2, 3)}, "rank 3"),
+             ({"pixel_values": (1, 3, 9, 8)}, "fixed at 8"),
+             ({"input_ids": (1, 4), "attention_mask": (1, 5)}, "s50"),
+             ({"s50": 4, "input_ids": (1, 5)}, "s50=4")]
+    for spec, frag in cases:
+        with pytest.raises(BlockforgeError, match=frag.replace("[", r"\[")):
+            resolve_dims(SIGS, spec)
+    with pytest.raises(BlockforgeError, match="--inputs gives s50=6"):
+        resolve_dims(SIGS, {"s50": 4}, input_shapes={"input_ids": (1, 6)})
+
+
+# ------------------------------------------------------------------ the CLI, as a user
+
+def test_binding_errors_name_the_inputs(monkeypatch):
+    """An unknown name, or a dim a benchmark needs left unbound, is one clear error naming
+    the model's inputs (the CLI prints it as one line: tests/robustness)."""
+    from blockforge.compile import open_model
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    model = FIXTURES / "gpt2_dynamo_op18.onnx"
+    with pytest.raises(BlockforgeError, match=r"batch, seq.*input_ids \[s33, s50\], attention_mask \[s6, s81\]"):
+        open_model(model, "host", parse_dims("batch=1,seq=8"))
+    with pytest.raises(BlockforgeError, match="--shape attention_mask=NxN"):
+        open_model(model, "host", parse_dims("input_ids=1x8"), static=True)
+
+
+def test_cli_dynamo_export_by_arrays(tmp_path):
+    """verify binds dims from --inputs; compile binds whole input shapes; the artifact
+    keeps the original model's sha256 and lists prepare first."""
+    model = FIXTURES / "gpt2_dynamo_op18.onnx"
+    rng = np.random.default_rng(1)
+    npz = save_npz(tmp_path / "in.npz", input_ids=rng.integers(0, 128, (1, 7)).astype(np.int64),
+                   attention_mask=np.ones((1, 7), np.int64))
+    r = run_cli("verify", model, "--target", "host", "--inputs", npz, cwd=tmp_path)
+    assert r.rc == 0 and r.out.strip().endswith("PASS") and "tvm vs ort" in r.out, r.text
+    r = run_cli("compile", model, "--target", "host", "--shape", "input_ids=1x8,attention_mask=1x8",
+                "-o", tmp_path / "art", cwd=tmp_path)
+    assert r.rc == 0 and "phases: prepare > optimize" in r.out, r.text
+    m = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert m["dims"] == {"s33": 1, "s50": 8, "s6": 1, "s81": 8} and m["phases"][0] == "prepare"
+    assert m["source_onnx"]["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert m["prepare"]["shape_ops_after"] == 0
+    r = run_cli("run", tmp_path / "art", "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path)
+    assert_user_error(r, "input_ids")  # compiled for seq 8, given 7: refused with the reason
+
+
+def test_cli_static_model_needs_no_flags(tmp_path):
+    """A fully static export: bench works without --shape (its default batch=1,seq=128
+    applies only to dims a model has; compile and tune share the same prelude), and
+    inspect counts its FLOPs, the patch-embedding Conv included."""
+    from blockforge.graph.model_io import bind_dims
+
+    model = onnx.load(str(FIXTURES / "vit_legacy_op17.onnx"))
+    static = tmp_path / "vit_static.onnx"
+    onnx.save(bind_dims(model, {"batch": 1}), str(static))
+    r = run_cli("bench", static, "--against", "ort,untuned", "--repeat", 3, cwd=tmp_path)
+    assert r.rc == 0 and "| untuned |" in r.out, r.text
+    r = run_cli("inspect", static, "--json", cwd=tmp_path)
+    # 2 layers x (QKV 3*2*17*32*32 + scores/context 2*2*2*17*17*16 + out 2*17*32*32 + FFN 2*2*17*32*64)
+    # + the 8x8/8 patch conv 2*(32*4*4)*(3*8*8), 17 tokens = 16 patches + [CLS]
+    assert json.loads(r.out)["matmul_flops"] == 2 * (104448 + 36992 + 34816 + 139264) + 196608, r.text
+
+
+@pytest.mark.slow
+def test_tune_an_export_tiny_budget(tmp_path):
+    """Tuning a real export (2 trials per task), then verifying with its records. ViT: the
+    export with the fewest distinct kernels (14; the text models have 18-22)."""
+    model = FIXTURES / "vit_legacy_op17.onnx"
+    shape = "pixel_values=1x3x32x32"
+    db = tmp_path / "db"
+    r = run_cli("tune", model, "--target", "host", "--shape", shape, "--db", db, "--trials-per-task", 2,
+                "--no-progress", "--no-measure", "--json", tmp_path / "s.json", cwd=tmp_path)
+    assert r.rc == 0, r.text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert len(s["tasks"]) >= 8 and all(t["trials_new"] == 2 for t in s["tasks"]), s
+    r = run_cli("verify", model, "--target", "host", "--shape", shape, "--tuning-db", db, cwd=tmp_path)
+    assert r.rc == 0 and "tuning records applied" in r.out and r.out.strip().endswith("PASS"), r.text
