@@ -54,7 +54,11 @@ def _optimize() -> list:
 def _legalize() -> list:
     from tvm import relax
 
-    return [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+    # As tvm.compile's default pipeline: sort/scan/sampling ops have no LegalizeOps rule and
+    # are dispatched to the target's kernels first (R.cumsum from ONNX Unsqueeze with
+    # runtime axes otherwise reaches codegen: "TVM build for host failed: R.cumsum(...)").
+    return [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
+            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
             relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
 
 
