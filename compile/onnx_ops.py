@@ -19,7 +19,13 @@ The fused CPU attention kernel pattern-matches exactly matmul -> *scale -> (+bia
 -> matmul, so nothing else is placed between them: every mask (bool attn_mask, additive
 attn_mask, is_causal, nonpad_kv_seqlen, sliding window) is folded into ONE additive bias
 (0 / -inf) built from the inputs, and the fully-masked-row rule (such a row is 0, not NaN)
-is applied to the output, after the last matmul.
+is applied to the output, after the last matmul. qk_matmul_output follows the reference's
+numbering (0: scaled scores, 1: after softcap, 2: after the bias, 3: after softmax).
+
+The other converters fill gaps TVM's own leave on ops of transformer exports (each falls back
+to TVM's converter outside its case): Reshape / Expand / ConstantOfShape / Split with the
+shape or sizes as a runtime tensor, ReduceMean with an empty axes input, Pow of mixed or
+integer types, and LayerNormalization's Mean and InvStdDev outputs (TVM returns zeros).
 """
 
 from __future__ import annotations
