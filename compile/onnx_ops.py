@@ -2,7 +2,9 @@
 
     from_onnx(model, dtype_dict)   TVM's ONNXGraphImporter with the converters below looked
                                    up first; an op it cannot import (unknown, or its converter
-                                   fails) raises OnnxImportError naming the op, node and opset.
+                                   fails) raises OnnxImportError naming the op, node and opset:
+                                   "unsupported ONNX op(s): Celu (node 'act', opset 17)",
+                                   "ONNX op Pow (node 'p', opset 15): TypeError: ...".
 
 Attention (ai.onnx, opsets 23-25). TVM maps every "Attention" node to its com.microsoft
 contrib converter, which reads the contrib-only `num_heads` attribute (KeyError 'num_heads').
@@ -13,7 +15,7 @@ to the plain decomposition, per ONNX's reference implementation (onnx.reference 
     [scores = softcap * tanh(scores / softcap)]
     scores = scores + bias                                  # mask, causal, padding, window
     y      = R.matmul(R.nn.softmax(scores), v)              # (B, h, S_q, d_v)
-    [y     = where(row fully masked, 0, y)]
+    [y     = y * keep]                                  # 0 for a row with no key at all
 
 The fused CPU attention kernel pattern-matches exactly matmul -> *scale -> (+bias) -> softmax
 -> matmul, so nothing else is placed between them: every mask (bool attn_mask, additive
@@ -30,6 +32,7 @@ integer types, and LayerNormalization's Mean and InvStdDev outputs (TVM returns 
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import tvm
@@ -40,11 +43,11 @@ _T = relax.op
 
 
 class OnnxImportError(Exception):
-    """An ONNX node TVM cannot import: op, node name, opset and the reason, for one line."""
+    """A model TVM cannot import, as one line naming the op(s), node(s) and opset."""
 
-    def __init__(self, op: str, node: str, opset: int, reason: str) -> None:
-        self.op, self.node, self.opset, self.reason = op, node, opset, reason
-        super().__init__(f"ONNX op {op} (node {node!r}, opset {opset}): {reason}")
+
+def _node(node: onnx.NodeProto, opset: int) -> str:
+    return f"{node.op_type} (node {node.name!r}, opset {opset})"
 
 
 # ---------------------------------------------------------------- helpers
@@ -68,11 +71,7 @@ def _full(value: float, dtype: str):
 
 
 def _np_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
 
 
 # ---------------------------------------------------------------- Attention
@@ -212,9 +211,23 @@ def attention(bb, inputs, attr: dict, opset: int):
         qk = scores  # the reference's mode 0 and 1 both report the softcapped scores
     bias, may_mask_row = _attention_bias(bb, mask=mask, dtype=dtype, sq=sq, skv=skv, past=past_k, nonpad=nonpad,
                                          causal=bool(attr.get("is_causal", 0)), left=left, right=right)
+    keep = None
+    if may_mask_row:
+        # A row whose bias is -inf everywhere has no key to attend: its output is 0, where
+        # softmax would give NaN. keep = 1.0 for rows with a key, 0.0 for the others; their
+        # bias becomes 0 (finite scores), and y * keep zeroes them. Arithmetic, not a where on
+        # a per-row bool: TVM's CUDA codegen mistypes that broadcast bool when it vectorizes
+        # the fused matmul epilogue ("no suitable conversion from ushort2 to float2").
+        keys = _T.astype(_T.not_equal(bias, _full(-np.inf, dtype)), "int32")
+        keep = bb.emit(_T.astype(_T.max(keys, axis=-1, keepdims=True), dtype))  # (.., S_q, 1)
+        # Other rows: -inf -> the lowest finite value, whose exp underflows to 0 all the same.
+        lowest = _T.multiply(keep, _full(-float(ml_dtypes.finfo(_np_dtype(dtype)).max), dtype))
+        if mode == 2:
+            qk = bb.emit(_T.add(scores, bias))  # the reference's -inf, before the fix
+        bias = bb.emit(_T.maximum(bias, lowest))
     if bias is not None:
         scores = bb.emit(_T.add(scores, bias))  # (B, h, S_q, S_kv)
-    if mode == 2:
+    if mode == 2 and keep is None:
         qk = scores
     precision = _ONNX_FLOAT.get(int(attr.get("softmax_precision", 0)), dtype)
     if precision != dtype:
@@ -222,14 +235,10 @@ def attention(bb, inputs, attr: dict, opset: int):
     else:
         probs = bb.emit(_T.nn.softmax(scores, axis=-1))  # (B, h, S_q, S_kv)
     y = bb.emit(_T.matmul(probs, v))  # (B, h, S_q, d_v)
-    if may_mask_row:
-        # A row whose bias is -inf everywhere has no key to attend: 0 (softmax made it NaN).
-        # Counted, not R.max(bias) == -inf: TVM's max starts from the lowest finite value.
-        open_keys = _T.astype(_T.not_equal(bias, _full(-np.inf, dtype)), "int32")
-        dead = bb.emit(_T.equal(_T.max(open_keys, axis=-1, keepdims=True), relax.const(0, "int32")))  # (.., S_q, 1)
-        y = bb.emit(_T.where(dead, _full(0.0, dtype), y))
+    if keep is not None:
+        y = bb.emit(_T.multiply(y, keep))
         if mode == 3:
-            probs = bb.emit(_T.where(dead, _full(0.0, dtype), probs))
+            probs = bb.emit(_T.multiply(probs, keep))
     if mode == 3:
         qk = probs
     if rank == 3:
@@ -418,10 +427,12 @@ class _Importer(tvm_onnx.ONNXGraphImporter):
 
     def _check_for_unsupported_ops(self, graph) -> None:
         known = set(tvm_onnx._get_convert_map()) | set(CONVERTERS) | {"If", "Constant"}
+        first: dict[str, onnx.NodeProto] = {}
         for node in graph.node:
             if node.op_type not in known:
-                self.node = node
-                raise ValueError("TVM's ONNX importer has no converter for it")
+                first.setdefault(node.op_type, node)
+        if first:  # every op TVM's importer has no converter for, with the first node using it
+            raise OnnxImportError("unsupported ONNX op(s): " + ", ".join(_node(n, self.opset) for n in first.values()))
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
         if op_name in CONVERTERS:
@@ -465,8 +476,9 @@ def from_onnx(model: onnx.ModelProto, dtype_dict: dict[str, str], keep_params_in
         # TVM prints "Error converting operator ..." on stdout before re-raising: the error says it.
         with contextlib.redirect_stdout(io.StringIO()):
             return importer.from_onnx(model.graph, opset)
+    except OnnxImportError:
+        raise
     except Exception as e:  # noqa: BLE001 - any importer failure becomes one line naming the node
-        node = importer.node
-        if node is None:
+        if importer.node is None:
             raise
-        raise OnnxImportError(node.op_type, node.name, opset, _reason(e)) from None
+        raise OnnxImportError(f"ONNX op {_node(importer.node, opset)}: {_reason(e)}") from None
