@@ -12,7 +12,7 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean robustness bench
+.PHONY: demo test install clean robustness bench onnx-backend
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -72,3 +72,8 @@ robustness: install
 TRIALS ?= 0
 bench: install
 	benchmarks/run.sh --trials-per-task $(TRIALS)
+
+# ONNX's node conformance cases for the transformer op set through the blockforge ONNX
+# backend, every case (`make test` runs a subset); skips list each exclusion's reason.
+onnx-backend: install
+	ONNX_BACKEND_CASES=all $(BIN)/pytest -q -rs tests/test_onnx_backend.py -k test_node_case

@@ -14,21 +14,65 @@ def bound_signature(model: onnx.ModelProto, dims: dict[str, int]):
 
 
 def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
-    """Checked import: returns a Relax IRModule with weights embedded as constants."""
-    from tvm.relax.frontend.onnx import from_onnx
+    """Checked import: returns a Relax IRModule with weights embedded as constants.
+
+    TVM's importer plus blockforge's converters (compile/onnx_ops.py: the standard ONNX
+    Attention op). An op it cannot import is one line naming the op, its node and the opset."""
+    from .onnx_ops import OnnxImportError, from_onnx
 
     check_model(model)
     model = bind_dims(model, dims or {})
     ins, _ = signature(model)
     try:
-        mod = from_onnx(model, dtype_dict={s.name: s.dtype for s in ins}, keep_params_in_input=True)
+        mod = from_onnx(model, dtype_dict={s.name: _tvm_dtype(s.dtype) for s in ins}, keep_params_in_input=True)
+    except OnnxImportError as e:
+        raise BlockforgeError(f"TVM cannot import this model: {e}") from None
     except Exception as e:
-        text = str(e)
-        if "not supported for frontend ONNX" in text:
-            ops = text.split("frontend ONNX:", 1)[1].strip().splitlines()[0]
-            raise BlockforgeError(f"TVM cannot import this model: unsupported ONNX op(s): {ops}") from None
         raise BlockforgeError(f"TVM cannot import this model: {error_line(e)}") from None
-    return embed_weights(mod)
+    try:
+        return embed_weights(legalize_shape_functions(mod))
+    except Exception as e:  # a TVM pass failing on an imported model: one line, not a traceback
+        raise BlockforgeError(f"TVM cannot import this model: folding its constants failed: "
+                              f"{error_line(e, last=True)}") from None
+
+
+def _tvm_dtype(name: str) -> str:
+    """Signatures name the ml_dtypes types as ONNX does (float8e4m3fn); TVM as numpy
+    (float8_e4m3fn)."""
+    try:
+        return str(onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.DataType.Value(name.upper())))
+    except (ValueError, KeyError, TypeError):
+        return name
+
+
+def legalize_shape_functions(mod):
+    """Lower the ops whose legalization adds a shape function before any FoldConstant runs.
+
+    Relax's FoldConstant tries to legalize every op in a dataflow block; for
+    dynamic_strided_slice (ONNX Slice with runtime starts/ends) that emits a call to a new
+    `shape_func` PrimFunc into the function but drops the PrimFunc itself, and the build then
+    fails with `There is no definition of I.GlobalVar("shape_func")`. Legalizing those calls
+    here, in a builder whose module keeps the PrimFuncs, leaves FoldConstant nothing to break."""
+    from tvm import relax
+    from tvm.ir import Op
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    op = "relax.dynamic_strided_slice"
+    legalize = Op.get(op).get_attr("FLegalize")
+
+    @mutator
+    class _Lower(PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if getattr(call.op, "name", None) == op:
+                return legalize(self.builder_, call)
+            return call
+
+    m = _Lower(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            m.builder_.update_func(gv, m.visit_expr(func))
+    return m.builder_.get()
 
 
 def embed_weights(mod):

@@ -55,9 +55,11 @@ def _optimize() -> list:
 def _legalize() -> list:
     from tvm import relax
 
-    # DispatchSortScan first: cumsum/sort/topk have no LegalizeOps rule (RoBERTa's position
-    # ids are a cumsum of the mask; without it the VM codegen meets a bare R.cumsum).
-    return [relax.backend.DispatchSortScan(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+    # As tvm.compile's default pipeline: sort/scan/sampling ops have no LegalizeOps rule and
+    # are dispatched to the target's kernels first (RoBERTa's position ids are a cumsum of the
+    # mask; R.cumsum from ONNX Unsqueeze with runtime axes otherwise reaches codegen).
+    return [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
+            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
             relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
 
 

@@ -37,15 +37,98 @@ class LoadedModule:
 
 
 def run_vm(vm, device, in_sigs: list[TensorSig], out_sigs: list[TensorSig], inputs: dict) -> dict[str, np.ndarray]:
+    """Call the VM's main on `inputs`; outputs are checked against the declared signature
+    (count, dtype, rank, static and symbolic dims): a mismatch is an error, not a result."""
     import tvm
 
-    args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[s.name]), device) for s in in_sigs]
+    args = [tvm.runtime.tensor(_contiguous(inputs[s.name]), device) for s in in_sigs]
     try:
         out = vm["main"](*args)
     except Exception as e:
         raise BlockforgeError(f"compiled module failed to run: {error_line(e, last=True)}") from None
-    outs = list(out) if isinstance(out, (list, tuple)) or type(out).__name__ == "Array" else [out]
-    return {s.name: o.numpy() for s, o in zip(out_sigs, outs)}
+    if len(out_sigs) == 1:
+        outs = [out]  # a single output may itself be a tuple (an R.Shape from ONNX Shape)
+    elif _is_sequence(out) and len(out) == len(out_sigs):
+        outs = list(out)
+    else:
+        got = len(out) if _is_sequence(out) else 1
+        raise BlockforgeError(f"compiled module returned {got} outputs, the model declares {len(out_sigs)} "
+                              f"({', '.join(s.name for s in out_sigs)})")
+    result = {s.name: _to_numpy(o, s) for s, o in zip(out_sigs, outs)}
+    check_outputs(out_sigs, result, _bindings(in_sigs, inputs))
+    return result
+
+
+def _contiguous(a) -> np.ndarray:
+    # np.ascontiguousarray returns at least 1-d: a 0-d input (Trilu's k, a scalar Gemm C)
+    # would reach the VM as shape (1,) and fail its ndim check.
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _is_sequence(o) -> bool:
+    return isinstance(o, (list, tuple)) or type(o).__name__ == "Array"
+
+
+def _to_numpy(o, sig: TensorSig) -> np.ndarray:
+    """A VM result as numpy: tensors, R.Shape values (ONNX Shape -> int64) and scalars."""
+    if hasattr(o, "numpy"):
+        return o.numpy()
+    if isinstance(o, tuple) and all(isinstance(d, int) for d in o):  # tvm_ffi.Shape
+        return np.asarray(list(o), dtype=np.int64).reshape(len(o))
+    if isinstance(o, (bool, int, float, np.generic)):
+        return np.asarray(o, dtype=sig.dtype if sig.dtype in np.sctypeDict else None)
+    raise BlockforgeError(f"output {sig.name!r}: the compiled module returned a {type(o).__name__}, "
+                          "not a tensor (sequence outputs are not supported)")
+
+
+def _bindings(sigs: list[TensorSig], arrays: dict) -> dict:
+    bound: dict = {}
+    for s in sigs:
+        shape = np.shape(arrays[s.name])
+        for d, got in zip(s.dims, shape):
+            if isinstance(d, str):
+                bound.setdefault(d, got)
+    return bound
+
+
+def _same_dtype(got: np.dtype, declared: str) -> bool:
+    """`declared` is numpy's name, or ONNX's (lower case) for the ml_dtypes types: float8e4m3fn
+    is numpy's float8_e4m3fn, float8e8m0 float8_e8m0fnu."""
+    if str(got) == declared:
+        return True
+    import onnx
+
+    try:
+        code = onnx.TensorProto.DataType.Value(declared.upper())
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(code)) == got
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def check_outputs(sigs: list[TensorSig], outputs: dict[str, np.ndarray], bound: dict | None = None) -> None:
+    """Outputs against the declared signature. Symbolic dims must agree with the value the
+    inputs gave them (and with each other); unknown dims (None) match anything. A declared
+    shape of () is also what an unknown rank looks like, so it is not checked."""
+    bound = dict(bound or {})
+    for s in sigs:
+        a = outputs[s.name]
+        if not _same_dtype(a.dtype, s.dtype):
+            raise BlockforgeError(f"output {s.name!r} of the compiled module has dtype {a.dtype}, "
+                                  f"the model declares {s.dtype}")
+        if not s.dims:
+            continue
+        if a.ndim != len(s.dims):
+            raise BlockforgeError(f"output {s.name!r} of the compiled module has shape {a.shape}, "
+                                  f"the model declares rank {len(s.dims)} {list(s.dims)}")
+        for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
+            if isinstance(d, str):
+                want = bound.setdefault(d, got)
+            else:
+                want = got if d is None else d
+            if got != want:
+                raise BlockforgeError(f"output {s.name!r} of the compiled module has shape {a.shape}, "
+                                      f"the model declares {list(s.dims)} (axis {axis}: {got} != {want})")
 
 
 def tvm_device(kind: str | None):

@@ -23,6 +23,9 @@ from .weights import Weights, make_weights
 
 # onnx 1.23 writes IR 14; onnxruntime 1.31 accepts <= 13. IR 10 covers opsets up to 21.
 IR_VERSION = 10
+# The attention-op layout's opsets came with IR 11 (opset 23, onnx 1.18) and IR 12 (opset 24,
+# onnx 1.19), per onnx.helper.VERSION_TABLE; onnxruntime 1.31 loads and runs both.
+ATTENTION_IR_VERSION = {23: 11, 24: 12}
 ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 SPEC_KEY = "blockforge.spec"
 VERSION_KEY = "blockforge.version"
@@ -67,7 +70,7 @@ class _Graph:
             producer_name="blockforge",
             producer_version=blockforge.__version__,
         )
-        model.ir_version = IR_VERSION
+        model.ir_version = ATTENTION_IR_VERSION.get(spec.opset, IR_VERSION)
         helper.set_model_props(model, {SPEC_KEY: spec.to_json(), VERSION_KEY: blockforge.__version__})
         return model
 
@@ -181,7 +184,31 @@ def _mha_packed(g: _Graph, spec: MHASpec, w: Weights, q_in: str, k_in: str, v_in
     return g.linear(c, w["W_O"], w.get("b_O"), f"{prefix}out_proj")  # (B, S, d_model)
 
 
+def _mha_attention_op(g: _Graph, spec: MHASpec, w: Weights, q_in: str, k_in: str, v_in: str, prefix: str) -> str:
+    """The packed projections around one ONNX Attention node (opset 23): it splits the heads,
+    scales by 1/sqrt(d_k) (its default), masks, softmaxes and merges the heads itself."""
+    b = (lambda n: w[n].reshape(-1)) if spec.bias else (lambda n: None)
+    q = g.linear(q_in, _packed(w["W_Q"]), b("b_Q"), f"{prefix}q_proj")  # (B, S, h*d_k)
+    k = g.linear(k_in, _packed(w["W_K"]), b("b_K"), f"{prefix}k_proj")  # (B, S_kv, h*d_k)
+    v = g.linear(v_in, _packed(w["W_V"]), b("b_V"), f"{prefix}v_proj")  # (B, S_kv, h*d_k)
+    inputs = [q, k, v]
+    if spec.mask is not None:  # bool: True attends (as ours); additive: added to the scores
+        axes = g.init("mask/axes", np.array([1, 2], np.int64))
+        m = g.op("Unsqueeze", ["key_padding_mask", axes], "mask/broadcast")  # (B, 1, 1, S_kv)
+        # onnxruntime 1.31's CPU Attention wants the mask's query axis at full length
+        # ("inconsistent q_sequence_length (between attn_mask and Q)"), though ONNX broadcasts it.
+        s = g.op("Shape", [q_in], "mask/seq_len", start=1, end=2)  # (1,) = [S]
+        one = g.init("mask/one", np.array([1], np.int64))
+        rows = g.op("Concat", [one, one, s, one], "mask/rows", axis=0)  # (4,) = [1, 1, S, 1]
+        inputs.append(g.op("Expand", [m, rows], "mask/per_query"))  # (B, 1, S, S_kv)
+    c = g.op("Attention", inputs, f"{prefix}attention", q_num_heads=spec.heads, kv_num_heads=spec.heads,
+             is_causal=int(spec.causal))  # (B, S, h*d_k)
+    return g.linear(c, w["W_O"], w.get("b_O"), f"{prefix}out_proj")  # (B, S, d_model)
+
+
 def _mha(g: _Graph, spec: MHASpec, w: Weights, q: str, k: str, v: str, prefix: str = "") -> str:
+    if spec.layout == "attention-op":
+        return _mha_attention_op(g, spec, w, q, k, v, prefix)
     if spec.causal or spec.mask == "bool":
         g.const("mask/fill", _mask_fill(spec.dtype))
     body = _mha_per_head if spec.layout == "per-head" else _mha_packed

@@ -31,8 +31,8 @@ def default_name(spec: Spec) -> str:
     parts = [spec.kind, f"d{spec.d_model}"]
     if hasattr(spec, "heads"):
         parts.append(f"h{spec.heads}")
-    if getattr(spec, "layout", "per-head") == "packed":
-        parts.append("packed")
+    if getattr(spec, "layout", "per-head") != "per-head":
+        parts.append(spec.layout)  # packed, attention-op
     if hasattr(spec, "activation") and spec.kind != "mha":
         parts.append(spec.activation)
     if spec.kind == "block":

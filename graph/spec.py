@@ -14,11 +14,14 @@ from blockforge.errors import BlockforgeError
 
 DTYPES = ("float32", "float16")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-LAYOUTS = ("per-head", "packed")
+LAYOUTS = ("per-head", "packed", "attention-op")
 MASKS = (None, "additive", "bool")
 NORMS = ("pre", "post")
 MIN_OPSET, MAX_OPSET = 17, 21  # 17: LayerNormalization; 21: newest both ORT and TVM import
 GELU_OPSET = 20  # ONNX Gelu exists from opset 20; older opsets get the exact Erf form
+# The attention-op layout is one ONNX Attention node, which exists from opset 23. Its
+# opsets are 23..24: what onnxruntime 1.31 runs (checked for both) and onnx_ops imports.
+ATTENTION_OPSETS = (23, 24)
 
 # Refuse sizes whose initializers alone would take more than this (bytes). Keeps a
 # typo like --d-model 1000000 from allocating tens of GB before anything fails.
@@ -49,18 +52,26 @@ class Common:
 
     d_model: int = 512
     dtype: str = "float32"
-    opset: int = GELU_OPSET
+    opset: int | None = None  # None: GELU_OPSET (the attention-op layout: 23)
     seed: int = 0
     batch: int | None = None  # None: symbolic dim "batch"
     seq: int | None = None  # None: symbolic dim "seq"
 
+    def _opsets(self) -> tuple[int, int]:
+        """The lowest and highest opset this spec can be built for."""
+        return ATTENTION_OPSETS if getattr(self, "layout", None) == "attention-op" else (MIN_OPSET, MAX_OPSET)
+
     def _validate_common(self) -> None:
         _check_dim("d_model", self.d_model)
         _check_choice("dtype", self.dtype, DTYPES)
-        if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not (
-            MIN_OPSET <= self.opset <= MAX_OPSET
-        ):
-            raise BlockforgeError(f"opset must be an integer in [{MIN_OPSET}, {MAX_OPSET}], got {self.opset!r}")
+        lo, hi = self._opsets()
+        if self.opset is None:
+            object.__setattr__(self, "opset", max(lo, GELU_OPSET))  # 20 (Gelu), or 23 (Attention)
+        if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not lo <= self.opset <= hi:
+            if getattr(self, "layout", None) == "attention-op":
+                raise BlockforgeError(f"the attention-op layout needs an opset in [{lo}, {hi}] (ONNX Attention "
+                                      f"exists from opset 23), got {self.opset!r}")
+            raise BlockforgeError(f"opset must be an integer in [{lo}, {hi}], got {self.opset!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise BlockforgeError(f"seed must be a non-negative integer, got {self.seed!r}")
         _check_dim("batch", self.batch, allow_none=True)
@@ -162,6 +173,8 @@ class BlockSpec(Common):
     kind = "block"
 
     def __post_init__(self) -> None:
+        if self.layout == "attention-op":
+            raise BlockforgeError("the attention-op layout is for mha only; a block uses per-head or packed")
         self._validate_common()
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
