@@ -12,7 +12,7 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean robustness bench
+.PHONY: demo test install clean robustness bench bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,3 +67,14 @@ robustness: install
 TRIALS ?= 0
 bench: install
 	benchmarks/run.sh --trials-per-task $(TRIALS)
+
+# The peer table (benchmarks/peers.py): BERT-base MHA/FFN/block against ORT, ORT's fused
+# kernels and OpenVINO (long; not part of `make test`). PEERS_ARGS="--repeat 20 --only mha".
+PEERS_STAMP := $(VENV)/.peers-installed
+PEERS_ARGS ?=
+$(PEERS_STAMP): pyproject.toml | $(DEPS_STAMP)
+	$(BIN)/pip install -q ".[bench,peers]"
+	touch $@
+
+bench-peers: install $(PEERS_STAMP)
+	$(NOBLAS) $(BIN)/python benchmarks/peers.py $(PEERS_ARGS)

@@ -15,7 +15,8 @@ target attributes) does not tell CPUs apart. So device.json names the CPU that t
     ledger[workload]["in_model"][cpu] = {"prefer_default": bool, "default_ms": .., "record_ms": ..}
 
 When the build runs on this machine, a workload's records apply only where this CPU's
-verdict says they win, or (no verdict here at all) where this CPU tuned the database.
+verdict says they win, or (no verdict by any CPU: tune --no-measure) where this CPU tuned
+the database.
 Records judged only on another CPU are left out with a warning until re-checked here with
 `blockforge tune --check-only` (one build and a short A/B per tuned task; no search).
 Legacy flat `prefer_default`/`in_model_ms` fields are the tuning CPU's verdict.
@@ -200,7 +201,8 @@ class ApplyPlan:
 
 def plan_apply(directory: Path, cpu: str | None, contents: Contents | None = None) -> ApplyPlan:
     """Leave out records whose in-model verdict prefers the default schedule, and (when the
-    build runs on `cpu`) records no verdict of this CPU vouches for, unless this CPU tuned them."""
+    build runs on `cpu`) records no verdict of this CPU vouches for: those judged on another
+    CPU, and unjudged ones (tune --no-measure) unless this CPU tuned the database."""
     db_cpu = read_device(directory).get("cpu_model")
     ledger = read_ledger(directory)
     c = contents or read_contents(Path(directory), tolerate_torn_tail=True)
@@ -215,7 +217,7 @@ def plan_apply(directory: Path, cpu: str | None, contents: Contents | None = Non
             if mine.get("prefer_default"):
                 exclude.add(sh)
                 kept.append(name)
-        elif cpu is not None and db_cpu != cpu:
+        elif cpu is not None and (db_cpu != cpu or v):  # judged elsewhere only, or tuned elsewhere
             exclude.add(sh)
             unvalidated.append(name)
             others.update(v or [db_cpu or UNKNOWN_CPU])
@@ -234,8 +236,17 @@ def load_database(directory: Path, *, only: set[str] | None = None, exclude: set
     c = read_contents(directory, tolerate_torn_tail=True)
     if exclude is None:
         exclude = plan_apply(directory, cpu, c).exclude
-    keep = {i for i, (sh, _) in enumerate(c.workloads) if sh not in exclude and (only is None or sh in only)}
-    c = Contents(c.workloads, [(i, line) for i, line in c.records if i in keep])
+    keep = [i for i, (sh, _) in enumerate(c.workloads) if sh not in exclude and (only is None or sh in only)]
+    # Left-out workloads go entirely (not just their records): MetaSchedule's has_workload
+    # is what compile's coverage report counts as "applied".
+    index = {old: new for new, old in enumerate(keep)}
+    records = []
+    for i, line in c.records:
+        if i in index:
+            obj = json.loads(line)
+            obj[0] = index[i]
+            records.append((index[i], json.dumps(obj, separators=(",", ":"))))
+    c = Contents([c.workloads[i] for i in keep], records)
     tmp = Path(tempfile.mkdtemp(prefix="bf-db-"))
     try:
         (tmp / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))

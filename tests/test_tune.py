@@ -14,6 +14,7 @@ import pytest
 from blockforge.compile.records import WORKLOADS, read_contents
 from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, export
+from blockforge.targets.toolchain import cpu_id
 
 from conftest import BLOCKFORGE, assert_user_error, run_cli
 
@@ -44,6 +45,10 @@ def test_tune_resume_apply_verify(ffn, tmp_path):
     assert len(s["tasks"]) == 2 and all(t["trials_new"] == 4 and t["status"] == "new" for t in s["tasks"])
     assert all(t["best_us"] and t["gflops"] > 0 for t in s["tasks"])
     assert s["seeded"] == 2  # every workload got its default-schedule record, outside the budget
+    # The tuning CPU is recorded, and every in-model verdict names the CPU it was made on.
+    assert json.loads((db / "device.json").read_text())["cpu_model"] == cpu_id() == s["cpu"]
+    verdicts = [e["in_model"] for e in json.loads((db / "ledger.json").read_text()).values()]
+    assert len(verdicts) == 2 and all(set(v) == {cpu_id()} for v in verdicts)
     # Measured in this run: tuned beats TVM's own untuned lowering by far, and is never
     # meaningfully slower than blockforge's default schedules (they are seeded as the
     # first record, so the best record is at least as fast per kernel).

@@ -51,7 +51,7 @@ def run(a) -> int:
     if s.kept_default:
         print(f"kept blockforge's default schedule (faster inside the model) for: {', '.join(s.kept_default)}")
     if s.untuned_ms is not None:
-        print(f"whole model on this device: TVM naive {s.naive_ms:.3f} ms, blockforge untuned {s.untuned_ms:.3f} ms, "
-              f"tuned {s.tuned_ms:.3f} ms")
+        naive = f"TVM naive {s.naive_ms:.3f} ms, " if s.naive_ms is not None else ""
+        print(f"whole model on this device: {naive}blockforge untuned {s.untuned_ms:.3f} ms, tuned {s.tuned_ms:.3f} ms")
     write_json(a.json, s.to_dict())
     return 0
