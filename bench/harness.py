@@ -11,6 +11,7 @@ machine, today.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -100,8 +101,10 @@ def host_facts() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
+    # The 1-minute load average: on a shared machine it says how far to trust the digits.
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {"cpu_model": cpu_id(), "physical_cores": physical_cores(), "machine": platform.machine(),
-            "node": platform.node(), "blockforge": blockforge.__version__,
+            "node": platform.node(), "load_avg_1m": load, "blockforge": blockforge.__version__,
             "versions": {k: v for k in ENGINES if (v := version(k))}}
 
 
@@ -149,6 +152,14 @@ def _reference(bm: BenchModel, inputs: dict) -> tuple[np.ndarray | None, str]:
         return None, ""
 
 
+def _tolerance(dtype: str, kind: str) -> Tolerance:
+    """The table's tolerance; outputs of other dtypes (foreign models) get float32's."""
+    try:
+        return tolerance_for(dtype, kind)
+    except (KeyError, TypeError):
+        return tolerance_for("float32", kind)
+
+
 def _check(name: str, runner, ref: np.ndarray | None, ref_name: str, tol: Tolerance) -> str | None:
     """Why `runner`'s output does not match the reference, or None when it does."""
     if ref is None:
@@ -179,7 +190,7 @@ def bench(opts: BenchOptions) -> BenchReport:
     spec = model_spec(session.model)
     bm = BenchModel(session, bind_dims(session.model, opts.dims, strict=False), spec, dict(opts.dims), opts.tuning_db)
     ref, ref_name = _reference(bm, inputs)
-    tol = tolerance_for(session.outputs[0].dtype if session.outputs else "float32", spec.kind if spec else "block")
+    tol = _tolerance(session.outputs[0].dtype if session.outputs else "float32", spec.kind if spec else "block")
     runners = {}
     with native_output_to_log():
         for name in [c for c in CONTENDERS if c in opts.against]:  # registry order: peers first

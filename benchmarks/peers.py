@@ -90,12 +90,15 @@ def main() -> int:
         return 2
     table = summary_table(reports)
     command = "benchmarks/peers.py " + " ".join(sys.argv[1:])
-    head = (f"Peer benchmark on {host['cpu_model']} ({host['physical_cores']} physical cores, {host['machine']}), "
+    load = [host["load_avg_1m"], host_facts()["load_avg_1m"]]
+    head = (f"Peer benchmark on {host['cpu_model']} ({host['physical_cores']} physical cores, {host['machine']}; "
+            f"load average {' -> '.join(f'{x:.1f}' for x in load if x is not None)} over the run), "
             f"threads {reports[0][1].threads} for every engine, fp32, batch 1, {a.repeat} interleaved samples "
             f"per contender; engines: {', '.join(f'{k} {v}' for k, v in host['versions'].items())}. "
             f"Ratios are medians over the best peer's (lower is faster). Command: `{command}`.")
     atomic_write_json(out / f"peers-{node}.json", {
-        "schema": SCHEMA, "command": command, "host": host, "wall_s": round(time.time() - t0, 1),
+        "schema": SCHEMA, "command": command, "host": host, "load_avg_1m_end": load[1],
+        "wall_s": round(time.time() - t0, 1),
         "summary": [{"case": c, "best_peer": r.best_peer, "headline": r.headline,
                      "median_ms": {x.name: x.median_ms for x in r.results},
                      "ratio_to_best_peer": {x.name: x.ratio_to_best_peer for x in r.results}} for c, r in reports],

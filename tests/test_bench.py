@@ -167,7 +167,7 @@ def test_bench_cli_json_plot_profile(tmp_path):
     rep = json.loads((tmp_path / "b.json").read_text())
     assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA
     assert rep["flops"] == 2 * 2 * 16 * 64 * 128 and rep["threads"] >= 1 and rep["sgemm_gflops"] > 0
-    assert {"cpu_model", "physical_cores", "machine", "versions"} <= set(rep["host"])
+    assert {"cpu_model", "physical_cores", "machine", "load_avg_1m", "versions"} <= set(rep["host"])
     assert {"apache-tvm", "onnx", "numpy"} <= set(rep["host"]["versions"])
     res = {x["name"]: x for x in rep["results"]}
     expected = {"ort", "untuned"} | ({"openvino"} if REGISTRY["openvino"].available() else set())

@@ -93,11 +93,14 @@ class DeviceDB:
         except OSError as e:
             raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
 
-    def set_verdict(self, shash: str, cpu: str, prefer_default: bool, default_ms: float, record_ms: float) -> None:
-        """Record this CPU's in-model A/B verdict for a workload (other CPUs' verdicts stay)."""
+    def set_verdict(self, shash: str, cpu: str, prefer_default: bool, default_ms: float, record_ms: float,
+                    scope: str = "task") -> None:
+        """Record this CPU's in-model A/B verdict for a workload (other CPUs' verdicts stay).
+        scope "task": this workload's record alone vs the default; "model": all the model's
+        winning records together vs the untuned build (the ms are the whole model's)."""
         by_cpu = dict(self.ledger().get(shash, {}).get("in_model") or {})
         by_cpu[cpu] = {"prefer_default": bool(prefer_default), "default_ms": round(default_ms, 4),
-                       "record_ms": round(record_ms, 4), "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+                       "record_ms": round(record_ms, 4), "scope": scope, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.set_ledger_flag(shash, "in_model", by_cpu)
 
     def spent(self, shash: str, contents: Contents | None = None) -> int:
