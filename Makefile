@@ -12,7 +12,7 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean robustness bench onnx-backend
+.PHONY: demo test install clean robustness bench onnx-backend bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,12 @@ demo: install
 	$(NOBLAS) $(BF) bench $(DEMO)/mha_bert.onnx --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning --repeat 20
 	$(NOBLAS) $(BF) bench $(DEMO)/ffn_bert.onnx --shape batch=1,seq=128 --tuning-db $(DEMO)/tuning --repeat 20
 	@if $(BIN)/python -c "import sys; from blockforge.targets import resolve; sys.exit(resolve('x86-64-avx512').run_problem() is not None)"; then \
-	  echo "== with the shipped records for x86-64-avx512 (benchmarks/ship_records.py)"; \
-	  $(NOBLAS) $(BF) bench $(DEMO)/mha_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(SHIPPED) --repeat 20 && \
-	  $(NOBLAS) $(BF) bench $(DEMO)/ffn_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(SHIPPED) --repeat 20; \
+	  echo "== with the shipped records for x86-64-avx512 (benchmarks/ship_records.py), re-checked on this CPU first"; \
+	  rm -rf $(DEMO)/shipped-tuning && cp -r $(SHIPPED) $(DEMO)/shipped-tuning && \
+	  $(BF) tune $(DEMO)/mha_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(DEMO)/shipped-tuning --check-only --no-progress && \
+	  $(BF) tune $(DEMO)/ffn_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(DEMO)/shipped-tuning --check-only --no-progress && \
+	  $(NOBLAS) $(BF) bench $(DEMO)/mha_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(DEMO)/shipped-tuning --repeat 20 && \
+	  $(NOBLAS) $(BF) bench $(DEMO)/ffn_bert.onnx --target x86-64-avx512 --shape batch=1,seq=128 --tuning-db $(DEMO)/shipped-tuning --repeat 20; \
 	else echo "(this CPU has no AVX-512: the shipped x86-64-avx512 records are not used)"; fi
 
 # The aarch64 edge tests' Debian packages are installed first where that is possible (root and
@@ -77,3 +80,14 @@ bench: install
 # backend, every case (`make test` runs a subset); skips list each exclusion's reason.
 onnx-backend: install
 	ONNX_BACKEND_CASES=all $(BIN)/pytest -q -rs tests/test_onnx_backend.py -k test_node_case
+
+# The peer table (benchmarks/peers.py): BERT-base MHA/FFN/block against ORT, ORT's fused
+# kernels and OpenVINO (long; not part of `make test`). PEERS_ARGS="--repeat 20 --only mha".
+PEERS_STAMP := $(VENV)/.peers-installed
+PEERS_ARGS ?=
+$(PEERS_STAMP): pyproject.toml | $(DEPS_STAMP)
+	$(BIN)/pip install -q ".[bench,peers]"
+	touch $@
+
+bench-peers: install $(PEERS_STAMP)
+	$(NOBLAS) $(BIN)/python benchmarks/peers.py $(PEERS_ARGS)

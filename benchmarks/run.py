@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from blockforge.bench.harness import BenchOptions, bench, plot
+from blockforge.bench import BenchOptions, bench, plot
 from blockforge.fsutil import atomic_write_json, atomic_write_text
 from blockforge.graph import FFNSpec, MHASpec, export
 from blockforge.targets import resolve

@@ -6,6 +6,12 @@ Tunes the BERT-base MHA and FFN (batch 1, seq 128) into the preset's device data
 then keeps the best record per workload in artifacts/shipped/tuning/x86-64-avx512/
 (small enough to commit). `make demo` benchmarks with them where the CPU has AVX-512;
 compile/verify apply a record only where its workload matches the model's task.
+
+The records carry the CPU they were tuned and judged on (device.json `cpu_model`, the
+ledger's in-model verdicts by CPU): on this CPU they apply where they won inside the model;
+on any other, builds skip them with a warning until `blockforge tune MODEL --target
+x86-64-avx512 --tuning-db DIR --check-only` re-runs the A/B there (`make demo` does, on a
+copy of this directory).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from blockforge.compile.records import default_db_dir
 from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, MHASpec, export
 from blockforge.targets import resolve
+from blockforge.targets.toolchain import cpu_id
 
 PRESET = "x86-64-avx512"
 DEST = Path("artifacts/shipped/tuning") / PRESET
@@ -39,7 +46,7 @@ def main() -> int:
                              dims={"batch": 1, "seq": 128}, measure=True, progress=False))
         print(f"{name}: {s.trials_new} new trials, {s.trials_reused} reused")
     n = DeviceDB(default_db_dir(target), target).export_best(DEST)
-    print(f"wrote {n} records to {DEST}")
+    print(f"wrote {n} records to {DEST}, judged inside the models on {cpu_id()}")
     return 0
 
 

@@ -137,7 +137,10 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "params_embedded": True,
             "tuning": None if db_info is None else {
                 **db_info, "tasks": res.tasks, "applied": res.tasks - len(res.untuned_tasks),
-                "missing": [t for t in res.untuned_tasks if t not in db_info["kept_default"]]},
+                "missing": [t for t in res.untuned_tasks
+                            if t not in db_info["kept_default"] and t not in db_info["unvalidated"]],
+                # records judged only on another CPU: left out until `tune --check-only` here
+                "unvalidated": [t for t in res.untuned_tasks if t in db_info["unvalidated"]]},
             "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/prepare.py)
             "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),

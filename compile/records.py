@@ -4,7 +4,22 @@
       device.json                    what device this is (refuses foreign databases)
       database_workload.json         MetaSchedule JSONDatabase files (so TVM's own tools read them)
       database_tuning_record.json
-      ledger.json                    trials spent per workload, in-model A/B verdicts
+      ledger.json                    trials spent per workload, in-model A/B verdicts per CPU
+
+Records are only as good as the CPU they were measured on: a record that wins inside the
+model on one CPU can lose on another (the shipped x86-64-avx512 records made a BERT MHA
+slower on a CPU they were not tuned on in one of two runs), and the device key (ISA +
+target attributes) does not tell CPUs apart. So device.json names the CPU that tuned
+(`cpu_model`, toolchain.cpu_id()) and each in-model verdict names the CPU it was made on:
+
+    ledger[workload]["in_model"][cpu] = {"prefer_default": bool, "default_ms": .., "record_ms": ..}
+
+When the build runs on this machine, a workload's records apply only where this CPU's
+verdict says they win, or (no verdict by any CPU: tune --no-measure) where this CPU tuned
+the database.
+Records judged only on another CPU are left out with a warning until re-checked here with
+`blockforge tune --check-only` (one build and a short A/B per tuned task; no search).
+Legacy flat `prefer_default`/`in_model_ms` fields are the tuning CPU's verdict.
 
 This is the read side, which compile needs to apply records; writing (rounds, merges,
 locking, salvage) is tune's (blockforge.tune.database). Like TVM's meta_schedule.database,
@@ -24,6 +39,7 @@ from pathlib import Path
 from blockforge import settings
 from blockforge.errors import BlockforgeError, error_line
 from blockforge.targets import ResolvedTarget
+from blockforge.targets.toolchain import cpu_id
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -148,19 +164,89 @@ def digest(directory: Path) -> str:
     return h.hexdigest()
 
 
-def load_database(directory: Path, *, only: set[str] | None = None, exclude: set[str] | None = None):
+UNKNOWN_CPU = "unknown CPU"
+
+
+def verdicts(entry: dict, db_cpu: str | None) -> dict[str, dict]:
+    """A workload's in-model verdicts by CPU; the legacy flat fields count as the tuning CPU's."""
+    out = {}
+    if "prefer_default" in entry:
+        ms = entry.get("in_model_ms") or {}
+        out[db_cpu or UNKNOWN_CPU] = {"prefer_default": bool(entry["prefer_default"]),
+                                      "default_ms": ms.get("default"), "record_ms": ms.get("record")}
+    by_cpu = entry.get("in_model")
+    if isinstance(by_cpu, dict):
+        out.update({str(k): v for k, v in by_cpu.items() if isinstance(v, dict)})
+    return out
+
+
+def read_device(directory: Path) -> dict:
+    try:
+        info = json.loads((Path(directory) / DEVICE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+@dataclass
+class ApplyPlan:
+    """Which workloads' records a build on `cpu` leaves out, and why (task names)."""
+    cpu: str | None  # None: the build does not run here (cross/GPU): the tuning CPU's verdicts rule
+    db_cpu: str | None
+    exclude: set[str]
+    kept_default: list[str]  # a verdict (this CPU's, or the tuning CPU's) kept the default schedule
+    unvalidated: list[str]  # records judged on another CPU only, not re-checked on this one
+    verdict_cpus: list[str]  # the CPUs whose verdicts the skipped records carry
+
+
+def plan_apply(directory: Path, cpu: str | None, contents: Contents | None = None) -> ApplyPlan:
+    """Leave out records whose in-model verdict prefers the default schedule, and (when the
+    build runs on `cpu`) records no verdict of this CPU vouches for: those judged on another
+    CPU, and unjudged ones (tune --no-measure) unless this CPU tuned the database."""
+    db_cpu = read_device(directory).get("cpu_model")
+    ledger = read_ledger(directory)
+    c = contents or read_contents(Path(directory), tolerate_torn_tail=True)
+    with_records = {c.workloads[i][0] for i, _ in c.records}
+    exclude, kept, unvalidated, others = set(), [], [], set()
+    for sh in sorted(with_records):
+        entry = ledger.get(sh, {})
+        v = verdicts(entry, db_cpu)
+        name = entry.get("task", sh)
+        mine = v.get(cpu) if cpu is not None else v.get(db_cpu or UNKNOWN_CPU)
+        if mine is not None:
+            if mine.get("prefer_default"):
+                exclude.add(sh)
+                kept.append(name)
+        elif cpu is not None and (db_cpu != cpu or v):  # judged elsewhere only, or tuned elsewhere
+            exclude.add(sh)
+            unvalidated.append(name)
+            others.update(v or [db_cpu or UNKNOWN_CPU])
+    return ApplyPlan(cpu, db_cpu, exclude, sorted(kept), sorted(unvalidated), sorted(others))
+
+
+def load_database(directory: Path, *, only: set[str] | None = None, exclude: set[str] | None = None,
+                  cpu: str | None = None):
     """A MetaSchedule database with the complete records of `directory` (read-only use).
 
-    only/exclude select workloads (shash). By default the workloads whose records lost to
-    blockforge's default schedule inside the whole model (ledger `prefer_default`) are left
-    out, so their default schedule applies."""
+    only/exclude select workloads (shash). By default the workloads plan_apply(cpu) leaves
+    out are excluded: records that lost to blockforge's default schedule inside the whole
+    model, and (for a build that runs on `cpu`) records no verdict of that CPU vouches for."""
     from tvm.s_tir import meta_schedule as ms
 
     c = read_contents(directory, tolerate_torn_tail=True)
     if exclude is None:
-        exclude = {sh for sh, e in read_ledger(directory).items() if e.get("prefer_default")}
-    keep = {i for i, (sh, _) in enumerate(c.workloads) if sh not in exclude and (only is None or sh in only)}
-    c = Contents(c.workloads, [(i, line) for i, line in c.records if i in keep])
+        exclude = plan_apply(directory, cpu, c).exclude
+    keep = [i for i, (sh, _) in enumerate(c.workloads) if sh not in exclude and (only is None or sh in only)]
+    # Left-out workloads go entirely (not just their records): MetaSchedule's has_workload
+    # is what compile's coverage report counts as "applied".
+    index = {old: new for new, old in enumerate(keep)}
+    records = []
+    for i, line in c.records:
+        if i in index:
+            obj = json.loads(line)
+            obj[0] = index[i]
+            records.append((index[i], json.dumps(obj, separators=(",", ":"))))
+    c = Contents([c.workloads[i] for i in keep], records)
     tmp = Path(tempfile.mkdtemp(prefix="bf-db-"))
     try:
         (tmp / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))
@@ -173,8 +259,16 @@ def load_database(directory: Path, *, only: set[str] | None = None, exclude: set
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def apply_cpu(target: ResolvedTarget) -> str | None:
+    """The CPU a build's records must be vouched for on: this one, when the build runs on it."""
+    return cpu_id() if target.device == "cpu" and target.run_problem() is None else None
+
+
 def open_for_apply(target: ResolvedTarget, path: Path | None):
-    """(database, info) for a build, or (None, None) when there is nothing to apply."""
+    """(database, info) for a build, or (None, None) when there is nothing to apply.
+
+    info["unvalidated"] names the tasks whose records were left out because only another
+    CPU judged them (callers warn: see unvalidated_warning)."""
     explicit = path is not None
     directory = Path(path) if explicit else default_db_dir(target)
     if not directory.exists():
@@ -184,13 +278,23 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
     if not directory.is_dir():
         raise BlockforgeError(f"{directory}: tuning database must be a directory")
     check_device(directory, target)
-    db_obj, contents = load_database(directory, exclude=set())  # coverage: every record counts
+    _, contents = load_database(directory, exclude=set())  # coverage: every record counts
     if not contents.records:
         if explicit:
             raise BlockforgeError(f"{directory}: tuning database holds no records (run `blockforge tune` "
                                   "first, or drop --tuning-db)")
         return None, None
-    db_obj, _ = load_database(directory)  # what is applied: in-model losers left out
-    kept = sorted(e.get("task", sh) for sh, e in read_ledger(directory).items() if e.get("prefer_default"))
+    plan = plan_apply(directory, apply_cpu(target), contents)
+    db_obj, _ = load_database(directory, exclude=plan.exclude)  # what is applied
     return db_obj, {"path": str(directory), "sha256": digest(directory), "records": len(contents.records),
-                    "kept_default": kept}
+                    "kept_default": plan.kept_default, "unvalidated": plan.unvalidated, "cpu": plan.cpu,
+                    "verdict_cpus": plan.verdict_cpus}
+
+
+def unvalidated_warning(info: dict, tasks: list[str], target_name: str) -> str | None:
+    """One line for the tasks of this build whose records were skipped as judged on another CPU."""
+    if not info or not tasks:
+        return None
+    return (f"tuning records for {', '.join(tasks)} were validated on {' / '.join(info['verdict_cpus'])}, "
+            f"not this CPU ({info['cpu']}): skipped (default schedules used). Re-check them here: "
+            f"blockforge tune MODEL --target {target_name} --tuning-db {info['path']} --check-only")

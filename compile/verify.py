@@ -39,9 +39,15 @@ def verify(opts: VerifyOptions) -> ParityReport:
         model, target = session.model, session.target
         inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         db, info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
-        ex = session.build(database=db).executable
+        res = session.build(database=db)
+        ex = res.executable
         if info:
             notes.append(f"tuning records applied from {info['path']}")
+            from .records import unvalidated_warning
+
+            line = unvalidated_warning(info, [t for t in res.untuned_tasks if t in info["unvalidated"]], target.name)
+            if line:
+                notes.append(line)
         problem = target.run_problem()
         if problem:
             notes.append(f"TVM build for {target.name} succeeded; not run: {problem}")

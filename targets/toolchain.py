@@ -15,8 +15,8 @@ from typing import Iterator
 
 from blockforge.settings import physical_cores
 
-__all__ = ["ARCH_ALIASES", "CROSS_COMPILERS", "KERNEL_SOURCE_EXT", "arch_name", "cpu_flags", "cross_compiler",
-           "cuda_load_env", "host_arch", "host_cpu", "nvcc", "physical_cores"]
+__all__ = ["ARCH_ALIASES", "CROSS_COMPILERS", "KERNEL_SOURCE_EXT", "arch_name", "cpu_flags", "cpu_id", "cpu_model",
+           "cross_compiler", "cuda_load_env", "host_arch", "host_cpu", "nvcc", "physical_cores"]
 
 # What `uname -m`, LLVM triples and ELF readers call the same architecture.
 ARCH_ALIASES = {"amd64": "x86_64", "x86-64": "x86_64", "arm64": "aarch64"}
@@ -78,6 +78,25 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+@lru_cache(maxsize=1)
+def cpu_id() -> str:
+    """The exact CPU model, as tuning verdicts are keyed: the marketing name plus the x86
+    family/model numbers. Hypervisors often cut the name short ("AMD EPYC" on this VM, for
+    both Zen 4 and Zen 5 hosts), and the numbers tell those apart."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                k, _, v = line.partition(":")
+                fields[k.strip()] = v.strip()
+    except OSError:
+        pass
+    nums = [f"{k} {fields[k]}" for k in ("cpu family", "model") if fields.get(k)]
+    return cpu_model() + (f" ({', '.join(nums)})" if nums else "")
 
 
 def nvcc() -> str | None:

@@ -1,15 +1,21 @@
-"""The benchmark harness: schema, ratios from the same run, interleaving, profile, plot.
+"""The benchmark harness: the contender registry, skip notes, ratios to the best peer from
+the same samples, ort-fused parity, interleaving, the JSON schema, profile, plot.
 (Timings themselves are not asserted: they belong in benchmarks/.)"""
 
 import json
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
-from blockforge.bench.harness import SCHEMA, measure_interleaved
-from blockforge.graph import FFNSpec, export
+from blockforge.bench import CONTENDERS, PEERS, REGISTRY, SCHEMA, BenchOptions, bench, measure_interleaved, summarize
+from blockforge.bench.report import BenchReport
+from blockforge.errors import BlockforgeError
+from blockforge.graph import FFNSpec, MHASpec, build, export, reference
+from blockforge.graph.model_io import bind_dims, random_inputs, signature
+from blockforge.graph.tolerance import compare, tolerance_for
 
-from conftest import run_cli
+from conftest import assert_user_error, run_cli
 
 
 def test_interleaving_counts_and_rotation():
@@ -24,27 +30,162 @@ def test_interleaving_counts_and_rotation():
     assert switches >= 3 * (12 // 5)
 
 
+def test_registry_drives_the_cli(tmp_path):
+    assert CONTENDERS == ("ort", "ort-fused", "openvino", "untuned", "tuned")
+    assert PEERS == ("ort", "ort-fused", "openvino")
+    assert all(REGISTRY[n].name == n and callable(REGISTRY[n].make_runner) for n in CONTENDERS)
+    r = run_cli("bench", "--help", cwd=tmp_path)
+    assert r.rc == 0 and ",".join(CONTENDERS) in " ".join(r.out.split())
+    # Unknown names are refused before any work, naming the registry's contenders.
+    assert_user_error(run_cli("bench", tmp_path / "none.onnx", "--against", "ort,tvm-magic", cwd=tmp_path),
+                      "tvm-magic", "ort-fused", "openvino")
+
+
+def test_ratio_to_best_peer_from_the_same_samples():
+    samples = {"ort": [3.0, 3.2, 2.9, 3.1, 5.0], "ort-fused": [2.0, 2.1, 2.2, 1.9, 2.05],
+               "openvino": [2.5, 2.4, 2.6, 2.7, 2.5], "untuned": [2.4, 2.3, 2.5, 2.2, 9.0],
+               "tuned": [1.8, 1.9, 1.7, 1.85, 1.95]}
+    flops, ceiling = 10**9, 500.0
+    results, best = summarize(samples, set(PEERS), flops, ceiling)
+    med = {k: float(np.median(v)) for k, v in samples.items()}
+    assert best == "ort-fused" == min(PEERS, key=med.get)
+    by = {r.name: r for r in results}
+    assert [r.name for r in results] == list(samples)
+    for k, r in by.items():
+        assert r.peer == (k in PEERS)
+        assert r.median_ms == pytest.approx(med[k])
+        assert r.ratio_to_best_peer == pytest.approx(med[k] / med["ort-fused"])
+        assert r.ratio_to_ort == pytest.approx(med[k] / med["ort"])
+        assert r.gflops == pytest.approx(flops / (med[k] / 1e3) / 1e9)
+        assert r.pct_of_sgemm == pytest.approx(100 * r.gflops / ceiling)
+    assert by["ort-fused"].ratio_to_best_peer == 1.0 and by["tuned"].ratio_to_best_peer < 1.0
+    rep = BenchReport("m.onnx", "host", {"seq": 8}, 2, flops, ceiling, results, best, host={"cpu_model": "CPU X"})
+    assert rep.headline == {"contender": "tuned", "best_peer": "ort-fused",
+                            "ratio_to_best_peer": pytest.approx(med["tuned"] / med["ort-fused"])}
+    md = rep.markdown()
+    assert "at 0.90x the best peer (ort-fused)" in md and "1.00x (best peer)" in md and "CPU X" in md
+    # Without a peer there is no ratio and no headline; without blockforge, no headline.
+    res, best = summarize({"untuned": [1.0, 2.0, 3.0]}, set(PEERS), flops, ceiling)
+    assert best is None and res[0].ratio_to_best_peer is None
+    assert BenchReport("m", "host", {}, 2, flops, ceiling, res, best).headline is None
+    res, best = summarize({"ort": [1.0, 1.0, 1.0]}, set(PEERS), flops, ceiling)
+    assert best == "ort" and BenchReport("m", "host", {}, 2, flops, ceiling, res, best).headline is None
+
+
+MHA_VARIANTS = [
+    MHASpec(d_model=64, heads=4),
+    MHASpec(d_model=64, heads=4, kv_seq=24),
+    MHASpec(d_model=64, heads=4, mask="additive"),
+    MHASpec(d_model=64, heads=4, mask="bool", causal=True),
+    MHASpec(d_model=64, heads=4, bias=False, layout="packed"),
+]
+
+
+@pytest.mark.parametrize("spec", MHA_VARIANTS, ids=lambda s: f"cross={s.cross},mask={s.mask},causal={s.causal},bias={s.bias}")
+def test_ort_fused_mha_matches_the_oracle(spec):
+    """The contrib-op graph computes the blockforge MHA with the spec's weights."""
+    from blockforge.bench.ort_fused import fused_model
+
+    model, weights = build(spec)
+    dims = {"batch": 2, "seq": 16, **({"kv_seq": 24} if spec.cross and spec.kv_seq is None else {})}
+    bound = bind_dims(model, dims)
+    fused, how = fused_model(bound, spec, dims)
+    assert any(n.op_type == "MultiHeadAttention" and n.domain == "com.microsoft" for n in fused.graph.node), how
+    inputs = random_inputs(signature(bound)[0], {}, seed=3)
+    out = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    c = compare("ort-fused", "output", out, reference(spec, weights, inputs), tolerance_for("float32", "mha"))
+    assert c.passed, c
+
+
+def test_ort_optimizer_fusion_that_changes_the_math_is_caught():
+    """A real case: ORT's optimizer fuses the tanh-approximated gelu into BiasGelu (exact erf)."""
+    pytest.importorskip("sympy")
+    from blockforge.bench.ort_fused import fused_model
+
+    spec = FFNSpec(d_model=64, d_ff=128, activation="gelu_tanh")
+    model, weights = build(spec)
+    bound = bind_dims(model, {"batch": 1, "seq": 16})
+    fused, how = fused_model(bound, spec, {"batch": 1, "seq": 16})
+    assert "BiasGelu" in how
+    inputs = random_inputs(signature(bound)[0], {}, seed=0)
+    out = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    assert not compare("ort-fused", "output", out, reference(spec, weights, inputs), tolerance_for("float32", "ffn")).passed
+
+
+@pytest.fixture(scope="module")
+def tiny_mha(tmp_path_factory):
+    return export(MHASpec(d_model=64, heads=4), tmp_path_factory.mktemp("bench") / "mha.onnx").model_path
+
+
+def test_missing_or_refusing_peers_are_notes(tiny_mha, monkeypatch):
+    monkeypatch.setattr(REGISTRY["openvino"], "available", lambda: False)  # simulate: not installed
+
+    def wrong_math(model, spec, dims):  # simulate a fused graph whose output projection is off by 1%
+        from blockforge.bench import ort_fused
+
+        m = ort_fused.mha_graph(spec, model)
+        w = next(t for t in m.graph.initializer if t.name == "out_proj.weight")
+        from onnx import numpy_helper
+
+        w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * np.float32(1.01), w.name))
+        return m, "perturbed"
+
+    monkeypatch.setattr("blockforge.bench.ort_fused.fused_model", wrong_math)
+    rep = bench(BenchOptions(model=tiny_mha, against=("ort", "ort-fused", "openvino"), dims={"batch": 1, "seq": 16},
+                             repeat=3, gemm_n=256))
+    assert [r.name for r in rep.results] == ["ort"] and rep.best_peer == "ort"
+    notes = "\n".join(rep.notes)
+    assert "openvino: not installed (pip install 'blockforge[peers]'); skipped" in notes
+    assert "ort-fused: output differs from the numpy oracle" in notes and "not timed" in notes
+
+    # A peer engine that raises on the model is a note too, never an error.
+    def boom(model, inputs, threads):
+        raise RuntimeError("[ONNXRuntimeError] cannot handle this graph\nmore lines")
+
+    monkeypatch.setattr(REGISTRY["ort"], "make_runner", boom)
+    with pytest.raises(BlockforgeError, match="no contender could run the model: ort: cannot take this model: "
+                                                r"\[ONNXRuntimeError\] cannot handle this graph; skipped"):
+        bench(BenchOptions(model=tiny_mha, against=("ort", "openvino"), dims={"batch": 1, "seq": 16}, repeat=3))
+
+
+RESULT_KEYS = {"name", "peer", "median_ms", "p90_ms", "min_ms", "gflops", "ratio_to_best_peer", "ratio_to_ort",
+               "pct_of_sgemm", "samples_ms"}
+REPORT_KEYS = {"schema", "model", "target", "dims", "threads", "flops", "sgemm_gflops", "results", "best_peer",
+               "headline", "profile", "notes", "host"}
+
+
 @pytest.mark.slow
 def test_bench_cli_json_plot_profile(tmp_path):
     model = export(FFNSpec(d_model=64, d_ff=128), tmp_path / "f.onnx").model_path
-    r = run_cli("bench", model, "--shape", "batch=1,seq=16", "--against", "ort,untuned,tuned", "--repeat", 6,
+    r = run_cli("bench", model, "--shape", "batch=1,seq=16", "--repeat", 6,  # every contender by default
                 "--profile", "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png", cwd=tmp_path)
     assert r.rc == 0, r.text
-    assert "| ort |" in r.out and "| untuned |" in r.out and "profile of untuned" in r.out
+    assert "| ort | peer |" in r.out and "| untuned | blockforge |" in r.out and "profile of untuned" in r.out
+    assert "the best peer" in r.out
     assert "tuned: no tuning records" in r.out  # no database: said, not faked
+    assert "note: ort-fused:" in r.out  # relu FFN: nothing for ORT to fuse (or no optimizer): a note
     rep = json.loads((tmp_path / "b.json").read_text())
-    assert rep["schema"] == SCHEMA
+    assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA
     assert rep["flops"] == 2 * 2 * 16 * 64 * 128 and rep["threads"] >= 1 and rep["sgemm_gflops"] > 0
+    assert {"cpu_model", "physical_cores", "machine", "load_avg_1m", "versions"} <= set(rep["host"])
+    assert {"apache-tvm", "onnx", "numpy"} <= set(rep["host"]["versions"])
     res = {x["name"]: x for x in rep["results"]}
-    assert set(res) == {"ort", "untuned"}
+    expected = {"ort", "untuned"} | ({"openvino"} if REGISTRY["openvino"].available() else set())
+    assert set(res) == expected, rep["notes"]
+    peers = {k: v for k, v in res.items() if v["peer"]}
+    assert rep["best_peer"] == min(peers, key=lambda k: peers[k]["median_ms"])
     for x in res.values():
+        assert set(x) == RESULT_KEYS and x["peer"] == (x["name"] in PEERS)
         s = np.array(x["samples_ms"])
         assert len(s) == 6
         assert x["median_ms"] == pytest.approx(float(np.median(s)))
         assert x["p90_ms"] == pytest.approx(float(np.percentile(s, 90)))
         assert x["gflops"] == pytest.approx(rep["flops"] / (x["median_ms"] / 1e3) / 1e9)
         assert x["pct_of_sgemm"] == pytest.approx(100 * x["gflops"] / rep["sgemm_gflops"])
+        assert x["ratio_to_best_peer"] == pytest.approx(x["median_ms"] / res[rep["best_peer"]]["median_ms"])
         assert x["ratio_to_ort"] == pytest.approx(x["median_ms"] / res["ort"]["median_ms"])
+    assert rep["headline"] == {"contender": "untuned", "best_peer": rep["best_peer"],
+                               "ratio_to_best_peer": pytest.approx(res["untuned"]["ratio_to_best_peer"])}
     kernels = rep["profile"]["untuned"]
     assert kernels and all(k["calls"] >= 1 and k["total_ms"] > 0 for k in kernels)
     assert any("matmul" in k["name"] for k in kernels)

@@ -53,8 +53,12 @@ def _has_foreign_content(path: Path) -> bool:
 class DeviceDB:
     """The device database directory, used under `lock()` for writing."""
 
-    def __init__(self, path: Path, target: ResolvedTarget | None = None, *, create: bool = False):
+    def __init__(self, path: Path, target: ResolvedTarget | None = None, *, create: bool = False,
+                 cpu: str | None = None):
+        """cpu: the CPU that tunes (toolchain.cpu_id()), recorded in a new database's
+        device.json; None where the measurements happen elsewhere (RPC)."""
         self.path = Path(path)
+        self.cpu = cpu
         if self.path.exists() and not self.path.is_dir():
             raise BlockforgeError(f"{self.path}: tuning database must be a directory")
         if create:
@@ -69,8 +73,10 @@ class DeviceDB:
             if not is_database(self.path) and _has_foreign_content(self.path):
                 raise BlockforgeError(f"{self.path} exists and is not a tuning database; refusing to write "
                                       "into it (choose an empty or new directory)")
-            atomic_write_json(self.path / DEVICE, {"format": FORMAT, "key": target.key(),
-                                                   "target": target.target_json})
+            info = {"format": FORMAT, "key": target.key(), "target": target.target_json}
+            if self.cpu:
+                info["cpu_model"] = self.cpu
+            atomic_write_json(self.path / DEVICE, info)
 
     # -- reading ----------------------------------------------------------------
     def contents(self) -> Contents:
@@ -86,6 +92,16 @@ class DeviceDB:
             atomic_write_json(self.path / LEDGER, led)
         except OSError as e:
             raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
+
+    def set_verdict(self, shash: str, cpu: str, prefer_default: bool, default_ms: float, record_ms: float,
+                    scope: str = "task") -> None:
+        """Record this CPU's in-model A/B verdict for a workload (other CPUs' verdicts stay).
+        scope "task": this workload's record alone vs the default; "model": all the model's
+        winning records together vs the untuned build (the ms are the whole model's)."""
+        by_cpu = dict(self.ledger().get(shash, {}).get("in_model") or {})
+        by_cpu[cpu] = {"prefer_default": bool(prefer_default), "default_ms": round(default_ms, 4),
+                       "record_ms": round(record_ms, 4), "scope": scope, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.set_ledger_flag(shash, "in_model", by_cpu)
 
     def spent(self, shash: str, contents: Contents | None = None) -> int:
         """Trials spent on a workload: the ledger, or its records (minus the default-schedule

@@ -1,4 +1,5 @@
-"""`blockforge bench`: contenders side by side, interleaved in one process."""
+"""`blockforge bench`: contenders side by side, interleaved in one process; the headline is
+each one's ratio to the best peer (the fastest non-blockforge contender)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ DEFAULT_SHAPE = "batch=1,seq=128"
 
 
 def add(sub) -> None:
-    from blockforge.bench.harness import CONTENDERS
+    from blockforge.bench.contenders import CONTENDERS, PEERS
 
-    p = sub.add_parser("bench", help="ONNX Runtime vs untuned vs tuned TVM, interleaved in one process")
+    p = sub.add_parser("bench", help="blockforge (untuned, tuned) vs ONNX Runtime, ORT fused and OpenVINO, "
+                                     "interleaved in one process; ratio to the best peer")
     p.add_argument("model")
     p.add_argument("--target", default="host")
-    p.add_argument("--against", default=",".join(CONTENDERS), help=f"comma list of {','.join(CONTENDERS)}")
+    p.add_argument("--against", default=",".join(CONTENDERS),
+                   help=f"comma list of {','.join(CONTENDERS)} (default: all; peers {', '.join(PEERS)} that are "
+                        "not installed or cannot take the model are skipped with a note)")
     p.add_argument("--repeat", type=int, default=30)
     add_shape(p, default_note=f"{DEFAULT_SHAPE} for the dims the model has")
     p.add_argument("--tuning-db", default=None, help="tuning database dir (default: the device's)")
     p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
     p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    p.add_argument("--plot", default=None, help="write a PNG bar chart (ratio to the best peer) here")
     p.set_defaults(func=run)
 
 

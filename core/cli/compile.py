@@ -37,6 +37,11 @@ def run(a) -> int:
               + (f"; default schedule kept (faster in the model) for {len(kept)}" if kept else ""))
         for name in t.get("missing", []):
             print(f"warning: no tuning record for task {name}", file=sys.stderr)
+        from blockforge.compile.records import unvalidated_warning
+
+        line = unvalidated_warning(t, t.get("unvalidated", []), res.target.name)
+        if line:
+            print(f"warning: {line}", file=sys.stderr)
     problem = res.target.run_problem()
     if problem:
         print(f"note: cannot run here: {problem}")

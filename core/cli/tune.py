@@ -24,6 +24,9 @@ def add(sub) -> None:
     p.add_argument("--rpc-wait", type=float, default=10.0, help="seconds to wait for a device")
     add_shape(p)
     p.add_argument("--no-measure", action="store_true", help="skip the untuned-vs-tuned whole-model timing")
+    p.add_argument("--check-only", action="store_true",
+                   help="no search: re-run the in-model A/B of the database's records on this CPU and record the "
+                        "verdicts (makes records tuned on another CPU usable here; one build per tuned task)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, help="write the summary as JSON here")
     p.set_defaults(func=run)
@@ -36,7 +39,7 @@ def run(a) -> int:
     s = tune(TuneOptions(model=a.model, target=a.target, trials=a.trials, trials_per_task=a.trials_per_task,
                          tuning_db=path_or_none(a.tuning_db), rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
                          dims=dims(a), round_trials=a.round_trials, measure=not a.no_measure,
-                         progress=not a.no_progress, rpc_wait_s=a.rpc_wait))
+                         progress=not a.no_progress, rpc_wait_s=a.rpc_wait, check_only=a.check_only))
     rows = [[t.name, f"{t.flops / 1e6:.2f}", f"{t.best_us:.1f}" if t.best_us else "-",
              f"{t.gflops:.1f}" if t.gflops else "-", f"{min(t.trials_before, t.budget) + t.trials_new}/{t.budget}",
              t.trials_new, t.status] for t in s.tasks]
@@ -44,10 +47,12 @@ def run(a) -> int:
     print(f"spent {s.trials_new} new trials, reused {s.trials_reused}"
           + (f", salvaged {s.salvaged} records of an interrupted job" if s.salvaged else "")
           + f"; database {s.db}")
+    if s.cpu:
+        print(f"in-model verdicts recorded for this CPU: {s.cpu}")
     if s.kept_default:
         print(f"kept blockforge's default schedule (faster inside the model) for: {', '.join(s.kept_default)}")
     if s.untuned_ms is not None:
-        print(f"whole model on this device: TVM naive {s.naive_ms:.3f} ms, blockforge untuned {s.untuned_ms:.3f} ms, "
-              f"tuned {s.tuned_ms:.3f} ms")
+        naive = f"TVM naive {s.naive_ms:.3f} ms, " if s.naive_ms is not None else ""
+        print(f"whole model on this device: {naive}blockforge untuned {s.untuned_ms:.3f} ms, tuned {s.tuned_ms:.3f} ms")
     write_json(a.json, s.to_dict())
     return 0

@@ -1,0 +1,157 @@
+"""What `bench` reports: per-contender statistics from the interleaved samples, the ratio to
+the BEST PEER (the fastest non-blockforge contender: the headline), markdown, JSON and PNG.
+
+Every ratio is a ratio of medians from the same run, so all contenders saw the same drift."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "blockforge.bench/2"  # /2: ratio_to_best_peer (the headline), best_peer, peer flags, host facts
+
+
+@dataclass
+class ContenderResult:
+    name: str
+    peer: bool  # not blockforge
+    median_ms: float
+    p90_ms: float
+    min_ms: float
+    gflops: float
+    ratio_to_best_peer: float | None  # median / the best peer's median; < 1 is faster
+    ratio_to_ort: float | None
+    pct_of_sgemm: float
+    samples_ms: list[float]
+
+
+@dataclass
+class KernelProfile:
+    name: str
+    calls: int
+    total_ms: float
+    pct: float
+
+
+def summarize(samples: dict[str, list[float]], peers: set[str], flops: int,
+              sgemm_gflops: float) -> tuple[list[ContenderResult], str | None]:
+    """Results in `samples` order, and the best peer's name (None when no peer ran)."""
+    med = {k: float(np.median(s)) for k, s in samples.items()}
+    ran_peers = [k for k in samples if k in peers]
+    best = min(ran_peers, key=lambda k: med[k]) if ran_peers else None
+    results = []
+    for k, s in samples.items():
+        gf = flops / (med[k] / 1e3) / 1e9
+        results.append(ContenderResult(
+            k, k in peers, med[k], float(np.percentile(s, 90)), float(np.min(s)), gf,
+            med[k] / med[best] if best else None, med[k] / med["ort"] if "ort" in med else None,
+            100 * gf / sgemm_gflops if sgemm_gflops else 0.0, [float(x) for x in s]))
+    return results, best
+
+
+def _ratio(r: float | None) -> str:
+    return f"{r:.2f}x" if r is not None else "-"
+
+
+@dataclass
+class BenchReport:
+    model: str
+    target: str
+    dims: dict
+    threads: int
+    flops: int
+    sgemm_gflops: float
+    results: list[ContenderResult]
+    best_peer: str | None = None
+    profile: dict[str, list[KernelProfile]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    host: dict = field(default_factory=dict)  # cpu_model, physical_cores, machine, versions of every engine
+
+    @property
+    def headline(self) -> dict | None:
+        """The fastest blockforge contender's ratio to the best peer."""
+        ours = [r for r in self.results if not r.peer]
+        if self.best_peer is None or not ours:
+            return None
+        best = min(ours, key=lambda r: r.median_ms)
+        return {"contender": best.name, "best_peer": self.best_peer, "ratio_to_best_peer": best.ratio_to_best_peer}
+
+    def headline_text(self) -> str:
+        h = self.headline
+        if h is None:
+            missing = "no peer" if self.best_peer is None else "no blockforge contender"
+            return f"no headline: {missing} ran"
+        return f"blockforge ({h['contender']}) at {h['ratio_to_best_peer']:.2f}x the best peer ({h['best_peer']})"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["schema"] = SCHEMA
+        d["headline"] = self.headline
+        return d
+
+    def markdown(self) -> str:
+        cpu = self.host.get("cpu_model")
+        lines = [f"{Path(self.model).name} on {self.target}{f' ({cpu})' if cpu else ''}, {self.threads} threads, "
+                 f"dims {self.dims}, {self.flops / 1e9:.3f} GFLOP; SGEMM ceiling {self.sgemm_gflops:.0f} GFLOP/s", "",
+                 f"**{self.headline_text()}**", "",
+                 "| contender | kind | median ms | p90 ms | GFLOP/s | vs best peer | % of SGEMM |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in self.results:
+            ratio = _ratio(r.ratio_to_best_peer)
+            if r.name == self.best_peer:
+                ratio += " (best peer)"
+            lines.append(f"| {r.name} | {'peer' if r.peer else 'blockforge'} | {r.median_ms:.3f} | {r.p90_ms:.3f} | "
+                         f"{r.gflops:.1f} | {ratio} | {r.pct_of_sgemm:.0f}% |")
+        for name, kernels in self.profile.items():
+            lines += ["", f"profile of {name} (per run):", "", "| kernel | calls | ms | % |", "|---|---|---|---|"]
+            lines += [f"| {k.name} | {k.calls} | {k.total_ms:.3f} | {k.pct:.1f}% |" for k in kernels]
+        return "\n".join(lines)
+
+
+def case_label(r: BenchReport) -> str:
+    return f"{Path(r.model).stem}\n{'/'.join(f'{k}={v}' for k, v in r.dims.items())}"
+
+
+def plot(reports: list[BenchReport], path: Path, labels: list[str] | None = None) -> None:
+    """Bars of each contender's ratio to the best peer (1.0 = the best peer; lower is
+    faster), labelled with the ratio and the median ms, one group per report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from blockforge.fsutil import atomic_write_bytes
+
+    names = labels or [case_label(r) for r in reports]
+    order = []
+    for r in reports:
+        order += [x.name for x in r.results if x.name not in order]
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.4 * len(reports)), 4.8))
+    width = 0.8 / max(1, len(order))
+    for i, c in enumerate(order):
+        xs, vals, text = [], [], []
+        for j, r in enumerate(reports):
+            x = next((x for x in r.results if x.name == c), None)
+            if x is None or x.ratio_to_best_peer is None:
+                continue
+            xs.append(j + i * width)
+            vals.append(x.ratio_to_best_peer)
+            text.append(f"{x.ratio_to_best_peer:.2f}x\n{x.median_ms:.3g} ms")
+        bars = ax.bar(xs, vals, width, label=c, hatch="" if c in {x.name for r in reports for x in r.results
+                                                                   if x.peer} else "//")
+        ax.bar_label(bars, labels=text, fontsize=6)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks([j + width * (len(order) - 1) / 2 for j in range(len(reports))], names, fontsize=8)
+    ax.set_ylabel("median latency / best peer's (lower is faster)")
+    cpu = reports[0].host.get("cpu_model", "")
+    ax.set_title(f"ratio to the best peer: {reports[0].target}{f', {cpu}' if cpu else ''}, "
+                 f"{reports[0].threads} threads", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
