@@ -1,6 +1,6 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
-    optimize -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+    [fuse-attention] -> optimize -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
 so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
@@ -38,6 +38,16 @@ def _prepack(target: ResolvedTarget) -> Callable[[], list]:
         from .prepack import prepack_pass
 
         return [prepack_pass(panel_width(target.tvm_target()))]
+    return passes
+
+
+def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
+    def passes() -> list:
+        from .attention import fuse_attention
+
+        # Before optimize: fast_activations turns softmax into a call_tir the matcher
+        # would no longer see. Tile choices come from the database's records.
+        return [fuse_attention(target.tvm_target(), database)]
     return passes
 
 
@@ -115,7 +125,10 @@ def has_fp16(mod) -> bool:
 
 
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True) -> list[Phase]:
-    out = [Phase("optimize", _optimize)]
+    out = []
+    if target.kind == "llvm" and default_schedules and settings.fuse_attention():
+        out.append(Phase("fuse-attention", _fuse_attention(target, database)))
+    out.append(Phase("optimize", _optimize))
     if fp16:
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
     if target.kind == "llvm" and default_schedules and settings.prepack():
