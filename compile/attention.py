@@ -840,3 +840,20 @@ def fuse_attention(target, database=None):
         return out
 
     return _pass
+
+
+def kernel_specs(mod) -> list[AttentionSpec]:
+    """The specs of the fused attention kernels in a module (after the fuse-attention phase)."""
+    from tvm import tirx
+
+    out = []
+    for _, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs is not None and KERNEL_ATTR in func.attrs:
+            spec = AttentionSpec.from_json(str(func.attrs[KERNEL_ATTR]))
+            if spec not in out:
+                out.append(spec)
+    return out
+
+
+def is_kernel(func) -> bool:
+    return func.attrs is not None and KERNEL_ATTR in func.attrs

@@ -175,17 +175,27 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
 
 
 def extract_tasks(mod, target: ResolvedTarget) -> list:
-    """MetaSchedule tasks of a legalized, fused module."""
+    """MetaSchedule tasks of a legalized, fused module. The fused attention kernels are not
+    among them: hand-written loop nests, not a search space; tune times their tiles instead."""
     from tvm.s_tir import meta_schedule as ms
 
-    return list(ms.relax_integration.extract_tasks(mod, target.tvm_target()))
+    from .attention import is_kernel
+
+    return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
+            if not is_kernel(t.dispatched[0]["main"])]
 
 
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:
-    """(number of tasks, names of tasks the database has no record for)."""
+    """(number of tasks, names of tasks the database has no record for); each fused
+    attention kernel counts as a task, covered when its tile choice is recorded."""
+    from .attention import _lanes, kernel_specs, workload
+
     tasks = extract_tasks(mod, target)
     missing = [t.task_name for t in tasks if not database.has_workload(t.dispatched[0])]
-    return len(tasks), missing
+    specs = kernel_specs(mod)
+    lanes = _lanes(target.tvm_target())
+    missing += [f"fused_attention ({s.describe()})" for s in specs if not database.has_workload(workload(s, lanes))]
+    return len(tasks) + len(specs), missing
 
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
