@@ -362,12 +362,12 @@ def _static(d) -> int | None:
 
 
 def _same_dim(a, b) -> bool:
-    import tvm
+    import tvm_ffi
 
     sa, sb = _static(a), _static(b)
     if sa is not None or sb is not None:
         return sa == sb
-    return a.same_as(b) or tvm.ir.structural_equal(a, b)
+    return a.same_as(b) or tvm_ffi.structural_equal(a, b)
 
 
 def _scalar_const(e) -> float | None:
