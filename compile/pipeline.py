@@ -124,9 +124,13 @@ def has_fp16(mod) -> bool:
     return False
 
 
-def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True) -> list[Phase]:
+def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
+           fuse_attention: bool | None = None) -> list[Phase]:
+    """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
+    False/True to A/B both builds in one process."""
     out = []
-    if target.kind == "llvm" and default_schedules and settings.fuse_attention():
+    fuse = settings.fuse_attention() if fuse_attention is None else fuse_attention
+    if target.kind == "llvm" and default_schedules and fuse:
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
     out.append(Phase("optimize", _optimize))
     if fp16:
@@ -148,7 +152,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
                stop_after: str | None = None, report: BuildResult | None = None,
-               default_schedules: bool = True):
+               default_schedules: bool = True, fuse_attention: bool | None = None):
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
@@ -158,7 +162,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         dump_ir.mkdir(parents=True, exist_ok=True)
         (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
-        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules), start=1):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -199,7 +203,7 @@ def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[st
 
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
-          default_schedules: bool = True) -> BuildResult:
+          default_schedules: bool = True, fuse_attention: bool | None = None) -> BuildResult:
     """Relax IRModule -> VM executable for `target` (whether it can build here is the
     caller's check: compile.session.open_model).
 
@@ -209,7 +213,7 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
 
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
-                                    default_schedules=default_schedules)
+                                    default_schedules=default_schedules, fuse_attention=fuse_attention)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:

@@ -27,10 +27,9 @@ def _args_info(func, dims: dict[str, int]):
 
     bound = {**DEFAULT_DIMS, **dims}
     out = []
-    for p in func.params:
-        buf = func.buffer_map[p]
-        shape = [int(s.value) if isinstance(s, tirx.IntImm) else int(bound[s.name]) for s in buf.shape]
-        out.append(ms.arg_info.TensorInfo(str(buf.dtype), shape))
+    for p in func.params:  # buffer-typed parameters
+        shape = [int(s.value) if isinstance(s, tirx.IntImm) else int(bound[s.name]) for s in p.shape]
+        out.append(ms.arg_info.TensorInfo(str(p.dtype), shape))
     return out
 
 
