@@ -99,13 +99,24 @@ def test_matmul_symbolic_n_full_panels_vectorised_tail_guarded(n):
     np.testing.assert_allclose(_run(f, [a, b], (2, n, n)), a @ b, rtol=1e-5, atol=1e-4)
 
 
-def test_matmul_symbolic_k_attention_values():
-    """P V over a symbolic seq: K is symbolic (a serial reduction), N = d static."""
-    f = _schedule(CPUMatmul(), _matmul(SEQ, SEQ, i64(16)))
-    assert not any(PARTITION_HINT in x["annotations"] for x in loops(f))
-    rng = np.random.default_rng(2)
-    a, b = rng.standard_normal((2, 37, 37), dtype=np.float32), rng.standard_normal((2, 37, 16), dtype=np.float32)
-    np.testing.assert_allclose(_run(f, [a, b], (2, 37, 16)), a @ b, rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("m", [5, 37])
+def test_matmul_symbolic_m_row_tiles_partitioned(m):
+    """Projections (seq, d_model) x (d_model, N) and P V over a symbolic seq: the column
+    panels are the parallel loop; the row tiles run inside with the LoopPartition hint, so
+    only the last, partial tile carries the row guard."""
+    for k, n in ((i64(64), i64(128)), (SEQ, i64(16))):
+        f = _schedule(CPUMatmul(), _matmul(SEQ, k, n))
+        ls = loops(f)
+        assert ls[0]["kind"] == PARALLEL
+        hinted = [x for x in ls if PARTITION_HINT in x["annotations"]]
+        assert len(hinted) == 1 and "matmul_update" in hinted[0]["blocks"] and hinted[0]["extent"] is None
+        unr = [x["extent"] for x in ls if x["kind"] == UNROLLED and "matmul_update" in x["blocks"]]
+        assert unr == [MR]
+        kk = m if k is SEQ else 64
+        rng = np.random.default_rng(2)
+        a = rng.standard_normal((2, m, kk), dtype=np.float32)
+        b = rng.standard_normal((2, kk, int(n.value)), dtype=np.float32)
+        np.testing.assert_allclose(_run(f, [a, b], (2, m, int(n.value))), a @ b, rtol=1e-5, atol=1e-4)
 
 
 def test_matmul_refuses_transposed_b():
