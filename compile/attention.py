@@ -32,13 +32,24 @@ import numpy as np
 
 _log = logging.getLogger("blockforge.attention")
 
-# (query tile, key tile). Measured on a 2-core Zen 4 (AVX-512), BERT-base MHA seq 512
-# kernel alone: see TILE_CANDIDATES; 64 x 64 was best or within 3% of it at seq 128-512.
-DEFAULT_TILES = (64, 64)
-TILE_CANDIDATES = ((32, 64), (64, 64), (64, 128), (96, 64), (128, 64), (32, 128))
-# Accumulator vector registers a micro-kernel may hold (of 32 with AVX-512; the rest
-# carry the K^T / V row loads and broadcasts).
-ACC_REGS = 24
+# (query tile, key tile). Key tiles are whole vectors of K^T: 4 vectors (64 keys with
+# AVX-512, 32 with AVX2, 16 with NEON) by default. Measured: see tile_candidates.
+def default_tiles(lanes: int) -> tuple[int, int]:
+    return (64, 4 * lanes)
+
+
+def tile_candidates(lanes: int) -> tuple[tuple[int, int], ...]:
+    """What `tune` times per kernel (compile/attention.py: the kernel; tune/attention_tiles.py)."""
+    return ((32, 4 * lanes), (48, 4 * lanes), (64, 4 * lanes), (96, 4 * lanes), (128, 4 * lanes),
+            (32, 8 * lanes), (64, 8 * lanes))
+
+
+def acc_regs(lanes: int) -> int:
+    """Accumulator vector registers a micro-kernel may hold: 24 of the 32 of AVX-512 and
+    NEON (the rest carry the K^T / V loads and broadcasts); 12 of AVX2's 16."""
+    return 12 if lanes == 8 else 24
+
+
 KERNEL_ATTR = "blockforge.attention"  # PrimFunc attr: the spec, for tune and tests
 
 
@@ -100,9 +111,9 @@ def _vec_width(n: int, lanes: int) -> int:
     return w
 
 
-def _rows(qt: int, vecs_per_row: int) -> int:
+def _rows(qt: int, vecs_per_row: int, lanes: int) -> int:
     """Micro-kernel rows: the largest divisor of qt whose accumulators fit the registers."""
-    cap = max(1, ACC_REGS // max(1, vecs_per_row))
+    cap = max(1, acc_regs(lanes) // max(1, vecs_per_row))
     return max(r for r in range(1, min(qt, cap) + 1) if qt % r == 0)
 
 
@@ -123,21 +134,20 @@ def fast_exp(x):
     return tirx.Let(xv, tirx.max(tirx.min(x, f(88.3762626647950)), f(-88.3762626647949)), body)
 
 
-def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: int = 16):
-    """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles`."""
-    import tvm
+def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16):
+    """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
+    default_tiles), for a target with `lanes` float32 lanes per vector."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    qt, kt = tiles
+    qt, kt = tiles = tiles or default_tiles(lanes)
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     neg_inf = f32(-math.inf)
     vk = _vec_width(kt, lanes)  # key-tile vector width (kt is a multiple of lanes by choice)
-    vd = _vec_width(spec.dv, lanes)
-    mr_s = _rows(qt, max(1, kt // lanes))  # Q K^T micro-kernel rows
-    mr_o = _rows(qt, max(1, spec.dv // lanes))  # P V micro-kernel rows
+    mr_s = _rows(qt, max(1, kt // lanes), lanes)  # Q K^T micro-kernel rows
+    mr_o = _rows(qt, max(1, spec.dv // lanes), lanes)  # P V micro-kernel rows
 
     def dim(v, name):
         return i64(v) if v is not None else tirx.Var(name, "int64")
@@ -166,7 +176,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
     def kt_at(b, h, d, s):
         return [{"b": b, "h": h, "d": d, "s": s}[c] for c in spec.k]
 
-    to32 = (lambda e: e) if spec.dtype == "float32" else (lambda e: tirx.Cast("float32", e))
+    def to32(e, dtype=spec.dtype):
+        return e if dtype == "float32" else tirx.Cast("float32", e)
+
     n_q = (Sq + i64(qt - 1)) // i64(qt)
     static_q_exact = spec.sq is not None and spec.sq % qt == 0
     static_k_exact = spec.skv is not None and spec.skv % kt == 0
@@ -203,6 +215,15 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
                     """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
                     return q0 + i if static_q_exact else tirx.min(q0 + i, Sq - i64(1))
 
+                def halve(buf, op):
+                    """Reduce buf[0:vk] into buf[0] as a tree of vector halves (log2 steps, not
+                    vk dependent scalar ones: the row reductions are latency-bound)."""
+                    w = vk
+                    while w > 1:
+                        w //= 2
+                        with T.vectorized(i64(0), i64(w)) as j:
+                            T.buffer_store(buf, op(buf[j], buf[j + i64(w)]), [j])
+
                 def tile(k0, valid):
                     """One key tile at k0 (valid: its key count when partial, else None)."""
                     kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
@@ -223,8 +244,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
                             with T.vectorized(i64(0), i64(kt)) as j:
                                 x = r[ii, j] * f32(spec.scale)
                                 if A is not None:
-                                    x = x + tirx.Cast("float32", A[tuple(mask_at(spec.add, b, h, qrow(row), kidx(j)))]) \
-                                        if spec.add_dtype != "float32" else x + A[tuple(mask_at(spec.add, b, h, qrow(row), kidx(j)))]
+                                    x = x + to32(A[tuple(mask_at(spec.add, b, h, qrow(row), kidx(j)))], spec.add_dtype)
                                 keep = None
                                 if M is not None:
                                     keep = M[tuple(mask_at(spec.keep, b, h, qrow(row), kidx(j)))]
@@ -243,14 +263,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
                         with T.serial(i64(0), i64(kt // vk)) as c:
                             with T.vectorized(i64(0), i64(vk)) as j:
                                 T.buffer_store(part, tirx.max(part[j], s[i, c * i64(vk) + j]), [j])
-                        mx = T.alloc_buffer((1,), "float32", scope="local")
-                        T.buffer_store(mx, m[i], [0])
-                        with T.serial(i64(0), i64(vk)) as j:
-                            T.buffer_store(mx, tirx.max(mx[0], part[j]), [0])
+                        halve(part, tirx.max)
+                        mx = T.Bind(tirx.max(m[i], part[0]))
                         # a row with no finite score yet keeps exp(-inf - 0) = 0, not NaN
-                        mu = T.Bind(tirx.Select(mx[0] == neg_inf, f32(0), mx[0]))
+                        mu = T.Bind(tirx.Select(mx == neg_inf, f32(0), mx))
                         T.buffer_store(alpha, tirx.exp(m[i] - mu), [i])
-                        T.buffer_store(m, mx[0], [i])
+                        T.buffer_store(m, mx, [i])
                         with T.vectorized(i64(0), i64(vk)) as j:
                             T.buffer_store(part, f32(0), [j])
                         with T.serial(i64(0), i64(kt // vk)) as c:
@@ -258,11 +276,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
                                 e = T.Bind(fast_exp(s[i, c * i64(vk) + j] - mu))
                                 T.buffer_store(s, e, [i, c * i64(vk) + j])
                                 T.buffer_store(part, part[j] + e, [j])
-                        sm = T.alloc_buffer((1,), "float32", scope="local")
-                        T.buffer_store(sm, f32(0), [0])
-                        with T.serial(i64(0), i64(vk)) as j:
-                            T.buffer_store(sm, sm[0] + part[j], [0])
-                        T.buffer_store(el, el[i] * alpha[i] + sm[0], [i])
+                        halve(part, lambda a, c: a + c)
+                        T.buffer_store(el, el[i] * alpha[i] + part[0], [i])
                     # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
@@ -294,7 +309,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
                         with T.Then():
                             tile(k_tail, Skv - k_tail)
                 if spec.causal:
-                    _causal_rest(T, tirx, spec, V, acc, m, el, at, b, h, q0, qt, kt, Skv, fill, vd, i64, f32, to32)
+                    _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el,
+                                 lambda j, d: to32(V[tuple(at(spec.v, b, h, j, d))]))
                 with T.serial(i64(0), i64(qt)) as i:
                     def store():
                         inv = T.alloc_buffer((1,), "float32", scope="local")
@@ -313,24 +329,27 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] = DEFAULT_TILES, lanes: i
     return func.with_attr("global_symbol", "fused_attention")
 
 
-def _causal_rest(T, tirx, spec, V, acc, m, el, at, b, h, q0, qt, kt, Skv, fill, vd, i64, f32, to32):
+def _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el, v_at):
     """Keys right of the visited tiles were all dropped (score = fill). They only matter
     for a row whose every visited score is dropped too (or -inf): exp(fill - m') is then
     not 0, and softmax spreads over them as well. Folded in exactly, per row, when so."""
+    qt, kt = tiles
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     visited = tirx.min(Skv, (q0 + i64(qt + kt - 1)) // i64(kt) * i64(kt))
     with T.If(visited < Skv):
         with T.Then():
             with T.serial(i64(0), i64(qt)) as i:
-                mn = tirx.max(m[i], fill)
-                w = tirx.exp(fill - mn)
+                mn = T.Bind(tirx.max(m[i], fill))
+                w = T.Bind(tirx.exp(fill - mn))  # each skipped key's weight
                 with T.If(w > f32(0)):
                     with T.Then():
-                        a = tirx.exp(m[i] - mn)
+                        a = T.Bind(tirx.exp(m[i] - mn))
                         with T.vectorized(i64(0), i64(spec.dv)) as d:
                             T.buffer_store(acc, acc[i, d] * a, [i, d])
                         with T.serial(visited, Skv) as j:
                             with T.vectorized(i64(0), i64(spec.dv)) as d:
-                                T.buffer_store(acc, acc[i, d] + w * to32(V[tuple(at(spec.v, b, h, j, d))]), [i, d])
+                                T.buffer_store(acc, acc[i, d] + w * v_at(j, d), [i, d])
                         T.buffer_store(el, el[i] * a + w * tirx.Cast("float32", Skv - visited), [i])
                         T.buffer_store(m, mn, [i])
 
@@ -712,7 +731,7 @@ def workload(spec: AttentionSpec, lanes: int):
     """The tuning workload of a spec: its kernel at the default tiles, as MetaSchedule keys it."""
     import tvm
 
-    return tvm.IRModule({"main": kernel(spec, DEFAULT_TILES, lanes)})
+    return tvm.IRModule({"main": kernel(spec, default_tiles(lanes), lanes)})
 
 
 def encode_tiles(tiles: tuple[int, int]) -> int:
@@ -723,12 +742,12 @@ def decode_tiles(code: int) -> tuple[int, int]:
     return int(code) // 10000, int(code) % 10000
 
 
-def tile_trace(spec: AttentionSpec, lanes: int, tiles: tuple[int, int], candidates=TILE_CANDIDATES):
+def tile_trace(spec: AttentionSpec, lanes: int, tiles: tuple[int, int], candidates=None):
     """A MetaSchedule trace whose one decision is the tile choice (a categorical over the
     candidates, encoded qt*10000+kt): how a tile choice is stored as a tuning record."""
     from tvm import s_tir
 
-    codes = [encode_tiles(t) for t in candidates]
+    codes = [encode_tiles(t) for t in (candidates or tile_candidates(lanes))]
     sch = s_tir.Schedule(workload(spec, lanes))
     sch.sample_categorical(candidates=codes, probs=[1.0 / len(codes)] * len(codes),
                            decision=codes.index(encode_tiles(tiles)))
@@ -773,7 +792,7 @@ class _Rewrite:
     def call(self, spec: AttentionSpec, args: list, out_shape: list):
         from tvm import relax
 
-        tiles = tile_record(self.database, spec, self.target) or DEFAULT_TILES
+        tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
         if key not in self.funcs:
             self.funcs[key] = self.bb.add_func(kernel(spec, tiles, self.lanes), "fused_attention")

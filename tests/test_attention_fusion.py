@@ -206,10 +206,10 @@ def _padding(rng, shape):
     return m
 
 
-@pytest.mark.parametrize("sq, skv, tiles", [(150, 150, (64, 64)), (64, 64, (32, 64)), (9, 9, (64, 64)),
-                                            (130, 70, (32, 64))])
-def test_kernel_ragged_tiles(sq, skv, tiles):
-    got, want = _run_kernel(_spec(), tiles, 2, sq, skv)
+@pytest.mark.parametrize("sq, skv, qt, kvecs", [(150, 150, 64, 4), (64, 64, 32, 4), (9, 9, 64, 4),
+                                                (130, 70, 48, 8)])
+def test_kernel_ragged_tiles(sq, skv, qt, kvecs):
+    got, want = _run_kernel(_spec(), (qt, kvecs * LANES), 2, sq, skv)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -218,7 +218,7 @@ def test_kernel_causal_with_padding_skips_tiles_and_fixes_fully_masked_rows():
     out still spreads uniformly over all keys (as where(mask, s, min) then softmax does),
     skipped tiles included."""
     spec = _spec(causal=True, keep=("b", "1", "1", "k"), fill=float(np.finfo(np.float32).min), same_len=True)
-    got, want = _run_kernel(spec, (32, 64), 2, 150, 150, keep_fn=_padding)
+    got, want = _run_kernel(spec, (32, 4 * LANES), 2, 150, 150, keep_fn=_padding)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -230,14 +230,14 @@ def test_kernel_additive_mask_fully_masked_row_is_nan_like_softmax():
         a[..., 0] = 0.0
         a[1] = -np.inf
         return a
-    got, want = _run_kernel(_spec(add=("b", "1", "1", "k")), (64, 64), 2, 80, 80, add_fn=add)
+    got, want = _run_kernel(_spec(add=("b", "1", "1", "k")), None, 2, 80, 80, add_fn=add)
     assert np.isnan(got[1]).all() and np.isnan(want[1]).all()
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
 
 
 def test_kernel_float16_accumulates_in_float32():
     spec = _spec(dtype="float16", d=64, dv=64, scale=0.125, q="bhsd", v="bhsd", o="bhsd")
-    got, want = _run_kernel(spec, (64, 64), 1, 100, 100)
+    got, want = _run_kernel(spec, None, 1, 100, 100)
     assert got.dtype == np.float16
     # one float16 rounding of the output (the inputs are float16 already in the reference)
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-3)
@@ -252,18 +252,19 @@ def test_tile_choice_round_trips_through_a_tuning_database(tmp_path):
     (spec,) = _calls(_fuse(mod))
     db = ms.database.JSONDatabase(work_dir=str(tmp_path))
     wl = db.commit_workload(attention.workload(spec, LANES))
-    for tiles, secs in (((64, 64), 3e-5), ((32, 64), 1e-5), ((64, 128), 2e-5)):
+    cands = attention.tile_candidates(LANES)
+    for tiles, secs in ((cands[2], 3e-5), (cands[0], 1e-5), (cands[-1], 2e-5)):
         trace = attention.tile_trace(spec, LANES, tiles)
         assert attention.tiles_from_trace(trace) == tiles
         db.commit_tuning_record(ms.database.TuningRecord(trace, wl, [secs], TARGET, None))
     reread = ms.database.JSONDatabase(work_dir=str(tmp_path))
-    assert attention.tile_record(reread, spec, TARGET) == (32, 64), "the fastest record wins"
+    assert attention.tile_record(reread, spec, TARGET) == cands[0], "the fastest record wins"
     assert attention.tile_record(reread, attention.replace(spec, causal=True), TARGET) is None
     # the fuse pass applies it: the emitted kernel carries the recorded tiles
     with TARGET:
         fused = attention.fuse_attention(TARGET, reread)(mod)
     (f,) = [f for _, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) == "32x64"
+    assert str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) == "%dx%d" % cands[0]
 
 
 def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path, monkeypatch):
@@ -275,7 +276,8 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     from blockforge.compile.records import load_database
     from blockforge.compile.pipeline import tuning_coverage
 
-    monkeypatch.setattr(attention, "TILE_CANDIDATES", ((32, 64), (64, 64)))
+    two = ((32, 4 * LANES), (64, 4 * LANES))
+    monkeypatch.setattr(attention, "tile_candidates", lambda lanes: two)
     session = open_model(_model(tmp_path, layout="packed"), HOST, {"batch": 1, "seq": 64})
     db = DeviceDB(tmp_path / "db", HOST, create=True)
     mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
@@ -284,7 +286,7 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     lines = []
     assert tune_attention_tiles(mod, db, HOST, builder, runner, session.dims, "t", say=lines.append) == 1
     (entry,) = [e for e in db.ledger().values() if "attention_tiles" in e]
-    assert set(entry["attention_tiles"]) == {"32x64", "64x64"} and lines
+    assert set(entry["attention_tiles"]) == {f"{q}x{k}" for q, k in two} and lines
     assert tune_attention_tiles(mod, db, HOST, builder, runner, session.dims, "t") == 0, "reused"
     ms_db, _ = load_database(db.path)
     best = min(entry["attention_tiles"], key=entry["attention_tiles"].get)

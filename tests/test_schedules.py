@@ -211,29 +211,32 @@ def _spec(**kw):
     return attention.AttentionSpec(**{**base, **kw})
 
 
-@pytest.mark.parametrize("tiles", [(64, 64), (32, 128)])
+@pytest.mark.parametrize("tiles", [(64, 4), (48, 8)])
 def test_attention_kernel_structure(tiles):
-    qt, kt = tiles
+    qt, kt = tiles[0], tiles[1] * LANES
+    tiles = (qt, kt)
     f = attention.kernel(_spec(), tiles, LANES)
     ls = loops(f)
     assert ls[0]["kind"] == PARALLEL and ls[0]["extent"] is None, "(batch, head, query tile) in parallel"
     assert [x["kind"] for x in ls].count(PARALLEL) == 1
     vec = sorted({x["extent"] for x in ls if x["kind"] == VECTORIZED})
     assert kt in vec and 64 in vec and LANES in vec, f"vectors along the key tile, d_v and lanes: {vec}"
-    mr_s, mr_o = attention._rows(qt, kt // LANES), attention._rows(qt, 64 // LANES)
+    mr_s, mr_o = attention._rows(qt, kt // LANES, LANES), attention._rows(qt, 64 // LANES, LANES)
     unrolled = {x["extent"] for x in ls if x["kind"] == UNROLLED}
     assert {mr_s, mr_o} <= unrolled, f"micro-kernel rows unrolled: {unrolled}"
-    assert mr_s * (kt // LANES) <= attention.ACC_REGS and mr_o * (64 // LANES) <= attention.ACC_REGS
+    regs = attention.acc_regs(LANES)
+    assert mr_s * (kt // LANES) <= regs and mr_o * (64 // LANES) <= regs
+    assert qt % mr_s == 0 and qt % mr_o == 0
     assert f.attrs[attention.KERNEL_ATTR + ".tiles"] == f"{qt}x{kt}"
     assert attention.AttentionSpec.from_json(str(f.attrs[attention.KERNEL_ATTR])) == _spec()
 
 
 def test_attention_kernel_static_exact_tiles_have_no_tail():
     """Static lengths that the tiles divide: no guard, no tail tile, no row clamp."""
-    f = attention.kernel(_spec(batch=1, sq=128, skv=128), (64, 64), LANES)
+    f = attention.kernel(_spec(batch=1, sq=128, skv=128), (64, 4 * LANES), LANES)
     text = f.script()
     assert "if " not in text and "T.int64(127)" not in text  # 127: the clamped last row/key index
-    g = attention.kernel(_spec(batch=1, sq=100, skv=100), (64, 64), LANES).script()
+    g = attention.kernel(_spec(batch=1, sq=100, skv=100), (64, 4 * LANES), LANES).script()
     assert "T.int64(99)" in g and "if " in g, "ragged static lengths: clamped rows/keys, a tail tile"
 
 

@@ -69,12 +69,13 @@ def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int],
         scratch = ms.database.JSONDatabase(work_dir=str(rnd.path))
         wl = scratch.commit_workload(wl_mod)
         times = {}
-        for tiles in attention.TILE_CANDIDATES:
+        candidates = attention.tile_candidates(lanes)
+        for tiles in candidates:
             secs = _time(attention.kernel(spec, tiles, lanes), target, builder, runner, dims)
             if secs is None:
                 continue
             scratch.commit_tuning_record(ms.database.TuningRecord(
-                attention.tile_trace(spec, lanes, tiles), wl, secs, tgt, None))
+                attention.tile_trace(spec, lanes, tiles, candidates), wl, secs, tgt, None))
             times[f"{tiles[0]}x{tiles[1]}"] = round(sum(secs) / len(secs) * 1e6, 1)
         db.commit_round(rnd)
         if not times:
