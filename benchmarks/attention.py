@@ -5,7 +5,8 @@ interleaved in one process (blockforge.bench.harness.measure_interleaved).
     flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/attention.py MODEL.onnx --seq 128 512
 
 Prints a markdown table per sequence length (median ms, p90, ratio to ORT) and, with
---profile, the per-kernel split of both builds.
+--profile, the per-kernel split of both builds. --tiles times the kernel alone at every
+tile candidate (what `tune` does per kernel), interleaved.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
+    ap.add_argument("--tiles", action="store_true", help="time the kernel alone at each tile candidate")
     args = ap.parse_args(argv)
+    if args.tiles:
+        return tiles(args)
 
     import blockforge
     from blockforge.bench.harness import _TvmRunner, measure_interleaved
@@ -69,6 +73,46 @@ def main(argv=None) -> int:
               f"{r['max_abs_vs_ort']:.2e} |")
     if args.json:
         args.json.write_text(json.dumps({"model": str(args.model), "cpu": cpu_model(), "rows": rows}, indent=1))
+    return 0
+
+
+def tiles(args) -> int:
+    """The fused kernel alone, at each tile candidate, interleaved (random inputs)."""
+    import tvm
+
+    import blockforge
+    from blockforge.bench.harness import measure_interleaved
+    from blockforge.compile import attention
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.targets.toolchain import cpu_model
+
+    blockforge.configure()
+    print(f"{args.model.name}, batch {args.batch}, {cpu_model()}; kernel alone, ms (median of {args.repeat})")
+    for seq in args.seq:
+        s = open_model(args.model, "host", {"batch": args.batch, "seq": seq})
+        mod, _ = run_phases(s.relax(), s.target, stop_after="fuse-attention")
+        tgt = s.target.tvm_target()
+        lanes = attention._lanes(tgt)
+        for spec in attention.kernel_specs(mod):
+            runners = {}
+            for t in attention.tile_candidates(lanes):
+                f = attention.kernel(spec, t, lanes)
+                lib = tvm.compile(tvm.IRModule({"main": f}), target=tgt)
+                rng = np.random.default_rng(0)
+                dims = {"batch": args.batch, "seq": seq, "kv_seq": seq}
+                args_ = [tvm.runtime.tensor(
+                    (rng.random([int(d) if isinstance(d, tvm.tirx.IntImm) else dims[d.name] for d in p.shape]) < 0.8)
+                    if str(p.dtype) == "bool" else
+                    rng.standard_normal([int(d) if isinstance(d, tvm.tirx.IntImm) else dims[d.name] for d in p.shape])
+                    .astype(str(p.dtype))) for p in f.params]
+                fn = lib["main"]
+                runners[f"{t[0]}x{t[1]}"] = (lambda fn=fn, a=args_: fn(*a))
+            samples = measure_interleaved(runners, args.repeat, warmup=2)
+            med = {k: float(np.median(v)) for k, v in samples.items()}
+            best = min(med, key=med.get)
+            print(f"seq {seq} {spec.describe()}: " + ", ".join(
+                f"{k} {v:.3f}{' *' if k == best else ''}" for k, v in med.items()))
     return 0
 
 
