@@ -160,8 +160,8 @@ class CPUMatmul(ScheduleRule):
         kext = _const(sch.get(k).extent)
         # The loop whose last iterations are guarded goes inside, serial, for LoopPartition:
         # symbolic N -> the column panels (jo); symbolic M -> the row tiles (io): a row
-        # guard inside the micro-kernel costs a branch per row and k (measured 2.2x on the
-        # BERT-base projections at seq 128); partitioned off, the full tiles run unguarded.
+        # guard inside the micro-kernel costs a branch per row and k (the BERT-base
+        # projections at seq 128: 2.2x the static build's time; partitioned, ~1.0x).
         outer = [io, jo] if n is None else [jo, io]
         if kext is not None and kext > K_BLOCK and kext % K_BLOCK == 0:
             ko, ki = sch.split(k, [None, K_BLOCK])
@@ -260,8 +260,8 @@ class CPURowReduction(ScheduleRule):
             for jo: y[row, jo*L : jo*L+L] = f(x[row, ...], r)                              # elementwise
         (a symbolic or ragged row length: the last chunk is guarded, and partitioned off)
 
-    Measured on a 2-core Zen 4 (AVX-512), BERT-base attention softmax (12 x 512 x 512, fp32),
-    interleaved: see tests/test_schedules.py for the structure and README for the numbers.
+    Measured (1 thread, CPU time, this 2-vCPU AMD EPYC VM, AVX-512): the BERT-base per-head
+    softmaxes at seq 512 (12 x 512 x 512, fp32) 5.8 ms with scalar reductions, 2.0 ms so.
     The blocks are fused by `merge` of their own row loops, not `compute_at`: compute_at
     regenerates an rfactor block's loops and drops its tail guard when the row length is
     symbolic (TVM 0.27), reading past the row.
