@@ -1,7 +1,7 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
-    optimize -> [fp32-compute (CPU) | fp32-accumulate (GPU): float16 models] -> [prepack (CPU)]
-    -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+    [fuse-attention (CPU)] -> optimize -> [fp32-compute (CPU) | fp32-accumulate (GPU): float16 models]
+    -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
 so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
@@ -39,6 +39,16 @@ def _prepack(target: ResolvedTarget) -> Callable[[], list]:
         from .prepack import prepack_pass
 
         return [prepack_pass(panel_width(target.tvm_target()))]
+    return passes
+
+
+def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
+    def passes() -> list:
+        from .attention import fuse_attention
+
+        # Before optimize: fast_activations turns softmax into a call_tir the matcher
+        # would no longer see. Tile choices come from the database's records.
+        return [fuse_attention(target.tvm_target(), database)]
     return passes
 
 
@@ -130,8 +140,15 @@ def has_fp16(mod) -> bool:
     return False
 
 
-def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True) -> list[Phase]:
-    out = [Phase("optimize", _optimize)]
+def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
+           fuse_attention: bool | None = None) -> list[Phase]:
+    """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
+    False/True to A/B both builds in one process."""
+    out = []
+    fuse = settings.fuse_attention() if fuse_attention is None else fuse_attention
+    if target.kind == "llvm" and default_schedules and fuse:
+        out.append(Phase("fuse-attention", _fuse_attention(target, database)))
+    out.append(Phase("optimize", _optimize))
     if fp16:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels); CPUs compute
         # in float32 as ORT's CPU provider does.
@@ -154,7 +171,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
                stop_after: str | None = None, report: BuildResult | None = None,
-               default_schedules: bool = True):
+               default_schedules: bool = True, fuse_attention: bool | None = None):
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
@@ -164,7 +181,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         dump_ir.mkdir(parents=True, exist_ok=True)
         (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
-        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules), start=1):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -181,21 +198,31 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
 
 
 def extract_tasks(mod, target: ResolvedTarget) -> list:
-    """MetaSchedule tasks of a legalized, fused module."""
+    """MetaSchedule tasks of a legalized, fused module. The fused attention kernels are not
+    among them: hand-written loop nests, not a search space; tune times their tiles instead."""
     from tvm.s_tir import meta_schedule as ms
 
-    return list(ms.relax_integration.extract_tasks(mod, target.tvm_target()))
+    from .attention import is_kernel
+
+    return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
+            if not is_kernel(t.dispatched[0]["main"])]
 
 
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:
-    """(number of tasks, names of tasks the database has no record for)."""
+    """(number of tasks, names of tasks the database has no record for); each fused
+    attention kernel counts as a task, covered when its tile choice is recorded."""
+    from .attention import _lanes, kernel_specs, workload
+
     tasks = extract_tasks(mod, target)
     missing = [t.task_name for t in tasks if not database.has_workload(t.dispatched[0])]
-    return len(tasks), missing
+    specs = kernel_specs(mod)
+    lanes = _lanes(target.tvm_target())
+    missing += [f"fused_attention ({s.describe()})" for s in specs if not database.has_workload(workload(s, lanes))]
+    return len(tasks) + len(specs), missing
 
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
-          default_schedules: bool = True) -> BuildResult:
+          default_schedules: bool = True, fuse_attention: bool | None = None) -> BuildResult:
     """Relax IRModule -> VM executable for `target` (whether it can build here is the
     caller's check: compile.session.open_model).
 
@@ -205,7 +232,7 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
 
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
-                                    default_schedules=default_schedules)
+                                    default_schedules=default_schedules, fuse_attention=fuse_attention)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:

@@ -10,6 +10,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_ISOLATE` | `1` | `0` skips the child-process check of untrusted models |
 | `BLOCKFORGE_ISOLATE_TIMEOUT` | `300` | seconds the child-process check may take |
 | `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
+| `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
 
@@ -29,6 +30,7 @@ LOG = "BLOCKFORGE_LOG"
 ISOLATE = "BLOCKFORGE_ISOLATE"
 ISOLATE_TIMEOUT = "BLOCKFORGE_ISOLATE_TIMEOUT"
 PREPACK = "BLOCKFORGE_PREPACK"
+FUSE_ATTENTION = "BLOCKFORGE_FUSE_ATTENTION"
 
 # Measured: TVM's pool starts one thread on these VMs and runtime.config_threadpool does
 # not change it; the variable does (a 128x768x3072 GEMM: 252 GFLOP/s with 1, 516 with 2).
@@ -95,6 +97,10 @@ def prepack() -> bool:
     return _flag(PREPACK, True)
 
 
+def fuse_attention() -> bool:
+    return _flag(FUSE_ATTENTION, True)
+
+
 def physical_cores() -> int:
     """Physical cores of this machine (TVM's pool and ORT's intra-op threads use as many)."""
     try:
@@ -117,6 +123,7 @@ def documented() -> dict[str, str]:
     """Every variable this module owns, with its current effective value (for `blockforge env`)."""
     return {CACHE_DIR: str(cache_dir()), LOG: str(log_file()), ISOLATE: "1" if isolate() else "0",
             ISOLATE_TIMEOUT: f"{isolate_timeout_s():g}", PREPACK: "1" if prepack() else "0",
+            FUSE_ATTENTION: "1" if fuse_attention() else "0",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}
 

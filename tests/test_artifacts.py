@@ -32,21 +32,24 @@ def test_manifest_contents(built):
     assert m["target"]["name"] == "host" and m["target"]["json"]["kind"] == "llvm"
     assert set(m["versions"]) == {"blockforge", "tvm", "onnx"}
     assert m["inputs"][0] == {"name": "query", "shape": [1, "seq", 64], "dtype": "float32"}
-    assert m["phases"] == ["prepare", "optimize", "prepack", "legalize", "schedule", "lower", "finalize"]
+    assert m["phases"] == ["prepare", "fuse-attention", "optimize", "prepack", "legalize", "schedule", "lower",
+                           "finalize"]
     dumped = sorted(p.name for p in (d / "ir").iterdir())
-    assert dumped == ["00-import.py", "00-prepare.json", "00-prepare.onnx", "01-optimize.py", "02-prepack.py", "03-legalize.py", "04-schedule.py",
-                      "05-lower.py", "06-finalize.py"]
+    assert dumped == ["00-import.py", "00-prepare.json", "00-prepare.onnx", "01-fuse-attention.py", "02-optimize.py",
+                      "03-prepack.py", "04-legalize.py", "05-schedule.py", "06-lower.py", "07-finalize.py"]
     # prepare's model is the one TVM imported: batch bound, seq left symbolic.
     import onnx
 
     prepared = onnx.load(str(d / "ir" / "00-prepare.onnx"))
     assert [d.dim_value or d.dim_param for d in prepared.graph.input[0].type.tensor_type.shape.dim] == [1, "seq", 64]
     assert m["prepare"]["dims"] == {"batch": 1} and m["dims"] == {"batch": 1}
-    # Weights were packed into panels, and the CPU schedule parallelised and vectorised them.
-    assert "packed_matmul" in (d / "ir" / "03-legalize.py").read_text()
-    scheduled = (d / "ir" / "04-schedule.py").read_text()
+    # Attention became one fused kernel; weights were packed into panels, and the CPU
+    # schedule parallelised and vectorised them.
+    assert "fused_attention" in (d / "ir" / "01-fuse-attention.py").read_text()
+    assert "packed_matmul" in (d / "ir" / "04-legalize.py").read_text()
+    scheduled = (d / "ir" / "05-schedule.py").read_text()
     assert "T.parallel" in scheduled and "T.vectorized" in scheduled
-    assert "T.prim_func" in (d / "ir" / "03-legalize.py").read_text()
+    assert "T.prim_func" in (d / "ir" / "04-legalize.py").read_text()
 
 
 def test_run_in_fresh_process_matches_oracle(built, tmp_path):

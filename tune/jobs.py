@@ -379,6 +379,21 @@ def _seed_all(job: _Job, builder, runner) -> None:
             logging.getLogger("blockforge").warning("no default-schedule seed for %s", task.task_name)
 
 
+def _attention_tiles(job: _Job, builder, runner, term) -> None:
+    """Time the fused attention kernels' tile candidates (not MetaSchedule tasks; see
+    blockforge.tune.attention_tiles). Like seeds, they do not count against the budget."""
+    from blockforge.compile.pipeline import phases
+
+    from .attention_tiles import tune_attention_tiles
+
+    target = job.session.target
+    if "fuse-attention" not in [p.name for p in phases(target)]:
+        return
+    mod, _ = run_phases(job.session.relax(), target, stop_after="fuse-attention")
+    tune_attention_tiles(mod, job.db, target, builder, runner, job.session.dims, job.id,
+                         say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
+
+
 def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
     """One round of one task into a scratch database, merged when complete; returns trials."""
     from tvm.s_tir import meta_schedule as ms
@@ -431,6 +446,7 @@ def _search(job: _Job, term) -> None:
             builder = _make_builder(job.session.target, str(tmp_root or tempfile.gettempdir()))
             cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
             _seed_all(job, builder, runner)
+            _attention_tiles(job, builder, runner, term)
             while job.todo():
                 for task, w, fl in job.todo():
                     if bar:

@@ -1,0 +1,348 @@
+"""The fused CPU attention kernel and its Relax pass: what matches (and what must not),
+the kernel against a float64 numpy reference (masks, causal skipping, fully masked rows,
+ragged tiles, layouts, float16), tile records in the tuning database, and end-to-end
+parity of the fused builds against ONNX Runtime and the oracle."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax  # noqa: E402
+
+from blockforge.compile import VerifyOptions, attention, verify  # noqa: E402
+from blockforge.compile.frontend import import_onnx  # noqa: E402
+from blockforge.compile.pipeline import build, run_phases  # noqa: E402
+from blockforge.compile.session import open_model  # noqa: E402
+from blockforge.graph import MHASpec, export  # noqa: E402
+from blockforge.graph.model_io import random_inputs  # noqa: E402
+from blockforge.targets import resolve  # noqa: E402
+
+HOST = resolve("host")
+TARGET = HOST.tvm_target()
+LANES = attention._lanes(TARGET)
+
+
+def _fuse(mod):
+    with TARGET:
+        return attention.fuse_attention(TARGET)(mod)
+
+
+def _calls(mod) -> list:
+    """The fused kernels a module calls, as specs (with their tiles)."""
+    out = []
+    for _, f in mod.functions_items():
+        if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f):
+            out.append(attention.AttentionSpec.from_json(str(f.attrs[attention.KERNEL_ATTR])))
+    return out
+
+
+def _ops(mod) -> list[str]:
+    names = []
+    for b in mod["main"].body.blocks:
+        for bd in b.bindings:
+            op = getattr(getattr(bd.value, "op", None), "name", None)
+            if op:
+                names.append(op)
+    return names
+
+
+def _model(tmp_path: Path, **kw) -> Path:
+    path = tmp_path / "m.onnx"
+    export(MHASpec(d_model=64, heads=4, **kw), path)
+    return path
+
+
+# ---------------------------------------------------------------- matching (Relax level)
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), dict(q="bshd", k="bhds", v="bshd", o="bshd", heads=4, causal=False, add=None, keep=None)),
+    (dict(layout="packed"), dict(q="bshd", k="bhds", v="bshd", o="bshd", heads=4)),
+    (dict(layout="packed", causal=True, mask="bool"), dict(causal=True, keep=("b", "1", "1", "k"))),
+    (dict(mask="additive"), dict(add=("b", "1", "k"), keep=None)),
+    (dict(causal=True), dict(causal=True, keep=None)),
+    (dict(cross=True, layout="packed"), dict(same_len=False, sq=None, skv=None)),
+])
+def test_builder_forms_fuse_into_one_multi_head_call(tmp_path, kw, want):
+    """Per-head (h attentions over split projections, concatenated) and packed layouts,
+    masks and causal, symbolic seq: one kernel call, no softmax, no scores left."""
+    mod = _fuse(import_onnx(onnx.load(_model(tmp_path, **kw))))
+    specs = _calls(mod)
+    assert len(specs) == 1, specs
+    ops = _ops(mod)
+    assert "relax.nn.softmax" not in ops and "relax.concat" not in ops and "relax.split" not in ops, ops
+    assert ops.count("relax.call_tir") == 1 and ops.count("relax.permute_dims") == 1  # K^T only
+    spec = specs[0]
+    for k, v in want.items():
+        assert getattr(spec, k) == v, (k, spec)
+    assert math.isclose(spec.scale, 1 / 4)  # 1/sqrt(d_k), d_k = 16
+
+
+def test_static_causal_constant_is_recognised(tmp_path):
+    """With seq bound, the importer folds the causal mask into a (S, S) constant."""
+    path = _model(tmp_path, causal=True, mask="bool", layout="packed")
+    mod = _fuse(import_onnx(onnx.load(path), {"batch": 2, "seq": 16}))
+    (spec,) = _calls(mod)
+    assert spec.causal and spec.keep == ("b", "1", "1", "k") and spec.sq == spec.skv == 16
+
+
+def _decomposed(q_shape, k_shape, v_shape, *, scale=0.125, mask=None, mask_shape=None, softmax_axis=-1,
+                extra_use=False, where=None, scale_tensor=False, self_add=False):
+    """The plain decomposition of ONNX Attention: matmul(q, permute_dims(k)) * scale (+ mask) ->
+    softmax -> matmul(., v), with knobs for the near misses."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType(q_shape, "float32"))
+    k = relax.Var("k", relax.TensorType(k_shape, "float32"))
+    v = relax.Var("v", relax.TensorType(v_shape, "float32"))
+    params = [q, k, v]
+    m = None
+    if mask is not None:
+        m = relax.Var("m", relax.TensorType(mask_shape, mask))
+        params.append(m)
+    with bb.function("main", params):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.matmul(q, kt))
+            c = relax.const(np.full((1,) if not scale_tensor else (q_shape[-2], 1), scale, "float32"))
+            s = bb.emit(relax.op.multiply(s, c))
+            if mask == "float32":
+                s = bb.emit(relax.op.add(s, m))
+            if self_add:
+                s = bb.emit(relax.op.add(s, s))
+            if mask == "bool":
+                fill = relax.const(np.float32(-1e30))
+                s = bb.emit(relax.op.where(m, fill, s) if where == "inverted" else relax.op.where(m, s, fill))
+            p = bb.emit(relax.op.nn.softmax(s, softmax_axis))
+            o = bb.emit(relax.op.matmul(p, v))
+            out = bb.emit_output(relax.Tuple([o, p]) if extra_use else o)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+B, H, S, D = 2, 4, 24, 16
+
+
+def test_onnx_attention_decomposition_fuses():
+    mod = _decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), mask="float32", mask_shape=(S, S))
+    (spec,) = _calls(_fuse(mod))
+    assert (spec.q, spec.k, spec.v, spec.o) == ("bhsd", "bhds", "bhsd", "bhsd")
+    assert spec.add == ("q", "k") and spec.scale == 0.125 and (spec.batch, spec.sq, spec.skv) == (B, S, S)
+
+
+@pytest.mark.parametrize("near_miss", [
+    dict(softmax_axis=2),  # softmax over the queries
+    dict(extra_use=True),  # the probabilities are an output too: the scores must exist
+    dict(mask="bool", mask_shape=(B, 1, 1, S), where="inverted"),  # where(mask, fill, scores)
+    dict(scale_tensor=True),  # a per-row scale, not a scalar
+    dict(self_add=True),  # scores + scores: not a mask
+])
+def test_near_misses_do_not_fuse(near_miss):
+    mod = _decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), **near_miss)
+    fused = _fuse(mod)
+    assert _calls(fused) == [] and "relax.nn.softmax" in _ops(fused)
+
+
+def test_broadcast_batch_does_not_fuse():
+    mod = _decomposed((B, H, S, D), (1, H, S, D), (B, H, S, D))
+    assert _calls(_fuse(mod)) == []
+
+
+# ---------------------------------------------------------------- the kernel against numpy
+
+def _reference(q, kt, v, spec, add=None, keep=None):
+    """float64 softmax(q k^T * scale (+ add), where keep/causal else fill) v, in (b, h, s, d)."""
+    s = np.einsum("bhsd,bhdk->bhsk", q.astype(np.float64), kt.astype(np.float64)) * spec.scale
+    if add is not None:
+        s = s + add.astype(np.float64)
+    allowed = None if keep is None else np.broadcast_to(keep, s.shape)
+    if spec.causal:
+        c = np.tril(np.ones(s.shape[-2:], bool))
+        allowed = c if allowed is None else (allowed & c)
+    if allowed is not None:
+        s = np.where(allowed, s, spec.fill)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("bhsk,bhkd->bhsd", e / e.sum(-1, keepdims=True), v.astype(np.float64))
+
+
+def _run_kernel(spec, tiles, b, sq, skv, *, keep_fn=None, add_fn=None, seed=0):
+    rng = np.random.default_rng(seed)
+    h, d = spec.heads, spec.d
+    q = rng.standard_normal((b, h, sq, d)).astype(spec.dtype)
+    k = rng.standard_normal((b, h, skv, d)).astype(spec.dtype)
+    v = rng.standard_normal((b, h, skv, spec.dv)).astype(spec.dtype)
+    kt = np.ascontiguousarray(k.transpose(0, 1, 3, 2))
+    lay = {"bhsd": lambda x: x, "bshd": lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))}
+    args = [lay[spec.q](q), kt, lay[spec.v](v)]
+    add = keep = None
+    if spec.add:
+        add = add_fn(rng, (b, 1, 1, skv)).astype(spec.add_dtype)
+        args.append(add)
+    if spec.keep:
+        keep = keep_fn(rng, (b, 1, 1, skv))
+        args.append(keep)
+    lib = tvm.compile(tvm.IRModule({"main": attention.kernel(spec, tiles, LANES)}), target=TARGET)
+    out = tvm.runtime.tensor(np.zeros((b, sq, h, spec.dv) if spec.o == "bshd" else (b, h, sq, spec.dv), spec.dtype))
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+    got = out.numpy()
+    if spec.o == "bshd":
+        got = got.transpose(0, 2, 1, 3)
+    return got, _reference(q, kt, v, spec, add, keep)
+
+
+def _spec(**kw):
+    base = dict(dtype="float32", q="bshd", k="bhds", v="bshd", o="bshd", heads=2, d=16, dv=16, scale=0.25)
+    return attention.AttentionSpec(**{**base, **kw})
+
+
+def _padding(rng, shape):
+    m = rng.random(shape) < 0.7
+    m[1] = False  # batch 1: every key masked out
+    return m
+
+
+@pytest.mark.parametrize("sq, skv, qt, kvecs", [(150, 150, 64, 4), (64, 64, 32, 4), (9, 9, 64, 4),
+                                                (130, 70, 48, 8)])
+def test_kernel_ragged_tiles(sq, skv, qt, kvecs):
+    got, want = _run_kernel(_spec(), (qt, kvecs * LANES), 2, sq, skv)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_causal_with_padding_skips_tiles_and_fixes_fully_masked_rows():
+    """Causal tiles right of the diagonal are skipped; a row whose every key is padded
+    out still spreads uniformly over all keys (as where(mask, s, min) then softmax does),
+    skipped tiles included."""
+    spec = _spec(causal=True, keep=("b", "1", "1", "k"), fill=float(np.finfo(np.float32).min), same_len=True)
+    got, want = _run_kernel(spec, (32, 4 * LANES), 2, 150, 150, keep_fn=_padding)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_additive_mask_fully_masked_row_is_nan_like_softmax():
+    """-inf on every key: softmax of the row is NaN (0/0) in ONNX Runtime and numpy; so here."""
+    def add(rng, shape):
+        a = np.where(rng.random(shape) < 0.7, 0.0, -np.inf)
+        a[..., 0] = 0.0
+        a[1] = -np.inf
+        return a
+    got, want = _run_kernel(_spec(add=("b", "1", "1", "k")), None, 2, 80, 80, add_fn=add)
+    assert np.isnan(got[1]).all() and np.isnan(want[1]).all()
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_float16_accumulates_in_float32():
+    spec = _spec(dtype="float16", d=64, dv=64, scale=0.125, q="bhsd", v="bhsd", o="bhsd")
+    got, want = _run_kernel(spec, None, 1, 100, 100)
+    assert got.dtype == np.float16
+    # one float16 rounding of the output (the inputs are float16 already in the reference)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------- tile records
+
+def test_tile_choice_round_trips_through_a_tuning_database(tmp_path):
+    from tvm.s_tir import meta_schedule as ms
+
+    mod = _decomposed((1, 2, 64, 16), (1, 2, 64, 16), (1, 2, 64, 16), scale=0.25)
+    (spec,) = _calls(_fuse(mod))
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    wl = db.commit_workload(attention.workload(spec, LANES))
+    cands = attention.tile_candidates(LANES)
+    for tiles, secs in ((cands[2], 3e-5), (cands[0], 1e-5), (cands[-1], 2e-5)):
+        trace = attention.tile_trace(spec, LANES, tiles)
+        assert attention.tiles_from_trace(trace) == tiles
+        db.commit_tuning_record(ms.database.TuningRecord(trace, wl, [secs], TARGET, None))
+    reread = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    assert attention.tile_record(reread, spec, TARGET) == cands[0], "the fastest record wins"
+    assert attention.tile_record(reread, attention.replace(spec, causal=True), TARGET) is None
+    # the fuse pass applies it: the emitted kernel carries the recorded tiles
+    with TARGET:
+        fused = attention.fuse_attention(TARGET, reread)(mod)
+    (f,) = [f for _, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) == "%dx%d" % cands[0]
+
+
+def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path, monkeypatch):
+    """tune's tile search with the job's own builder and runner: every candidate recorded,
+    the ledger notes the times, and coverage counts the kernel as tuned."""
+    from blockforge.tune.attention_tiles import tune_attention_tiles
+    from blockforge.tune.database import DeviceDB
+    from blockforge.tune.jobs import TuneOptions, _make_builder, _make_runner
+    from blockforge.compile.records import load_database
+    from blockforge.compile.pipeline import tuning_coverage
+
+    two = ((32, 4 * LANES), (64, 4 * LANES))
+    monkeypatch.setattr(attention, "tile_candidates", lambda lanes: two)
+    session = open_model(_model(tmp_path, layout="packed"), HOST, {"batch": 1, "seq": 64})
+    db = DeviceDB(tmp_path / "db", HOST, create=True)
+    mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
+    builder = _make_builder(HOST, str(tmp_path))
+    runner = _make_runner(TuneOptions(model=Path("m.onnx")), HOST, 0)
+    lines = []
+    assert tune_attention_tiles(mod, db, HOST, builder, runner, session.dims, "t", say=lines.append) == 1
+    (entry,) = [e for e in db.ledger().values() if "attention_tiles" in e]
+    assert set(entry["attention_tiles"]) == {f"{q}x{k}" for q, k in two} and lines
+    assert tune_attention_tiles(mod, db, HOST, builder, runner, session.dims, "t") == 0, "reused"
+    ms_db, _ = load_database(db.path)
+    best = min(entry["attention_tiles"], key=entry["attention_tiles"].get)
+    legal, _ = run_phases(session.relax(), HOST, database=ms_db, stop_after="legalize")
+    tiles = {str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) for _, f in legal.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)}
+    assert tiles == {best}
+    n, missing = tuning_coverage(legal, HOST, ms_db)
+    assert not any(m.startswith("fused_attention") for m in missing)
+
+
+# ---------------------------------------------------------------- end to end
+
+# (test_compile_host runs every MHA variant through the default, fused, pipeline too;
+# these add lengths past one tile and check the build under test is the fused one)
+@pytest.mark.parametrize("kw, dims", [
+    (dict(), "batch=2,seq=70"),
+    (dict(causal=True, layout="packed", mask="additive"), "batch=1,seq=150"),
+    (dict(mask="bool", causal=True), None),
+    (dict(dtype="float16", mask="bool", layout="packed"), "batch=1,seq=40"),
+])
+def test_fused_builds_match_ort_and_oracle(tmp_path, kw, dims):
+    from blockforge.graph.model_io import parse_dims
+
+    path = _model(tmp_path, **kw)
+    d = parse_dims(dims)
+    mod, _ = run_phases(open_model(path, HOST, d).relax(), HOST, stop_after="fuse-attention")
+    assert len(attention.kernel_specs(mod)) == 1, "the build under test is the fused one"
+    rep = verify(VerifyOptions(model=path, target="host", dims=d, use_tuning=False))
+    assert {c.pair for c in rep.comparisons} == {"tvm vs ort", "tvm vs oracle", "ort vs oracle"}
+    assert rep.passed, [c for c in rep.comparisons if not c.passed]
+
+
+def test_fully_masked_rows_match_ort(tmp_path):
+    """A batch whose every key is padded out: ORT (Where with the dtype's min, then
+    Softmax) spreads it uniformly; the fused causal build must too, skipped tiles included."""
+    from blockforge.graph import ort as ort_runner
+
+    path = _model(tmp_path, mask="bool", causal=True, layout="packed")
+    session = open_model(path, HOST, {"batch": 2, "seq": 100})
+    inputs = random_inputs(session.inputs, {}, seed=1)
+    inputs["key_padding_mask"][1, :] = False
+    want = ort_runner.run(session.model, inputs)["output"]
+    vm = relax.VirtualMachine(build(session.relax(), HOST).executable, tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]).numpy()
+    assert np.isfinite(got).all() and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_setting_turns_the_phase_off(monkeypatch):
+    from blockforge import settings
+    from blockforge.compile.pipeline import phases
+
+    assert "fuse-attention" in [p.name for p in phases(HOST)]
+    monkeypatch.setenv(settings.FUSE_ATTENTION, "0")
+    assert "fuse-attention" not in [p.name for p in phases(HOST)]
+    monkeypatch.delenv(settings.FUSE_ATTENTION)
+    assert "fuse-attention" not in [p.name for p in phases(HOST, default_schedules=False)], "naive baseline stays naive"
+    assert "fuse-attention" not in [p.name for p in phases(HOST, fuse_attention=False)]
