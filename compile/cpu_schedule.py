@@ -304,7 +304,7 @@ class CPURowReduction(ScheduleRule):
                     partials.append((rf, ko))
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         rows = [sch.fuse(*sch.get_loops(b)[:n_rows]) if n_rows > 1 else sch.get_loops(b)[0] for b in blocks]
-        row = sch.merge(*rows)
+        row = sch.merge(*rows) if len(rows) > 1 else rows[0]  # a lone reduction block: nothing to merge
         for b in blocks:
             if not _is_reduction(sch.get(b)) and len(sch.get_loops(b)) > 1:
                 _vectorize_row(sch, sch.get_loops(b)[-1], lanes)

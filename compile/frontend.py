@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
 from blockforge.errors import BlockforgeError, error_line
@@ -21,7 +22,7 @@ def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
     from .onnx_ops import OnnxImportError, from_onnx
 
     check_model(model)
-    model = bind_dims(model, dims or {})
+    model = _shape_constants(bind_dims(model, dims or {}))
     ins, _ = signature(model)
     try:
         mod = from_onnx(model, dtype_dict={s.name: _tvm_dtype(s.dtype) for s in ins}, keep_params_in_input=True)
@@ -34,6 +35,39 @@ def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
     except Exception as e:  # a TVM pass failing on an imported model: one line, not a traceback
         raise BlockforgeError(f"TVM cannot import this model: folding its constants failed: "
                               f"{error_line(e, last=True)}") from None
+
+
+SHAPE_CONST_MAX = 64  # elements: shapes, axes, starts/ends; weights are far larger
+
+
+def _shape_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Small integer initializers (shapes, axes, indices) as Constant nodes.
+
+    keep_params_in_input=True (needed so CombineParallelMatmul sees the weights) turns every
+    initializer into a runtime parameter, and an Expand/Reshape whose shape is a parameter
+    has an unknown output shape. Exports fold their shape arithmetic into such initializers
+    (prepare), so they must stay constants: e.g. an Attention op fed by Expand(mask, rows)
+    was refused with "needs an input of known shape"."""
+    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    small = [t for t in model.graph.initializer if t.data_type in ints and
+             int(np.prod(t.dims, dtype=np.int64)) <= SHAPE_CONST_MAX]
+    if not small:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    names = {t.name for t in small}
+    keep = [t for t in m.graph.initializer if t.name not in names]
+    consts = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const/{t.name}") for t in small]
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(keep)
+    # graph inputs that merely declared those initializers go too (IR < 4 style)
+    inputs = [i for i in m.graph.input if i.name not in names]
+    del m.graph.input[:]
+    m.graph.input.extend(inputs)
+    nodes = consts + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
 
 
 def _tvm_dtype(name: str) -> str:
