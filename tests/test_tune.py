@@ -166,7 +166,14 @@ def test_rpc_tracker_and_two_servers(ffn, tmp_path):
     procs = [subprocess.Popen([*BLOCKFORGE, "rpc", "tracker", "--port", str(port)], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # the tracker is up when its port answers (~6 s on a loaded 2-core VM)
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and procs[0].poll() is None, "the RPC tracker did not start"
+                time.sleep(0.1)
         for i in range(2):
             procs.append(subprocess.Popen(
                 [*BLOCKFORGE, "rpc", "server", "--port", str(_free_port()), "--tracker", f"127.0.0.1:{port}",
