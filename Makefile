@@ -12,7 +12,7 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean robustness bench
+.PHONY: demo test test-long install clean robustness bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ demo: install
 test: install
 	@set +e; $(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# Tests too long for `make test` (tuning a whole real export: ~11 min on 2 cores).
+test-long: install
+	$(BIN)/pytest -m long
 
 clean:
 	rm -rf $(VENV) build *.egg-info artifacts/demo artifacts/logs
