@@ -12,7 +12,7 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean robustness bench onnx-backend bench-peers
+.PHONY: demo test test-long install clean robustness bench onnx-backend bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ test: install
 	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
 	if [ -s $(SKIP_SUMMARY) ]; then cat $(SKIP_SUMMARY); fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# Tests too long for `make test` (tuning a whole real export: ~11 min on 2 cores).
+test-long: install
+	$(BIN)/pytest -m long
 
 clean:
 	rm -rf $(VENV) build *.egg-info artifacts/demo artifacts/logs

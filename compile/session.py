@@ -11,13 +11,13 @@ Relax passes are functional (they return new modules), so reuse is safe.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from blockforge.errors import BlockforgeError
+from blockforge.fsutil import atomic_write_bytes, atomic_write_json
 from blockforge.graph.model_io import TensorSig, resolve_dims, signature, unbound_dims
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
@@ -48,10 +48,9 @@ class Session:
         return self._relax
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True) -> BuildResult:
-        if dump_ir:
-            dump_ir.mkdir(parents=True, exist_ok=True)
-            onnx.save(self.prepared, str(dump_ir / "00-prepare.onnx"))
-            (dump_ir / "00-prepare.json").write_text(json.dumps(self.prepare_report.to_dict(), indent=1))
+        if dump_ir:  # the ONNX-level phase: what TVM imported, and what prepare did
+            atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared.SerializeToString())
+            atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
             res = build(self.relax(), self.target, database=database, dump_ir=dump_ir,
                         default_schedules=default_schedules)

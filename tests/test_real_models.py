@@ -171,17 +171,22 @@ def test_cli_static_model_needs_no_flags(tmp_path):
     assert json.loads(r.out)["matmul_flops"] == 2 * (104448 + 36992 + 34816 + 139264) + 196608, r.text
 
 
-@pytest.mark.slow
-def test_tune_an_export_tiny_budget(tmp_path):
+@pytest.mark.long
+def test_tune_an_export_tiny_budget(tmp_path, request):
     """Tuning a real export (2 trials per task), then verifying with its records. ViT: the
-    export with the fewest distinct kernels (14; the text models have 18-22)."""
+    export with the fewest distinct kernels (14; the text models have 18-22). Measured 674 s
+    on 2 shared cores (~48 s per task: seeding, search and builds, not the 2 trials), so it
+    runs only when asked: `make test-long` (pytest -m long)."""
+    if "long" not in (request.config.getoption("-m") or ""):
+        pytest.skip("long (11 min on 2 cores): run with -m long / make test-long")
+    from blockforge.compile import VerifyOptions, verify
+    from blockforge.tune import TuneOptions, tune
+
     model = FIXTURES / "vit_legacy_op17.onnx"
-    shape = "pixel_values=1x3x32x32"
+    dims = parse_dims("pixel_values=1x3x32x32")
     db = tmp_path / "db"
-    r = run_cli("tune", model, "--target", "host", "--shape", shape, "--db", db, "--trials-per-task", 2,
-                "--no-progress", "--no-measure", "--json", tmp_path / "s.json", cwd=tmp_path)
-    assert r.rc == 0, r.text
-    s = json.loads((tmp_path / "s.json").read_text())
-    assert len(s["tasks"]) >= 8 and all(t["trials_new"] == 2 for t in s["tasks"]), s
-    r = run_cli("verify", model, "--target", "host", "--shape", shape, "--tuning-db", db, cwd=tmp_path)
-    assert r.rc == 0 and "tuning records applied" in r.out and r.out.strip().endswith("PASS"), r.text
+    s = tune(TuneOptions(model=model, target="host", dims=dims, trials_per_task=2, tuning_db=db,
+                         measure=False, progress=False, population=16, round_trials=2))
+    assert len(s.tasks) >= 8 and all(t.trials_new == 2 for t in s.tasks), s
+    rep = verify(VerifyOptions(model=model, target="host", dims=dims, tuning_db=db))
+    assert any("tuning records applied" in n for n in rep.notes) and rep.passed, rep
