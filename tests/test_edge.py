@@ -43,9 +43,7 @@ needs_qemu = pytest.mark.skipif(
 
 @pytest.fixture(scope="module", autouse=True)
 def edge_env(tmp_path_factory):
-    # Tests chdir into temporary dirs, so point at the sources instead of relying on the cwd.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BLOCKFORGE_EDGE_APP_DIR", str(EDGE_APP))
         mp.setenv("BLOCKFORGE_LOG", str(tmp_path_factory.mktemp("log") / "blockforge.log"))
         yield
 
@@ -129,7 +127,7 @@ def check_parity(name: str, artifact: Path, pkg: Path, work: Path, emulate: bool
 @pytest.mark.parametrize("name", list(SPECS))
 def test_host_package_matches_ort(built, tmp_path, name):
     artifact = built(name, "host")
-    res = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg"))
+    res = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True))
     assert res.path == tmp_path / "pkg" and res.arch == host_arch()
     assert {"module.so", "manifest.json", "bin/edge_app", "run.sh", "lib/libtvm_runtime.so",
             "lib/libtvm_ffi.so"} <= set(res.files)
@@ -139,7 +137,7 @@ def test_host_package_matches_ort(built, tmp_path, name):
 
 def test_package_layout_and_run_sh(built, tmp_path):
     artifact = built("ffn", "host")
-    default = package_artifact(PackageOptions(artifact))
+    default = package_artifact(PackageOptions(artifact, app=True))
     assert default.path == artifact.with_name(artifact.name + ".pkg")
     bare = package_artifact(PackageOptions(artifact, output=tmp_path / "bare", app=False))
     assert set(bare.files) == {"module.so", "manifest.json", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so"}
@@ -166,15 +164,14 @@ def test_package_refuses_bad_artifacts(built, tmp_path, monkeypatch):
         package_artifact(PackageOptions(tmp_path / "nope"))
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "notes.txt").write_text("mine")
-    with pytest.raises(BlockforgeError, match="not a package"):
+    with pytest.raises(BlockforgeError, match="not a blockforge package"):
         package_artifact(PackageOptions(artifact, output=tmp_path / "occupied"))
-    monkeypatch.setenv("BLOCKFORGE_EDGE_APP_DIR", str(tmp_path))
-    with pytest.raises(BlockforgeError, match="no Makefile"):
-        package_artifact(PackageOptions(artifact, output=tmp_path / "p"))
-    monkeypatch.delenv("BLOCKFORGE_EDGE_APP_DIR")
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(BlockforgeError, match="BLOCKFORGE_EDGE_APP_DIR"):
-        package_artifact(PackageOptions(artifact, output=tmp_path / "p"))
+    # an install that lost the app's sources (package data) says so
+    import blockforge.deploy.package as package_mod
+
+    monkeypatch.setattr(package_mod, "__file__", str(tmp_path / "package.py"))
+    with pytest.raises(BlockforgeError, match="sources are missing"):
+        package_artifact(PackageOptions(artifact, output=tmp_path / "p", app=True))
     assert not (tmp_path / "p").exists()
 
 
@@ -187,7 +184,7 @@ def test_missing_cross_compiler_named(monkeypatch, tmp_path):
 
 def test_tampered_module_refused(built, tmp_path):
     artifact = built("ffn", "host")
-    pkg = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg")).path
+    pkg = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True)).path
     arrays = make_inputs(artifact, tmp_path)
     so = pkg / "module.so"
     data = bytearray(so.read_bytes())
@@ -201,7 +198,7 @@ def test_tampered_module_refused(built, tmp_path):
 @needs_aarch64_gxx
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="checks an aarch64 module on an x86_64 host")
 def test_foreign_arch_module_refused(built, tmp_path):
-    host_pkg = package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg")).path
+    host_pkg = package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg", app=True)).path
     arm = built("ffn", "aarch64-linux")
     shutil.copy2(arm / "module.so", host_pkg / "module.so")
     # fix the digest so that only the architecture check can refuse it
@@ -215,7 +212,7 @@ def test_foreign_arch_module_refused(built, tmp_path):
 
 def test_bad_inputs_refused(built, tmp_path):
     artifact = built("mha-boolmask", "host")
-    pkg = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg")).path
+    pkg = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True)).path
     arrays = make_inputs(artifact, tmp_path)
     good = npy_args(tmp_path, arrays)
     out = tmp_path / "out.npy"
@@ -250,7 +247,7 @@ def test_bad_inputs_refused(built, tmp_path):
 def test_runtime_error_is_one_line(built, tmp_path):
     """A manifest that misstates the signature gets past the app's checks; the VM's own
     check then fails inside main: one error line, exit 1."""
-    pkg = package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg")).path
+    pkg = package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg", app=True)).path
     manifest = json.loads((pkg / "manifest.json").read_text())
     manifest["inputs"][0]["dtype"] = "float16"
     (pkg / "manifest.json").write_text(json.dumps(manifest))
@@ -270,7 +267,7 @@ def test_runtime_error_is_one_line(built, tmp_path):
 def test_aarch64_package_matches_ort_under_qemu(built, tmp_path, name):
     # The first run cross-builds the TVM runtime (minutes); later runs reuse build/edge/aarch64.
     artifact = built(name, "aarch64-linux")
-    res = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg"))
+    res = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True))
     assert res.arch == "aarch64"
     for rel in ("bin/edge_app", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so", "module.so"):
         head = (res.path / rel).read_bytes()[:20]
