@@ -50,6 +50,7 @@ MAX_NAME_BYTES = 256
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}", re.ASCII)
 DTYPE_NAME = re.compile(r"[a-z][a-z0-9]{0,15}", re.ASCII)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_OUTSIDE = "(a path could reach outside the artifact)"
 
 ELF_MACHINES = {3: "i386", 40: "arm", 62: "x86_64", 183: "aarch64", 243: "riscv64"}
 
@@ -126,7 +127,7 @@ def _no_duplicates(pairs: list) -> dict:
     out = {}
     for k, v in pairs:
         if k in out:
-            raise _Refused(f"duplicate key '{k}'")
+            raise _Refused(f"duplicate key '{_printable(k)}'")
         out[k] = v
     return out
 
@@ -160,6 +161,12 @@ def _check_tree(value) -> None:
             stack.extend((x, depth + 1) for x in items)
 
 
+def _printable(s: str) -> str:
+    """Text from the file as it may appear in a message: control characters as \\xNN (the C++
+    reader's json::Printable), so that a refusal is one line."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7F else c for c in s)
+
+
 def _is_label(s) -> bool:
     """Tensor and symbol names: any UTF-8, but bounded and one line."""
     return (isinstance(s, str) and 0 < len(s.encode("utf-8")) <= MAX_NAME_BYTES
@@ -181,7 +188,7 @@ def _sigs(m: dict, key: str) -> None:
         if not _is_label(name):
             raise _Refused(f"{entry}: 'name' must be a one-line string of 1 to {MAX_NAME_BYTES} bytes")
         if name in seen:
-            raise _Refused(f"{entry}: name '{name}' appears twice")
+            raise _Refused(f"{entry}: name '{_printable(name)}' appears twice")
         seen.add(name)
         if not (isinstance(dtype, str) and DTYPE_NAME.fullmatch(dtype)):
             raise _Refused(f"{entry}: 'dtype' must be a dtype name such as float32")
@@ -207,14 +214,14 @@ def check_manifest(m) -> None:
         raise _Refused(f"'files' lists more than {MAX_FILES} files")
     for name in sorted(files):  # the C++ reader's std::map order (UTF-8 byte order = code point order)
         if not PLAIN_NAME.fullmatch(name):
-            raise _Refused(f"'files' names '{name}': not a plain file name inside the artifact")
+            raise _Refused(f"'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
         if not (isinstance(files[name], str) and SHA256_HEX.fullmatch(files[name])):
             raise _Refused(f"'files': the sha256 of {name} is not 64 lowercase hex digits")
     module = m["module"]
     if not isinstance(module, str):
         raise _Refused("'module' must be a string naming one of the hashed 'files'")
     if not PLAIN_NAME.fullmatch(module):
-        raise _Refused(f"'module' '{module}' is not a plain file name inside the artifact")
+        raise _Refused(f"'module' '{_printable(module)}' is not a plain file name {_OUTSIDE}")
     if module not in files:
         raise _Refused(f"'module' {module} is not one of the hashed 'files'")
     t = m["target"]
@@ -279,7 +286,7 @@ def verify_files(artifact: Path, manifest: dict) -> None:
     """Every listed file is a bounded regular file (no symlink) whose sha256 matches."""
     for name in sorted(manifest["files"]):
         if not PLAIN_NAME.fullmatch(name):
-            raise BlockforgeError(f"{artifact}: 'files' names {name!r}: not a plain file name inside the artifact")
+            raise BlockforgeError(f"{artifact}: 'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
         fd, size = open_regular(Path(artifact) / name, name, MAX_FILE_BYTES, where=str(artifact))
         try:
             h = hashlib.sha256()

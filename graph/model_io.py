@@ -8,9 +8,11 @@ through a symlink or a hardlink (the onnx CVE classes: ../, absolute paths, link
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,6 +241,11 @@ def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: st
         for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
             if isinstance(d, int) and got != d:
                 raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects {list(s.dims)} (axis {axis})")
+            if not isinstance(d, int) and not 0 < got <= MAX_BOUND_DIM:
+                # the --shape bound, and the C++ edge app's: a symbolic dim sizes what the
+                # model allocates inside (attention is quadratic in seq)
+                raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}: dim {d or axis!r} is {got}, "
+                                      f"outside [1, {MAX_BOUND_DIM}]")
             if isinstance(d, str):
                 if bound.setdefault(d, got) != got:
                     raise BlockforgeError(f"{label}: input {s.name!r} gives {d}={got}, another input gave {d}={bound[d]}")
@@ -287,5 +294,8 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
             _check_npz_members(path, z)
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as e:
+    # zlib.error / LZMAError: a damaged compressed stream (found by tests/robustness/npz_fuzz_worker.py);
+    # RuntimeError: an encrypted member; NotImplementedError: an unknown compression method.
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError, zlib.error,
+            lzma.LZMAError) as e:
         raise BlockforgeError(f"{path}: not a readable .npz file ({error_line(e)})") from None

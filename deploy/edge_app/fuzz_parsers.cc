@@ -138,6 +138,7 @@ const char* kManifestSeed = R"({
 struct Entry {
   Kind kind;
   std::string data;
+  bool accepted = false;
 };
 
 const std::vector<std::string>& Tokens() {
@@ -176,6 +177,18 @@ class Mutator {
   template <typename T>
   const T& Pick(const std::vector<T>& v) {
     return v[Below(v.size())];
+  }
+
+  // One structure-aware change (a number, a string, a value of another type): close
+  // to valid, so many children are still accepted.
+  std::string Tweak(const Entry& e) {
+    std::string d = e.data;
+    switch (Below(3)) {
+      case 0: ReplaceNumber(&d); break;
+      case 1: ReplaceString(&d); break;
+      default: ReplaceValue(&d); break;
+    }
+    return d;
   }
 
   std::string Mutate(const Entry& e, const std::vector<Entry>& corpus) {
@@ -427,9 +440,10 @@ int main(int argc, char** argv) {
   const size_t n_seeds = corpus.size();
   uint64_t accepted[2] = {0, 0}, refused[2] = {0, 0};
   std::string msg;
-  for (const Entry& e : corpus) {  // the seeds: run once, their coverage is the baseline
+  for (Entry& e : corpus) {  // the seeds: run once, their coverage is the baseline
     Verdict v = Run(e.kind, e.data, &msg);
     if (v == Verdict::kBug) ReportBug(e.kind, e.data, msg);
+    e.accepted = v == Verdict::kAccepted;
     NewCoverage();
   }
 
@@ -444,20 +458,29 @@ int main(int argc, char** argv) {
     Verdict v = Run(child.kind, child.data, &msg);
     if (v == Verdict::kBug) ReportBug(child.kind, child.data, msg);
     (v == Verdict::kAccepted ? accepted : refused)[child.kind == Kind::kNpy ? 0 : 1]++;
+    child.accepted = v == Verdict::kAccepted;
     if (NewCoverage() && corpus.size() < 8192) corpus.push_back(std::move(child));
   }
   const double secs = elapsed();
 
   if (!emit_dir.empty()) {
     std::ofstream verdicts(emit_dir + "/verdicts.txt");
-    std::vector<const Entry*> manifests;
+    std::vector<const Entry*> manifests, valid;
     for (const Entry& e : corpus) {
       if (e.kind == Kind::kManifest) manifests.push_back(&e);
+      if (e.kind == Kind::kManifest && e.accepted) valid.push_back(&e);
     }
     for (size_t k = 0; k < emit_count; ++k) {
-      const Entry& parent = *manifests[mut.Below(manifests.size())];
-      // Half the corpus entries as they are (they reached new code), half fresh mutants.
-      std::string data = k % 2 ? parent.data : mut.Mutate(parent, corpus);
+      // A third corpus entries as they are (each reached new code), a third one-change
+      // tweaks of accepted manifests (the type checks' borderline), a third havoc mutants.
+      std::string data;
+      if (k % 3 == 0) {
+        data = manifests[mut.Below(manifests.size())]->data;
+      } else if (k % 3 == 1 && !valid.empty()) {
+        data = mut.Tweak(*valid[mut.Below(valid.size())]);
+      } else {
+        data = mut.Mutate(*manifests[mut.Below(manifests.size())], corpus);
+      }
       Verdict v = Run(Kind::kManifest, data, &msg);
       if (v == Verdict::kBug) ReportBug(Kind::kManifest, data, msg);
       char name[32];

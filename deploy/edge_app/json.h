@@ -28,6 +28,24 @@ struct ParseError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Text from the file as it may appear in a message: control bytes (NUL included, which
+// would cut the message short) as \xNN, so that a message is one line. blockforge's
+// Python reader escapes the same way (compile/manifest.py, _printable).
+inline std::string Printable(const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  return out;
+}
+
 struct Value {
   enum Kind { kNull, kBool, kNumber, kString, kArray, kObject };
   Kind kind = kNull;
@@ -132,7 +150,7 @@ class Parser {
         std::string key = ParseString();
         Expect(':');
         Value item = ParseValue(depth + 1);
-        if (!v.object.emplace(key, std::move(item)).second) Fail("duplicate key '" + key + "'");
+        if (!v.object.emplace(key, std::move(item)).second) Fail("duplicate key '" + Printable(key) + "'");
         if (Peek() == ',') {
           ++pos_;
           continue;
@@ -174,7 +192,7 @@ class Parser {
     }
     if (Literal("null")) return v;
     if (c == '-' || (c >= '0' && c <= '9')) return ParseNumber();
-    Fail(std::string("unexpected character '") + c + "'");
+    Fail("unexpected character '" + Printable(std::string(1, c)) + "'");
   }
 
   // RFC 8259: -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?

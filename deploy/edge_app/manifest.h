@@ -89,6 +89,8 @@ inline bool IsSha256Hex(const std::string& s) {
 
 namespace manifest_detail {
 
+constexpr const char* kOutside = "(a path could reach outside the artifact)";
+
 [[noreturn]] inline void Bad(const std::string& msg) { throw ManifestError(msg); }
 
 inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
@@ -108,7 +110,7 @@ inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
     if (!name || !name->is_string() || !IsLabel(name->str)) {
       Bad(entry + ": 'name' must be a one-line string of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
     }
-    if (!seen.insert(name->str).second) Bad(entry + ": name '" + name->str + "' appears twice");
+    if (!seen.insert(name->str).second) Bad(entry + ": name '" + json::Printable(name->str) + "' appears twice");
     if (!dtype || !dtype->is_string() || !IsDtypeName(dtype->str)) {
       Bad(entry + ": 'dtype' must be a dtype name such as float32");
     }
@@ -142,6 +144,7 @@ inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
 // Parses and type-checks manifest.json's bytes (already size-bounded by the caller).
 inline Manifest ParseManifest(const std::string& text) {
   using manifest_detail::Bad;
+  using manifest_detail::kOutside;
   Manifest m;
   if (text.size() > kMaxManifestBytes) Bad("manifest.json is larger than 1 MiB");
   json::Value root;
@@ -161,7 +164,9 @@ inline Manifest ParseManifest(const std::string& text) {
   if (!files->is_object()) Bad("'files' must be an object of file name -> sha256");
   if (files->object.size() > kMaxFiles) Bad("'files' lists more than " + std::to_string(kMaxFiles) + " files");
   for (const auto& [name, digest] : files->object) {
-    if (!IsPlainName(name)) Bad("'files' names '" + name + "': not a plain file name inside the artifact");
+    if (!IsPlainName(name)) {
+      Bad("'files' names '" + json::Printable(name) + "': not a plain file name " + kOutside);
+    }
     if (!digest.is_string() || !IsSha256Hex(digest.str)) {
       Bad("'files': the sha256 of " + name + " is not 64 lowercase hex digits");
     }
@@ -169,7 +174,9 @@ inline Manifest ParseManifest(const std::string& text) {
   }
   const json::Value* module = root.get("module");
   if (!module->is_string()) Bad("'module' must be a string naming one of the hashed 'files'");
-  if (!IsPlainName(module->str)) Bad("'module' '" + module->str + "' is not a plain file name inside the artifact");
+  if (!IsPlainName(module->str)) {
+    Bad("'module' '" + json::Printable(module->str) + "' is not a plain file name " + kOutside);
+  }
   if (!m.files.count(module->str)) Bad("'module' " + module->str + " is not one of the hashed 'files'");
   m.module = module->str;
   const json::Value* target = root.get("target");
