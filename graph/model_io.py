@@ -272,8 +272,9 @@ def _check_npz_members(path: Path, z: zipfile.ZipFile) -> None:
             read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             shape, _, dtype = read_header(f)
             header_bytes = f.tell()
-        if dtype.hasobject:
-            continue  # np.load refuses it (allow_pickle=False) with its own message
+        if dtype.hasobject:  # np.load would compute its size first: OverflowError on a huge shape
+            raise BlockforgeError(f"{path}: array {info.filename[:-4]!r} holds Python objects (dtype {dtype}); "
+                                  "only numeric and bool arrays are read (no unpickling)")
         need = math.prod(shape) * dtype.itemsize
         if need > MAX_INPUT_BYTES:
             raise BlockforgeError(f"{path}: array {info.filename[:-4]!r} of shape {shape} would need "
