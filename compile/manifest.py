@@ -1,61 +1,301 @@
 """The artifact manifest: its format, and the checks that come before loading native code.
 
 Written by compile (artifact.py), read by the loader (runtime.py), packaging (deploy) and,
-with the same rules, by the C++ edge app (deploy/edge_app/main.cc).
+with the same rules and limits, by the C++ edge app (deploy/edge_app/manifest.h, main.cc):
+
+- manifest.json: a regular file (no symlink, FIFO, device), at most 1 MiB, UTF-8 JSON
+  without duplicate keys, NaN/Infinity, numbers over 100 characters or lone surrogates,
+  nested at most 32 deep; then type-checked: `files` an object of plain file name ->
+  64 lowercase hex, `module` a string naming one of those files, `inputs`/`outputs`
+  lists of {name, shape, dtype}, `target` an object.
+- every listed file: a plain name inside the artifact (no separators, `..`, absolute
+  paths), a regular file reached without following a symlink, at most 4 GiB, hashed
+  through the descriptor that was checked.
+
+tests/robustness/manifest_cases.json holds one table of hostile manifests that both
+loaders must refuse with the same words; a fuzz test compares the two readers' verdicts
+on mutated manifests.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import re
+import stat
 from pathlib import Path
 
 from blockforge.errors import BlockforgeError
-from blockforge.fsutil import sha256_file
 from blockforge.targets.toolchain import arch_name
 
 FORMAT = "blockforge.artifact/1"
 NAME = "manifest.json"
 REQUIRED = ("files", "target", "inputs", "outputs", "module")
 
+# Limits shared with deploy/edge_app/manifest.h and json.h (keep them equal).
+MAX_MANIFEST_BYTES = 1 << 20  # real manifests are ~2 KiB
+MAX_FILE_BYTES = 4 << 30  # = graph.model_io.MAX_MODEL_BYTES
+MAX_DEPTH = 32  # containers; real manifests nest 4 deep
+MAX_NUMBER_CHARS = 100
+MAX_FILES = 64
+MAX_TENSORS = 64
+MAX_RANK = 32
+MAX_STATIC_DIM = 2**31 - 1
+MAX_NAME_BYTES = 256
+
+# A file name inside the artifact: no separators, no "." / "..", no leading dot; what
+# compile writes (module.so, kernels.cu, device.fatbin) fits.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}", re.ASCII)
+DTYPE_NAME = re.compile(r"[a-z][a-z0-9]{0,15}", re.ASCII)
+SHA256_HEX = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_OUTSIDE = "(a path could reach outside the artifact)"
+
 ELF_MACHINES = {3: "i386", 40: "arm", 62: "x86_64", 183: "aarch64", 243: "riscv64"}
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _byte_size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+def open_regular(path: Path, label: str, max_bytes: int, *, where: str) -> tuple[int, int]:
+    """(fd, size) of `path`, a regular file of at most max_bytes reached without following
+    a symlink; every refusal is "{where}: {label} ...". The type is checked before opening
+    (opening a FIFO blocks, a device can have effects) and again on the descriptor (the
+    path may be swapped in between; O_NONBLOCK keeps a FIFO swapped in from blocking)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise BlockforgeError(f"{where}: {label} is missing") from None
+    except OSError as e:
+        raise BlockforgeError(f"{where}: {label}: cannot open ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise BlockforgeError(f"{where}: {label} is a symlink; refusing to follow it")
+    if not stat.S_ISREG(st.st_mode):
+        raise BlockforgeError(f"{where}: {label} is not a regular file ({_file_kind(st.st_mode)})")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise BlockforgeError(f"{where}: {label} is a symlink; refusing to follow it") from None
+        raise BlockforgeError(f"{where}: {label}: cannot open ({e.strerror})") from None
+    st = os.fstat(fd)
+    problem = (f"is not a regular file ({_file_kind(st.st_mode)})" if not stat.S_ISREG(st.st_mode) else
+               f"is larger than {_byte_size(max_bytes)} ({st.st_size} bytes)" if st.st_size > max_bytes else None)
+    if problem:
+        os.close(fd)
+        raise BlockforgeError(f"{where}: {label} {problem}")
+    return fd, st.st_size
+
+
+def _read_fd(fd: int, size: int, *, hasher=None) -> bytes | None:
+    """Exactly `size` bytes (fed to `hasher` when given, else returned); None when the
+    file no longer has that size."""
+    chunks, off = [], 0
+    while off < size:
+        chunk = os.pread(fd, min(1 << 20, size - off), off)
+        if not chunk:
+            return None
+        if hasher is not None:
+            hasher.update(chunk)
+        else:
+            chunks.append(chunk)
+        off += len(chunk)
+    if os.pread(fd, 1, size):  # it grew
+        return None
+    return b"".join(chunks)
+
+
+# ------------------------------------------------------------------ parsing
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    # json.loads would keep the last of two equal keys; another reader might keep the first.
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Refused(f"duplicate key '{_printable(k)}'")
+        out[k] = v
+    return out
+
+
+def _refuse_constant(name: str):
+    raise _Refused(f"{name} is not JSON")
+
+
+def _number(conv):
+    def parse(tok: str):
+        if len(tok) > MAX_NUMBER_CHARS:
+            raise _Refused(f"number longer than {MAX_NUMBER_CHARS} characters")
+        return conv(tok)
+    return parse
+
+
+def _check_tree(value) -> None:
+    """Nesting depth (containers) and strings (no lone surrogates), without recursion."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _Refused("lone surrogate in \\u escape") from None
+        elif isinstance(v, (dict, list)):
+            if depth + 1 > MAX_DEPTH:
+                raise _Refused(f"nested more than {MAX_DEPTH} deep")
+            items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
+
+
+def _printable(s: str) -> str:
+    """Text from the file as it may appear in a message: control characters as \\xNN (the C++
+    reader's json::Printable), so that a refusal is one line."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7F else c for c in s)
+
+
+def _is_label(s) -> bool:
+    """Tensor and symbol names: any UTF-8, but bounded and one line."""
+    return (isinstance(s, str) and 0 < len(s.encode("utf-8")) <= MAX_NAME_BYTES
+            and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in s))
+
+
+def _sigs(m: dict, key: str) -> None:
+    items, where = m[key], f"'{key}'"
+    if not isinstance(items, list):
+        raise _Refused(f"{where} must be a list of {{name, shape, dtype}}")
+    if len(items) > MAX_TENSORS:
+        raise _Refused(f"{where} lists more than {MAX_TENSORS} tensors")
+    seen = set()
+    for k, item in enumerate(items):
+        entry = f"{where} entry {k}"
+        if not isinstance(item, dict):
+            raise _Refused(f"{entry} is not an object")
+        name, dtype, shape = item.get("name"), item.get("dtype"), item.get("shape")
+        if not _is_label(name):
+            raise _Refused(f"{entry}: 'name' must be a one-line string of 1 to {MAX_NAME_BYTES} bytes")
+        if name in seen:
+            raise _Refused(f"{entry}: name '{_printable(name)}' appears twice")
+        seen.add(name)
+        if not (isinstance(dtype, str) and DTYPE_NAME.fullmatch(dtype)):
+            raise _Refused(f"{entry}: 'dtype' must be a dtype name such as float32")
+        if not (isinstance(shape, list) and len(shape) <= MAX_RANK):
+            raise _Refused(f"{entry}: 'shape' must be a list of at most {MAX_RANK} dims")
+        for d in shape:
+            if not ((type(d) is int and 0 <= d <= MAX_STATIC_DIM) or _is_label(d) or d is None):
+                raise _Refused(f"{entry}: bad dim in 'shape' (dims are integers in [0, {MAX_STATIC_DIM}], "
+                               "symbol names or null)")
+
+
+def check_manifest(m) -> None:
+    """The type checks, in the C++ reader's order (so both name the same first problem)."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise _Refused(f"unknown manifest format (expected {FORMAT})")
+    for key in REQUIRED:
+        if key not in m:
+            raise _Refused(f"manifest lacks '{key}'")
+    files = m["files"]
+    if not isinstance(files, dict):
+        raise _Refused("'files' must be an object of file name -> sha256")
+    if len(files) > MAX_FILES:
+        raise _Refused(f"'files' lists more than {MAX_FILES} files")
+    for name in sorted(files):  # the C++ reader's std::map order (UTF-8 byte order = code point order)
+        if not PLAIN_NAME.fullmatch(name):
+            raise _Refused(f"'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
+        if not (isinstance(files[name], str) and SHA256_HEX.fullmatch(files[name])):
+            raise _Refused(f"'files': the sha256 of {name} is not 64 lowercase hex digits")
+    module = m["module"]
+    if not isinstance(module, str):
+        raise _Refused("'module' must be a string naming one of the hashed 'files'")
+    if not PLAIN_NAME.fullmatch(module):
+        raise _Refused(f"'module' '{_printable(module)}' is not a plain file name {_OUTSIDE}")
+    if module not in files:
+        raise _Refused(f"'module' {module} is not one of the hashed 'files'")
+    t = m["target"]
+    if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("json"), dict)
+            and all(t.get(k) is None or isinstance(t[k], str) for k in ("arch", "device"))):
+        raise _Refused("'target' must be an object with 'name' (a string), 'json' (an object), 'arch' and "
+                       "'device' (strings or null)")
+    _sigs(m, "inputs")
+    _sigs(m, "outputs")
+
+
+def parse_manifest(data: bytes, label: str = NAME) -> dict:
+    """manifest.json's bytes -> the checked manifest; every refusal is "{label}: ..."."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise BlockforgeError(f"{label}: manifest.json is larger than 1 MiB")
+    try:
+        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                              parse_constant=_refuse_constant, parse_int=_number(int), parse_float=_number(float))
+        _check_tree(manifest)
+    except UnicodeDecodeError:
+        raise BlockforgeError(f"{label}: corrupt manifest (not UTF-8)") from None
+    except RecursionError:
+        raise BlockforgeError(f"{label}: corrupt manifest (nested more than {MAX_DEPTH} deep)") from None
+    except _Refused as e:
+        raise BlockforgeError(f"{label}: corrupt manifest ({e})") from None
+    except ValueError as e:  # json.JSONDecodeError
+        raise BlockforgeError(f"{label}: corrupt manifest (invalid JSON: {e})") from None
+    try:
+        check_manifest(manifest)
+    except _Refused as e:
+        raise BlockforgeError(f"{label}: {e}") from None
+    return manifest
 
 
 def read_manifest(artifact: Path) -> dict:
     artifact = Path(artifact)
-    mpath = artifact / NAME
     if not artifact.is_dir():
         raise BlockforgeError(f"{artifact}: not an artifact directory")
-    if not mpath.is_file():
+    mpath = artifact / NAME
+    if not os.path.lexists(mpath):
         raise BlockforgeError(f"{artifact}: no manifest.json (not a blockforge artifact)")
+    fd, size = open_regular(mpath, NAME, MAX_MANIFEST_BYTES, where=str(artifact))
     try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BlockforgeError(f"{mpath}: corrupt manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BlockforgeError(f"{mpath}: unknown manifest format (expected {FORMAT})")
-    for key in REQUIRED:
-        if key not in manifest:
-            raise BlockforgeError(f"{mpath}: manifest lacks {key!r}")
-    return manifest
+        data = _read_fd(fd, size)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise BlockforgeError(f"{artifact}: manifest.json changed while being read")
+    return parse_manifest(data, str(mpath))
 
 
 def is_artifact(path: Path) -> bool:
-    """Whether `path` is a blockforge artifact directory (its manifest says so)."""
+    """Whether `path` is a blockforge artifact directory (a manifest that passes the checks)."""
     try:
-        m = json.loads((Path(path) / NAME).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        read_manifest(Path(path))
+    except BlockforgeError:
         return False
-    return isinstance(m, dict) and m.get("format") == FORMAT
+    return True
 
 
 def verify_files(artifact: Path, manifest: dict) -> None:
-    for name, digest in manifest["files"].items():
-        p = Path(artifact) / name
-        if Path(name).name != name:
-            raise BlockforgeError(f"{artifact}: manifest names a file outside the artifact: {name!r}")
-        if not p.is_file():
-            raise BlockforgeError(f"{artifact}: {name} is missing")
-        if sha256_file(p) != digest:
+    """Every listed file is a bounded regular file (no symlink) whose sha256 matches."""
+    for name in sorted(manifest["files"]):
+        if not PLAIN_NAME.fullmatch(name):
+            raise BlockforgeError(f"{artifact}: 'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
+        fd, size = open_regular(Path(artifact) / name, name, MAX_FILE_BYTES, where=str(artifact))
+        try:
+            h = hashlib.sha256()
+            complete = _read_fd(fd, size, hasher=h) is not None
+        finally:
+            os.close(fd)
+        if not complete:
+            raise BlockforgeError(f"{artifact}: {name} changed while being read")
+        if h.hexdigest() != manifest["files"][name]:
             raise BlockforgeError(f"{artifact}: {name} does not match its sha256 in manifest.json "
                                   "(tampered or corrupted); refusing to load it")
 

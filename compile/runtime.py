@@ -138,6 +138,10 @@ def tvm_device(kind: str | None):
 
 
 def load_artifact(artifact: str | Path) -> LoadedModule:
+    """Checks everything a hostile artifact could use before any native code runs:
+    read_manifest type-checks manifest.json ('module' must be one of the hashed 'files',
+    all plain names), verify_files hashes every listed regular file (no symlinks), the
+    target must run here and the module must be an ELF for this CPU; only then dlopen."""
     import tvm
     from tvm import relax
 
@@ -145,16 +149,17 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     manifest = read_manifest(artifact)
     verify_files(artifact, manifest)
     t = manifest["target"]
-    target = resolve(t["json"]) if t.get("name") == "custom" else resolve(t["name"])
+    target = resolve(t["json"]) if t["name"] == "custom" else resolve(t["name"])
     problem = target.run_problem()
     if problem:
         raise BlockforgeError(f"{artifact}: built for {t['name']} ({t['json'].get('kind')}), cannot run here: {problem}")
-    so = artifact / manifest["module"]
+    module = manifest["module"]
+    so = artifact / module
     arch = elf_arch(so)
     if arch is None:
-        raise BlockforgeError(f"{artifact}: module.so is not an ELF shared object; refusing to load it")
+        raise BlockforgeError(f"{artifact}: {module} is not an ELF shared object; refusing to load it")
     if arch != host_arch():
-        raise BlockforgeError(f"{artifact}: module.so is for {arch}, this machine is {host_arch()}")
+        raise BlockforgeError(f"{artifact}: {module} is for {arch}, this machine is {host_arch()}")
     try:
         if target.kind == "cuda":
             with cuda_load_env():
@@ -162,6 +167,6 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
         else:
             lib = tvm.runtime.load_module(str(so))
     except Exception as e:
-        raise BlockforgeError(f"{artifact}: cannot load module.so: {error_line(e, last=True)}") from None
+        raise BlockforgeError(f"{artifact}: cannot load {module}: {error_line(e, last=True)}") from None
     dev = tvm_device(target.device)
     return LoadedModule(artifact, manifest, relax.VirtualMachine(lib, dev), dev)

@@ -8,8 +8,11 @@ through a symlink or a hardlink (the onnx CVE classes: ../, absolute paths, link
 from __future__ import annotations
 
 import json
+import lzma
+import math
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,18 +324,62 @@ def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: st
         for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
             if isinstance(d, int) and got != d:
                 raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects {list(s.dims)} (axis {axis})")
+            if not isinstance(d, int) and not 0 < got <= MAX_BOUND_DIM:
+                # the --shape bound, and the C++ edge app's: a symbolic dim sizes what the
+                # model allocates inside (attention is quadratic in seq)
+                raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}: dim {d or axis!r} is {got}, "
+                                      f"outside [1, {MAX_BOUND_DIM}]")
             if isinstance(d, str):
                 if bound.setdefault(d, got) != got:
                     raise BlockforgeError(f"{label}: input {s.name!r} gives {d}={got}, another input gave {d}={bound[d]}")
     return bound
 
 
+MAX_NPZ_ARRAYS = 1024
+
+
+def _check_npz_members(path: Path, z: zipfile.ZipFile) -> None:
+    """Every member is a .npy whose header promises no more than MAX_INPUT_BYTES and exactly
+    the bytes the member holds. Checked before np.load: numpy allocates what a member's
+    header claims before reading its data (a 60-byte member claiming 256 TiB was a
+    MemoryError traceback), and returns non-.npy members as raw bytes."""
+    infos = z.infolist()
+    if len(infos) > MAX_NPZ_ARRAYS:
+        raise BlockforgeError(f"{path}: holds {len(infos)} members, more than {MAX_NPZ_ARRAYS}")
+    fmt = np.lib.format
+    for info in infos:
+        if not info.filename.endswith(".npy"):
+            raise BlockforgeError(f"{path}: member {info.filename!r} is not a .npy array")
+        with z.open(info) as f:
+            version = fmt.read_magic(f)
+            read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+            header_bytes = f.tell()
+        if dtype.hasobject:  # np.load would compute its size first: OverflowError on a huge shape
+            raise BlockforgeError(f"{path}: array {info.filename[:-4]!r} holds Python objects (dtype {dtype}); "
+                                  "only numeric and bool arrays are read (no unpickling)")
+        need = math.prod(shape) * dtype.itemsize
+        if need > MAX_INPUT_BYTES:
+            raise BlockforgeError(f"{path}: array {info.filename[:-4]!r} of shape {shape} would need "
+                                  f"{need / 2**30:.1f} GiB (limit {MAX_INPUT_BYTES >> 30} GiB)")
+        if info.file_size - header_bytes != need:
+            raise BlockforgeError(f"{path}: array {info.filename[:-4]!r} holds {info.file_size - header_bytes} "
+                                  f"bytes of data, its shape {shape} needs {need}")
+
+
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise BlockforgeError(f"{path}: no such file")
+    if not path.is_file():  # a FIFO would block the read
+        raise BlockforgeError(f"{path}: not a regular file")
     try:
+        with zipfile.ZipFile(path) as z:
+            _check_npz_members(path, z)
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    # zlib.error / LZMAError: a damaged compressed stream (found by tests/robustness/npz_fuzz_worker.py);
+    # RuntimeError: an encrypted member; NotImplementedError: an unknown compression method.
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError, zlib.error,
+            lzma.LZMAError) as e:
         raise BlockforgeError(f"{path}: not a readable .npz file ({error_line(e)})") from None

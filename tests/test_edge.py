@@ -43,9 +43,7 @@ needs_qemu = pytest.mark.skipif(
 
 @pytest.fixture(scope="module", autouse=True)
 def edge_env(tmp_path_factory):
-    # Tests chdir into temporary dirs, so point at the sources instead of relying on the cwd.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BLOCKFORGE_EDGE_APP_DIR", str(EDGE_APP))
         mp.setenv("BLOCKFORGE_LOG", str(tmp_path_factory.mktemp("log") / "blockforge.log"))
         yield
 
@@ -176,6 +174,13 @@ def test_package_refuses_bad_artifacts(built, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = package_artifact(PackageOptions(artifact, output=tmp_path / "p", app=True))
     assert "bin/edge_app" in res.files
+    # an install that lost the app's sources (package data) says so
+    import blockforge.deploy.package as package_mod
+
+    monkeypatch.setattr(package_mod, "__file__", str(tmp_path / "package.py"))
+    with pytest.raises(BlockforgeError, match="sources are missing"):
+        package_artifact(PackageOptions(artifact, output=tmp_path / "p2", app=True))
+    assert not (tmp_path / "p2").exists()
 
 
 @pytest.mark.skipif(os.uname().machine == "aarch64", reason="the host is aarch64: nothing to cross-build")

@@ -1,5 +1,12 @@
 // A small JSON reader (RFC 8259): enough to read manifest.json. Values form a
 // tree; numbers are kept as double plus whether they were integral.
+//
+// It accepts exactly what blockforge's Python reader (compile/manifest.py) accepts, so
+// that the two can never read one manifest two ways: UTF-8 text only, containers nested
+// at most kMaxDepth deep, no duplicate object keys (json.loads would keep the last,
+// a hand-written reader might keep the first), numbers in RFC grammar of at most
+// kMaxNumberChars characters, \u escapes that form valid code points (no lone
+// surrogates). Every failure is a ParseError.
 #ifndef EDGE_APP_JSON_H_
 #define EDGE_APP_JSON_H_
 
@@ -13,6 +20,31 @@
 
 namespace edge {
 namespace json {
+
+constexpr int kMaxDepth = 32;          // containers; blockforge's manifests nest 4 deep
+constexpr size_t kMaxNumberChars = 100;
+
+struct ParseError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Text from the file as it may appear in a message: control bytes (NUL included, which
+// would cut the message short) as \xNN, so that a message is one line. blockforge's
+// Python reader escapes the same way (compile/manifest.py, _printable).
+inline std::string Printable(const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  return out;
+}
 
 struct Value {
   enum Kind { kNull, kBool, kNumber, kString, kArray, kObject };
@@ -41,6 +73,7 @@ class Parser {
   explicit Parser(const std::string& text) : s_(text) {}
 
   Value Parse() {
+    CheckUtf8();
     Value v = ParseValue(0);
     SkipWs();
     if (pos_ != s_.size()) Fail("trailing characters");
@@ -49,7 +82,30 @@ class Parser {
 
  private:
   [[noreturn]] void Fail(const std::string& what) {
-    throw std::runtime_error("invalid JSON at byte " + std::to_string(pos_) + ": " + what);
+    throw ParseError("invalid JSON at byte " + std::to_string(pos_) + ": " + what);
+  }
+
+  // Strict UTF-8 (what Python's decoder takes): no overlong forms, no encoded
+  // surrogates, nothing above U+10FFFF.
+  void CheckUtf8() {
+    const size_t n = s_.size();
+    for (size_t i = 0; i < n;) {
+      const unsigned char c = static_cast<unsigned char>(s_[i]);
+      size_t len = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3
+                 : (c >= 0xF0 && c <= 0xF4) ? 4 : 0;
+      bool ok = len > 0 && len <= n - i;
+      for (size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(s_[i + k]) & 0xC0) == 0x80;
+      if (ok && len >= 3) {
+        const unsigned char c1 = static_cast<unsigned char>(s_[i + 1]);
+        ok = !(c == 0xE0 && c1 < 0xA0) && !(c == 0xED && c1 >= 0xA0) && !(c == 0xF0 && c1 < 0x90) &&
+             !(c == 0xF4 && c1 >= 0x90);
+      }
+      if (!ok) {
+        pos_ = i;
+        Fail("not UTF-8");
+      }
+      i += len;
+    }
   }
   void SkipWs() {
     while (pos_ < s_.size() &&
@@ -75,10 +131,13 @@ class Parser {
     return false;
   }
 
+  // depth: the containers around this value.
   Value ParseValue(int depth) {
-    if (depth > 64) Fail("nested too deeply");
     Value v;
     char c = Peek();
+    if ((c == '{' || c == '[') && depth + 1 > kMaxDepth) {
+      Fail("nested more than " + std::to_string(kMaxDepth) + " deep");
+    }
     if (c == '{') {
       ++pos_;
       v.kind = Value::kObject;
@@ -90,7 +149,8 @@ class Parser {
         if (Peek() != '"') Fail("expected a string key");
         std::string key = ParseString();
         Expect(':');
-        v.object[key] = ParseValue(depth + 1);
+        Value item = ParseValue(depth + 1);
+        if (!v.object.emplace(key, std::move(item)).second) Fail("duplicate key '" + Printable(key) + "'");
         if (Peek() == ',') {
           ++pos_;
           continue;
@@ -132,30 +192,43 @@ class Parser {
     }
     if (Literal("null")) return v;
     if (c == '-' || (c >= '0' && c <= '9')) return ParseNumber();
-    Fail(std::string("unexpected character '") + c + "'");
+    Fail("unexpected character '" + Printable(std::string(1, c)) + "'");
   }
 
+  // RFC 8259: -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?
   Value ParseNumber() {
-    size_t start = pos_;
+    const size_t start = pos_;
+    auto digits = [&]() {
+      size_t from = pos_;
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      return pos_ - from;
+    };
     bool integral = true;
     if (s_[pos_] == '-') ++pos_;
-    while (pos_ < s_.size()) {
-      char c = s_[pos_];
-      if (c >= '0' && c <= '9') {
-        ++pos_;
-      } else if (c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-') {
-        integral = false;
-        ++pos_;
-      } else {
-        break;
-      }
+    if (pos_ < s_.size() && s_[pos_] == '0') {
+      ++pos_;
+    } else if (digits() == 0) {
+      Fail("bad number");
+    }
+    if (pos_ < s_.size() && s_[pos_] == '.') {
+      ++pos_;
+      integral = false;
+      if (digits() == 0) Fail("bad number");
+    }
+    if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
+      ++pos_;
+      integral = false;
+      if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
+      if (digits() == 0) Fail("bad number");
+    }
+    if (pos_ - start > kMaxNumberChars) {
+      pos_ = start;
+      Fail("number longer than " + std::to_string(kMaxNumberChars) + " characters");
     }
     std::string tok = s_.substr(start, pos_ - start);
-    char* end = nullptr;
     Value v;
     v.kind = Value::kNumber;
-    v.number = std::strtod(tok.c_str(), &end);
-    if (end == tok.c_str() || *end != '\0') Fail("bad number '" + tok + "'");
+    v.number = std::strtod(tok.c_str(), nullptr);  // grammar checked; huge values become +-inf
     v.integral = integral;
     return v;
   }
@@ -217,9 +290,12 @@ class Parser {
         case 't': out.push_back('\t'); break;
         case 'u': {
           uint32_t cp = Hex4();
-          if (cp >= 0xD800 && cp < 0xDC00 && s_.compare(pos_, 2, "\\u") == 0) {
+          if (cp >= 0xDC00 && cp < 0xE000) Fail("lone surrogate in \\u escape");
+          if (cp >= 0xD800 && cp < 0xDC00) {
+            if (s_.compare(pos_, 2, "\\u") != 0) Fail("lone surrogate in \\u escape");
             pos_ += 2;
             uint32_t lo = Hex4();
+            if (lo < 0xDC00 || lo >= 0xE000) Fail("lone surrogate in \\u escape");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
           AppendUtf8(&out, cp);

@@ -7,6 +7,14 @@
 // matches its sha256 in manifest.json and that it is an ELF for this CPU; inputs are
 // checked against the manifest's signature. Exit codes: 0 ok, 2 refused (usage, bad
 // artifact or inputs), 1 the runtime failed.
+//
+// Nothing it reads is trusted (the same rules as blockforge's Python loader,
+// compile/manifest.py): manifest.json is size-bounded and type-checked (manifest.h);
+// the files it lists are plain names of regular files, never symlinks, size-bounded and
+// hashed through the descriptor that was checked; 'module' must be one of them. Inputs
+// are regular files whose shapes must agree with the manifest (static dims equal,
+// symbolic dims in [1, kMaxSymbolicDim], at most kMaxInputBytes) before their data is
+// read (npy.h). The output is written to a fresh temporary file, then renamed.
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
@@ -23,13 +31,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "fileio.h"
 #include "json.h"
+#include "manifest.h"
 #include "npy.h"
 #include "sha256.h"
 
@@ -50,18 +59,41 @@ constexpr uint16_t kMachine = 183;  // EM_AARCH64
 // tvm::runtime::memory::AllocatorType::kPooled (what relax.VirtualMachine uses by default).
 constexpr int kPooledAllocator = 2;
 
+// Input bounds, the same as blockforge's Python side (graph/model_io.py): a symbolic dim
+// is at most MAX_BOUND_DIM (what --shape accepts), an input at most MAX_INPUT_BYTES.
+constexpr int64_t kMaxSymbolicDim = 65536;
+constexpr uint64_t kMaxInputBytes = uint64_t{2} << 30;
+
 const char* kUsage =
     "usage: edge_app ARTIFACT_DIR --input NAME=FILE.npy [--input ...] --output OUT.npy "
     "[--repeat N]";
 
-// An error with the exit code it ends the program with.
+// An error with the exit code it ends the program with; `usage` adds the usage line.
 struct Failure {
   int code;
   std::string message;
+  bool usage = false;
 };
 
 [[noreturn]] void Refuse(const std::string& msg) { throw Failure{2, msg}; }
+[[noreturn]] void RefuseUsage(const std::string& msg) { throw Failure{2, msg, true}; }
 [[noreturn]] void Fail(const std::string& msg) { throw Failure{1, msg}; }
+
+// Messages quote names from files the app did not write: control bytes are escaped so
+// that a refusal stays one line.
+std::string OneLine(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      char esc[5];
+      std::snprintf(esc, sizeof(esc), "\\x%02x", c);
+      out += esc;
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  return out;
+}
 
 std::string ShapeStr(const std::vector<std::string>& dims) {
   std::string s = "(";
@@ -105,7 +137,7 @@ Options ParseArgs(int argc, char** argv) {
     if (a.size() > flag.size() && a.compare(0, flag.size() + 1, flag + "=") == 0) {
       return a.substr(flag.size() + 1);
     }
-    if (i + 1 >= argc) Refuse(flag + " needs a value\n" + kUsage);
+    if (i + 1 >= argc) RefuseUsage(flag + " needs a value");
     return argv[++i];
   };
   auto is = [](const std::string& a, const std::string& flag) {
@@ -134,106 +166,50 @@ Options ParseArgs(int argc, char** argv) {
       }
       o.repeat = static_cast<int>(n);
     } else if (!a.empty() && a[0] == '-') {
-      Refuse("unknown option " + a + "\n" + kUsage);
+      RefuseUsage("unknown option " + a);
     } else if (o.artifact.empty()) {
       o.artifact = a;
     } else {
-      Refuse("unexpected argument '" + a + "'\n" + kUsage);
+      RefuseUsage("unexpected argument '" + a + "'");
     }
   }
-  if (o.artifact.empty()) Refuse(std::string("no artifact directory given\n") + kUsage);
-  if (o.output.empty()) Refuse(std::string("--output OUT.npy is required\n") + kUsage);
+  if (o.artifact.empty()) RefuseUsage("no artifact directory given");
+  if (o.output.empty()) RefuseUsage("--output OUT.npy is required");
   return o;
 }
 
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return false;
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  *out = ss.str();
-  return static_cast<bool>(f) || f.eof();
-}
-
-bool IsPlainName(const std::string& name) {
-  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
-}
-
-// One manifest tensor signature entry; shape dims are ints or symbolic names.
-struct TensorSig {
-  std::string name;
-  std::string dtype;
-  std::vector<std::string> dims;    // as text, for messages
-  std::vector<int64_t> fixed;       // -1 where symbolic
-};
-
-std::vector<TensorSig> ReadSigs(const edge::json::Value& m, const char* key) {
-  const edge::json::Value* list = m.get(key);
-  if (!list || !list->is_array()) Refuse(std::string("manifest.json: '") + key + "' is not a list");
-  std::vector<TensorSig> sigs;
-  for (const auto& item : list->array) {
-    const auto* name = item.get("name");
-    const auto* dtype = item.get("dtype");
-    const auto* shape = item.get("shape");
-    if (!name || !name->is_string() || !dtype || !dtype->is_string() || !shape || !shape->is_array()) {
-      Refuse(std::string("manifest.json: malformed entry in '") + key + "'");
-    }
-    TensorSig s{name->str, dtype->str, {}, {}};
-    for (const auto& d : shape->array) {
-      if (d.is_int() && d.number >= 0) {
-        s.dims.push_back(std::to_string(static_cast<int64_t>(d.number)));
-        s.fixed.push_back(static_cast<int64_t>(d.number));
-      } else if (d.is_string()) {
-        s.dims.push_back(d.str);
-        s.fixed.push_back(-1);
-      } else {
-        Refuse(std::string("manifest.json: bad shape entry for ") + key + " '" + s.name + "'");
-      }
-    }
-    sigs.push_back(std::move(s));
-  }
-  return sigs;
-}
-
-edge::json::Value ReadManifest(const std::string& dir) {
-  std::string text;
-  std::string path = dir + "/manifest.json";
-  if (!ReadFile(path, &text)) {
-    struct stat st;
-    if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) Refuse(dir + ": not an artifact directory");
+edge::Manifest ReadManifest(const std::string& dir) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) Refuse(dir + ": not an artifact directory");
+  const std::string path = dir + "/manifest.json";
+  if (lstat(path.c_str(), &st) != 0 && errno == ENOENT) {
     Refuse(dir + ": no manifest.json (not a blockforge artifact)");
   }
-  edge::json::Value m;
   try {
-    m = edge::json::Parse(text);
-  } catch (const std::exception& e) {
-    Refuse(path + ": corrupt manifest (" + e.what() + ")");
+    return edge::ParseManifest(
+        edge::ReadRegular(path, "manifest.json", /*follow_links=*/false, edge::kMaxManifestBytes));
+  } catch (const edge::FileError& e) {
+    Refuse(dir + ": " + e.what());
+  } catch (const edge::ManifestError& e) {
+    Refuse(path + ": " + e.what());
   }
-  const auto* fmt = m.get("format");
-  if (!m.is_object() || !fmt || !fmt->is_string() || fmt->str != "blockforge.artifact/1") {
-    Refuse(path + ": unknown manifest format (expected blockforge.artifact/1)");
-  }
-  for (const char* key : {"files", "target", "inputs", "outputs", "module"}) {
-    if (!m.get(key)) Refuse(path + ": manifest lacks '" + key + "'");
-  }
-  return m;
 }
 
 // Every file the manifest lists must match its sha256 (module.so above all: it is
-// about to be loaded, which runs its code).
-void VerifyFiles(const std::string& dir, const edge::json::Value& m, const std::string& module) {
-  const auto* files = m.get("files");
-  if (!files->is_object() || !files->get(module)) {
-    Refuse("manifest.json lists no sha256 for " + module + "; refusing to load it");
-  }
-  for (const auto& kv : files->object) {
-    if (!IsPlainName(kv.first) || !kv.second.is_string()) {
-      Refuse("manifest.json: bad entry in 'files': '" + kv.first + "'");
-    }
+// about to be loaded, which runs its code). Opened without following links, checked to
+// be a bounded regular file, hashed through that descriptor.
+void VerifyFiles(const std::string& dir, const edge::Manifest& m) {
+  for (const auto& [name, digest] : m.files) {
     std::string got;
-    if (!edge::Sha256File(dir + "/" + kv.first, &got)) Refuse(dir + ": " + kv.first + " is missing");
-    if (got != kv.second.str) {
-      Refuse(kv.first + " does not match its sha256 in manifest.json (tampered or corrupted); "
+    try {
+      edge::InFile f = edge::OpenRegular(dir + "/" + name, name, /*follow_links=*/false,
+                                         edge::kMaxArtifactFileBytes);
+      if (!edge::Sha256Fd(f.fd(), f.size(), &got)) Refuse(dir + ": " + name + " changed while being read");
+    } catch (const edge::FileError& e) {
+      Refuse(dir + ": " + e.what());
+    }
+    if (got != digest) {
+      Refuse(dir + ": " + name + " does not match its sha256 in manifest.json (tampered or corrupted); "
              "refusing to load it");
     }
   }
@@ -260,23 +236,23 @@ uint64_t LoadLE(const std::string& b, size_t off, int n) {
 // the file (dlopen of a truncated library can crash instead of failing).
 void CheckElf(const std::string& path, const std::string& module) {
   std::string b(64, '\0');
-  struct stat st;
-  FILE* f = std::fopen(path.c_str(), "rb");
-  bool read = f && fstat(fileno(f), &st) == 0 && std::fread(&b[0], 1, 64, f) == 64;
-  if (!read || b.compare(0, 4, "\x7f" "ELF") != 0) {
-    if (f) std::fclose(f);
+  edge::InFile f;
+  try {
+    f = edge::OpenRegular(path, module, /*follow_links=*/false, edge::kMaxArtifactFileBytes);
+  } catch (const edge::FileError& e) {
+    Refuse(e.what());
+  }
+  if (f.size() < 64 || !f.ReadAt(0, &b[0], 64) || b.compare(0, 4, "\x7f" "ELF") != 0) {
     Refuse(module + " is not an ELF shared library");
   }
-  const uint64_t size = static_cast<uint64_t>(st.st_size), phoff = LoadLE(b, 32, 8),
-                 phentsize = LoadLE(b, 54, 2), phnum = LoadLE(b, 56, 2);
+  const uint64_t size = f.size(), phoff = LoadLE(b, 32, 8), phentsize = LoadLE(b, 54, 2),
+                 phnum = LoadLE(b, 56, 2);
   std::string ph;
   bool ok = b[4] == 2 && phentsize >= 56 && phoff <= size && phnum * phentsize <= size - phoff;
   if (ok) {
     ph.resize(static_cast<size_t>(phnum * phentsize));
-    ok = fseeko(f, static_cast<off_t>(phoff), SEEK_SET) == 0 &&
-         std::fread(&ph[0], 1, ph.size(), f) == ph.size();
+    ok = ph.empty() || f.ReadAt(phoff, &ph[0], ph.size());
   }
-  std::fclose(f);
   if (b[5] != 1) Refuse(module + " is big-endian, this is " + kArch);
   uint16_t machine = static_cast<uint16_t>(LoadLE(b, 18, 2));
   if (machine != kMachine) Refuse(module + " is for " + MachineName(machine) + ", this is " + kArch);
@@ -292,20 +268,14 @@ void CheckElf(const std::string& path, const std::string& module) {
   if (!ok) Refuse(module + " is truncated or corrupt (its ELF segments reach past the end of the file)");
 }
 
-void CheckTarget(const edge::json::Value& m) {
-  const auto* target = m.get("target");
-  if (!target || !target->is_object()) return;
-  const auto* arch = target->get("arch");
-  if (arch && arch->is_string() && arch->str != kArch) {
-    Refuse("artifact is built for " + arch->str + " (manifest target.arch), this is " + kArch);
+void CheckTarget(const edge::Manifest& m) {
+  if (m.has_arch && m.arch != kArch) {
+    Refuse("artifact is built for " + m.arch + " (manifest target.arch), this is " + kArch);
   }
-  const auto* device = target->get("device");
-  if (device && device->is_string() && device->str != "cpu") {
-    Refuse("artifact targets device '" + device->str + "'; edge_app runs CPU artifacts only");
+  if (m.has_device && m.device != "cpu") {
+    Refuse("artifact targets device '" + m.device + "'; edge_app runs CPU artifacts only");
   }
-  if (device && device->kind == edge::json::Value::kNull) {
-    Refuse("artifact is build-only (no device to run on)");
-  }
+  if (m.device_null) Refuse("artifact is build-only (no device to run on)");
 }
 
 struct AlignedCPUAlloc {
@@ -318,8 +288,13 @@ struct AlignedCPUAlloc {
   void FreeData(DLTensor* t) { std::free(t->data); }
 };
 
-// Loads and checks the inputs against the signature, in manifest order.
-std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<TensorSig>& sigs) {
+// Loads and checks the inputs against the signature, in manifest order. Each file's
+// header is checked against the manifest before its data is read: the rank, static dims
+// equal, symbolic dims in [1, kMaxSymbolicDim] and equal wherever the symbol recurs, at
+// most kMaxInputBytes (the header parser has already checked that the data is exactly
+// as long as the shape says, with overflow-checked arithmetic).
+std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<edge::TensorSig>& sigs) {
+  using edge::TensorSig;
   std::map<std::string, std::string> given;
   for (const auto& [name, path] : o.inputs) {
     if (given.count(name)) Refuse("input '" + name + "' given twice");
@@ -337,35 +312,45 @@ std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<Tenso
   for (const auto& s : sigs) {
     auto it = given.find(s.name);
     if (it == given.end()) Refuse("missing input '" + s.name + "' (give --input " + s.name + "=FILE.npy)");
-    edge::NpyArray a;
+    const std::string& path = it->second;
+    const std::string what = "input '" + s.name + "': ";
     try {
-      a = edge::ReadNpy(it->second);
-    } catch (const std::exception& e) {
-      Refuse("input '" + s.name + "': " + e.what());
-    }
-    if (a.dtype != s.dtype) {
-      Refuse("input '" + s.name + "': " + it->second + " has dtype " + a.dtype + ", the model takes " +
-             s.dtype);
-    }
-    bool ok = a.shape.size() == s.fixed.size();
-    for (size_t i = 0; ok && i < s.fixed.size(); ++i) {
-      if (s.fixed[i] >= 0) {
-        ok = a.shape[i] == s.fixed[i];
-      } else {
+      edge::NpyFile file(path, kMaxInputBytes + 12 + edge::kMaxNpyHeaderBytes);
+      const edge::NpyHeader& h = file.header();
+      if (h.dtype != s.dtype) {
+        Refuse(what + path + " has dtype " + h.dtype + ", the model takes " + s.dtype);
+      }
+      bool ok = h.shape.size() == s.fixed.size();
+      for (size_t i = 0; ok && i < s.fixed.size(); ++i) {
+        const int64_t got = h.shape[i];
+        if (s.fixed[i] >= 0) {
+          ok = got == s.fixed[i];
+          continue;
+        }
+        if (got < 1 || got > kMaxSymbolicDim) {
+          Refuse(what + "dim '" + s.dims[i] + "' is " + std::to_string(got) + ", outside [1, " +
+                 std::to_string(kMaxSymbolicDim) + "]");
+        }
+        if (s.fixed[i] == TensorSig::kAnonymous) continue;
         auto b = bound.find(s.dims[i]);
         if (b == bound.end()) {
-          bound[s.dims[i]] = {a.shape[i], s.name};
-        } else if (b->second.first != a.shape[i]) {
-          Refuse("input '" + s.name + "': dim '" + s.dims[i] + "' is " + std::to_string(a.shape[i]) +
-                 " here but " + std::to_string(b->second.first) + " in '" + b->second.second + "'");
+          bound[s.dims[i]] = {got, s.name};
+        } else if (b->second.first != got) {
+          Refuse(what + "dim '" + s.dims[i] + "' is " + std::to_string(got) + " here but " +
+                 std::to_string(b->second.first) + " in '" + b->second.second + "'");
         }
       }
+      if (!ok) {
+        Refuse(what + "shape " + ShapeStr(h.shape) + " does not match the model's " + ShapeStr(s.dims));
+      }
+      if (h.nbytes > kMaxInputBytes) {
+        Refuse(what + path + " holds " + std::to_string(h.nbytes) + " bytes, more than the " +
+               edge::ByteSize(kMaxInputBytes) + " an input may have");
+      }
+      arrays.push_back(file.Read());
+    } catch (const std::runtime_error& e) {  // edge::FileError, edge::NpyError
+      Refuse(what + e.what());
     }
-    if (!ok) {
-      Refuse("input '" + s.name + "': shape " + ShapeStr(a.shape) + " does not match the model's " +
-             ShapeStr(s.dims));
-    }
-    arrays.push_back(std::move(a));
   }
   return arrays;
 }
@@ -394,18 +379,14 @@ ffi::Tensor FirstTensor(const ffi::Any& rv, size_t* count) {
 
 int Run(int argc, char** argv) {
   Options o = ParseArgs(argc, argv);
-  edge::json::Value manifest = ReadManifest(o.artifact);
-  const auto* mod_entry = manifest.get("module");
-  if (!mod_entry->is_string() || !IsPlainName(mod_entry->str)) {
-    Refuse("manifest.json: 'module' must name a file in the artifact");
-  }
-  const std::string module = mod_entry->str;
+  const edge::Manifest manifest = ReadManifest(o.artifact);
+  const std::string& module = manifest.module;  // one of the hashed files (ParseManifest)
   const std::string module_path = o.artifact + "/" + module;
-  VerifyFiles(o.artifact, manifest, module);
+  VerifyFiles(o.artifact, manifest);
   CheckElf(module_path, module);
   CheckTarget(manifest);
-  std::vector<TensorSig> in_sigs = ReadSigs(manifest, "inputs");
-  std::vector<TensorSig> out_sigs = ReadSigs(manifest, "outputs");
+  const std::vector<edge::TensorSig>& in_sigs = manifest.inputs;
+  const std::vector<edge::TensorSig>& out_sigs = manifest.outputs;
   if (out_sigs.size() != 1) {
     Refuse("the model has " + std::to_string(out_sigs.size()) + " outputs; edge_app writes exactly one");
   }
@@ -487,13 +468,15 @@ int main(int argc, char** argv) {
   try {
     return Run(argc, argv);
   } catch (const Failure& f) {
-    std::fprintf(stderr, "edge_app: error: %s\n", f.message.c_str());
+    std::fprintf(stderr, "edge_app: error: %s\n", OneLine(f.message).c_str());
+    if (f.usage) std::fprintf(stderr, "%s\n", kUsage);
     return f.code;
   } catch (const ffi::Error& e) {
-    std::fprintf(stderr, "edge_app: error: %s: %s\n", e.kind().c_str(), LastLine(e.message()).c_str());
+    std::fprintf(stderr, "edge_app: error: %s: %s\n", OneLine(e.kind()).c_str(),
+                 OneLine(LastLine(e.message())).c_str());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "edge_app: error: %s\n", e.what());
+    std::fprintf(stderr, "edge_app: error: %s\n", OneLine(e.what()).c_str());
     return 1;
   }
 }

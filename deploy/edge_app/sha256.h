@@ -3,8 +3,10 @@
 #ifndef EDGE_APP_SHA256_H_
 #define EDGE_APP_SHA256_H_
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -112,17 +114,25 @@ class Sha256 {
 };
 
 // Hex SHA-256 of a file; false when it cannot be read.
-inline bool Sha256File(const std::string& path, std::string* hex) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return false;
+// The digest of an open file's bytes, read through its descriptor (the bytes hashed
+// are the bytes of the file that was type- and size-checked, not of whatever the path
+// names by now). False when the file no longer has the size it was opened with.
+inline bool Sha256Fd(int fd, uint64_t size, std::string* hex) {
   Sha256 h;
   char buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) h.Update(buf, n);
-  bool ok = !std::ferror(f);
-  std::fclose(f);
-  if (ok) *hex = h.HexDigest();
-  return ok;
+  uint64_t off = 0;
+  while (off < size) {
+    size_t want = size - off < sizeof(buf) ? static_cast<size_t>(size - off) : sizeof(buf);
+    ssize_t n = ::pread(fd, buf, want, static_cast<off_t>(off));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    h.Update(buf, static_cast<size_t>(n));
+    off += static_cast<uint64_t>(n);
+  }
+  char extra;
+  if (::pread(fd, &extra, 1, static_cast<off_t>(size)) != 0) return false;  // it grew
+  *hex = h.HexDigest();
+  return true;
 }
 
 }  // namespace edge

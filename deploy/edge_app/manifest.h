@@ -1,0 +1,207 @@
+// manifest.json of a blockforge artifact: parsed and type-checked from its bytes,
+// before any file it names is touched. The rules (and the limits below) are the ones
+// blockforge's Python loader applies (compile/manifest.py); a test runs one table of
+// hostile manifests against both, and a fuzz test compares their verdicts.
+#ifndef EDGE_APP_MANIFEST_H_
+#define EDGE_APP_MANIFEST_H_
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "json.h"
+
+namespace edge {
+
+constexpr const char* kManifestFormat = "blockforge.artifact/1";
+constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 20;  // real ones are ~2 KiB
+constexpr uint64_t kMaxArtifactFileBytes = uint64_t{4} << 30;  // = the ONNX model limit
+constexpr size_t kMaxFiles = 64;
+constexpr size_t kMaxTensors = 64;
+constexpr size_t kMaxRank = 32;
+constexpr int64_t kMaxStaticDim = 2147483647;
+constexpr size_t kMaxNameBytes = 256;
+
+struct ManifestError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// One tensor of the signature: per dim a size, a symbol (bound by the inputs) or
+// anonymous (null in the manifest: any size, bound to nothing).
+struct TensorSig {
+  static constexpr int64_t kSymbol = -1;
+  static constexpr int64_t kAnonymous = -2;
+  std::string name;
+  std::string dtype;
+  std::vector<std::string> dims;  // as text, for messages
+  std::vector<int64_t> fixed;     // the size, or kSymbol / kAnonymous
+};
+
+struct Manifest {
+  std::string module;
+  std::map<std::string, std::string> files;  // plain name -> sha256 (64 lowercase hex)
+  std::vector<TensorSig> inputs, outputs;
+  bool has_arch = false, has_device = false;  // target.arch / target.device are strings
+  std::string arch, device;
+  bool device_null = false;  // device: null marks a build-only artifact
+};
+
+// A file name inside the artifact: no separators, no "." or "..", no leading dot,
+// nothing a shell or a message could misread. What compile writes (module.so,
+// kernels.cu, device.fatbin) fits.
+inline bool IsPlainName(const std::string& name) {
+  if (name.empty() || name.size() > 128) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    const bool alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+    if (!(alnum || c == '_' || (i > 0 && (c == '.' || c == '+' || c == '-')))) return false;
+  }
+  return true;
+}
+
+// Tensor and symbol names: any UTF-8 (ONNX allows it), but bounded and one line.
+inline bool IsLabel(const std::string& s) {
+  if (s.empty() || s.size() > kMaxNameBytes) return false;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
+
+inline bool IsDtypeName(const std::string& s) {
+  if (s.empty() || s.size() > 16 || !(s[0] >= 'a' && s[0] <= 'z')) return false;
+  for (char c : s) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'))) return false;
+  }
+  return true;
+}
+
+inline bool IsSha256Hex(const std::string& s) {
+  if (s.size() != 64) return false;
+  for (char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+namespace manifest_detail {
+
+constexpr const char* kOutside = "(a path could reach outside the artifact)";
+
+[[noreturn]] inline void Bad(const std::string& msg) { throw ManifestError(msg); }
+
+inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
+  const json::Value* list = root.get(key);
+  const std::string where = std::string("'") + key + "'";
+  if (!list->is_array()) Bad(where + " must be a list of {name, shape, dtype}");
+  if (list->array.size() > kMaxTensors) Bad(where + " lists more than " + std::to_string(kMaxTensors) + " tensors");
+  std::vector<TensorSig> sigs;
+  std::set<std::string> seen;
+  for (size_t k = 0; k < list->array.size(); ++k) {
+    const json::Value& item = list->array[k];
+    const std::string entry = where + " entry " + std::to_string(k);
+    if (!item.is_object()) Bad(entry + " is not an object");
+    const json::Value* name = item.get("name");
+    const json::Value* dtype = item.get("dtype");
+    const json::Value* shape = item.get("shape");
+    if (!name || !name->is_string() || !IsLabel(name->str)) {
+      Bad(entry + ": 'name' must be a one-line string of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
+    }
+    if (!seen.insert(name->str).second) Bad(entry + ": name '" + json::Printable(name->str) + "' appears twice");
+    if (!dtype || !dtype->is_string() || !IsDtypeName(dtype->str)) {
+      Bad(entry + ": 'dtype' must be a dtype name such as float32");
+    }
+    if (!shape || !shape->is_array() || shape->array.size() > kMaxRank) {
+      Bad(entry + ": 'shape' must be a list of at most " + std::to_string(kMaxRank) + " dims");
+    }
+    TensorSig s{name->str, dtype->str, {}, {}};
+    for (const json::Value& d : shape->array) {
+      // Range-checked while still a double: casting 1e23 to int64_t is undefined.
+      if (d.is_int() && d.number >= 0 && d.number <= static_cast<double>(kMaxStaticDim)) {
+        s.fixed.push_back(static_cast<int64_t>(d.number));
+        s.dims.push_back(std::to_string(s.fixed.back()));
+      } else if (d.is_string() && IsLabel(d.str)) {
+        s.fixed.push_back(TensorSig::kSymbol);
+        s.dims.push_back(d.str);
+      } else if (d.kind == json::Value::kNull) {
+        s.fixed.push_back(TensorSig::kAnonymous);
+        s.dims.push_back("?");
+      } else {
+        Bad(entry + ": bad dim in 'shape' (dims are integers in [0, " + std::to_string(kMaxStaticDim) +
+            "], symbol names or null)");
+      }
+    }
+    sigs.push_back(std::move(s));
+  }
+  return sigs;
+}
+
+}  // namespace manifest_detail
+
+// Parses and type-checks manifest.json's bytes (already size-bounded by the caller).
+inline Manifest ParseManifest(const std::string& text) {
+  using manifest_detail::Bad;
+  using manifest_detail::kOutside;
+  Manifest m;
+  if (text.size() > kMaxManifestBytes) Bad("manifest.json is larger than 1 MiB");
+  json::Value root;
+  try {
+    root = json::Parse(text);
+  } catch (const json::ParseError& e) {
+    Bad(std::string("corrupt manifest (") + e.what() + ")");
+  }
+  const json::Value* fmt = root.get("format");
+  if (!fmt || !fmt->is_string() || fmt->str != kManifestFormat) {
+    Bad(std::string("unknown manifest format (expected ") + kManifestFormat + ")");
+  }
+  for (const char* key : {"files", "target", "inputs", "outputs", "module"}) {
+    if (!root.get(key)) Bad(std::string("manifest lacks '") + key + "'");
+  }
+  const json::Value* files = root.get("files");
+  if (!files->is_object()) Bad("'files' must be an object of file name -> sha256");
+  if (files->object.size() > kMaxFiles) Bad("'files' lists more than " + std::to_string(kMaxFiles) + " files");
+  for (const auto& [name, digest] : files->object) {
+    if (!IsPlainName(name)) {
+      Bad("'files' names '" + json::Printable(name) + "': not a plain file name " + kOutside);
+    }
+    if (!digest.is_string() || !IsSha256Hex(digest.str)) {
+      Bad("'files': the sha256 of " + name + " is not 64 lowercase hex digits");
+    }
+    m.files[name] = digest.str;
+  }
+  const json::Value* module = root.get("module");
+  if (!module->is_string()) Bad("'module' must be a string naming one of the hashed 'files'");
+  if (!IsPlainName(module->str)) {
+    Bad("'module' '" + json::Printable(module->str) + "' is not a plain file name " + kOutside);
+  }
+  if (!m.files.count(module->str)) Bad("'module' " + module->str + " is not one of the hashed 'files'");
+  m.module = module->str;
+  const json::Value* target = root.get("target");
+  const json::Value* tname = target->get("name");
+  const json::Value* tjson = target->get("json");
+  const json::Value* arch = target->get("arch");
+  const json::Value* device = target->get("device");
+  auto string_or_null = [](const json::Value* v) {
+    return !v || v->is_string() || v->kind == json::Value::kNull;
+  };
+  if (!target->is_object() || !tname || !tname->is_string() || !tjson || !tjson->is_object() ||
+      !string_or_null(arch) || !string_or_null(device)) {
+    Bad("'target' must be an object with 'name' (a string), 'json' (an object), 'arch' and 'device' "
+        "(strings or null)");
+  }
+  m.has_arch = arch && arch->is_string();
+  m.has_device = device && device->is_string();
+  if (m.has_arch) m.arch = arch->str;
+  if (m.has_device) m.device = device->str;
+  m.device_null = device && device->kind == json::Value::kNull;
+  m.inputs = manifest_detail::Sigs(root, "inputs");
+  m.outputs = manifest_detail::Sigs(root, "outputs");
+  return m;
+}
+
+}  // namespace edge
+
+#endif  // EDGE_APP_MANIFEST_H_
