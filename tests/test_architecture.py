@@ -101,7 +101,8 @@ def test_every_environment_variable_is_owned_by_settings():
     readme = (REPO / "README.md").read_text()
     from blockforge import settings
 
-    for name in (settings.CACHE_DIR, settings.LOG, settings.ISOLATE, settings.ISOLATE_TIMEOUT, settings.PREPACK):
+    for name in (settings.CACHE_DIR, settings.LOG, settings.ISOLATE, settings.ISOLATE_TIMEOUT, settings.PREPACK,
+                 settings.FUSE_ATTENTION):
         assert f"`{name}`" in readme, f"{name} is not documented in README"
     offenders = []
     for folder in (*LAYERS, "core"):
