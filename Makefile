@@ -12,7 +12,7 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-long install clean robustness bench onnx-backend bench-peers
+.PHONY: demo test test-long fuzz-edge install clean robustness bench onnx-backend bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ test: install
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # Tests too long for `make test` (tuning a whole real export: ~11 min on 2 cores).
+# The edge app's parser fuzz and the .npz fuzz of `run`, longer than make test's 20 s.
+fuzz-edge: install
+	EDGE_FUZZ_SECONDS=600 EDGE_FUZZ_NPZ=3000 $(BIN)/pytest tests/robustness/test_edge_fuzz.py -s
+
 test-long: install
 	$(BIN)/pytest -m long
 
