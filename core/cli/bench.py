@@ -30,15 +30,28 @@ def add(sub) -> None:
     p.set_defaults(func=run)
 
 
+def default_dims(a) -> dict:
+    """The default applies when --shape is absent, and then only to the dims the model has
+    (a static model, or an export's s33/s50, is not broken by it); a --shape given by the
+    user is the whole binding."""
+    from blockforge.graph.model_io import parse_dims
+
+    return parse_dims(DEFAULT_SHAPE) if a.shape is None else {}
+
+
 def run(a) -> int:
     from blockforge.bench import BenchOptions, bench, plot
+<<<<<<< HEAD
     from blockforge.fsutil import write_error
     from blockforge.graph.model_io import parse_dims
+=======
+>>>>>>> models
 
     check_outputs(json=a.json, plot=a.plot)
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
-                             repeat=a.repeat, dims=dims(a), default_dims=parse_dims(DEFAULT_SHAPE), tuning_db=path_or_none(a.tuning_db), profile=a.profile))
+                             repeat=a.repeat, dims=dims(a), default_dims=default_dims(a),
+                             tuning_db=path_or_none(a.tuning_db), profile=a.profile))
     print(rep.markdown())
     for n in rep.notes:
         print(f"note: {n}")

@@ -116,7 +116,7 @@ def run(n: int, seed: int) -> dict:
             for verb in ("inspect", "verify"):
                 out, err = io.StringIO(), io.StringIO()
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    rc = main([verb, str(path), "--shape", "batch=1,seq=3,kv_seq=3"] if verb == "verify"
+                    rc = main([verb, str(path), "--shape", "batch=1,seq=3"] if verb == "verify"
                               else [verb, str(path)])
                 codes[f"{verb}:{rc}"] = codes.get(f"{verb}:{rc}", 0) + 1
                 text = out.getvalue() + err.getvalue()
