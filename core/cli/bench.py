@@ -41,11 +41,7 @@ def default_dims(a) -> dict:
 
 def run(a) -> int:
     from blockforge.bench import BenchOptions, bench, plot
-<<<<<<< HEAD
     from blockforge.fsutil import write_error
-    from blockforge.graph.model_io import parse_dims
-=======
->>>>>>> models
 
     check_outputs(json=a.json, plot=a.plot)
     rep = bench(BenchOptions(model=a.model, target=a.target,
