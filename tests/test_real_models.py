@@ -145,7 +145,7 @@ def test_cli_dynamo_export_by_arrays(tmp_path):
     assert r.rc == 0 and r.out.strip().endswith("PASS") and "tvm vs ort" in r.out, r.text
     r = run_cli("compile", model, "--target", "host", "--shape", "input_ids=1x8,attention_mask=1x8",
                 "-o", tmp_path / "art", cwd=tmp_path)
-    assert r.rc == 0 and "phases: prepare > optimize" in r.out, r.text
+    assert r.rc == 0 and "phases: prepare > fuse-attention > optimize" in r.out, r.text
     m = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert m["dims"] == {"s33": 1, "s50": 8, "s6": 1, "s81": 8} and m["phases"][0] == "prepare"
     assert m["source_onnx"]["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()

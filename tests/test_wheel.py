@@ -168,7 +168,9 @@ def test_export_compile_package_run_from_anywhere(installed):
     # HOME holds the cache and nothing else blockforge (or TVM under it) decided to write
     assert {p.relative_to(installed.home).parts[0] for p in installed.home.iterdir()} <= {".cache"}, \
         _tree(installed.home)
-    assert {p.name for p in (installed.home / ".cache").iterdir()} == {"blockforge"}
+    # ...besides ONNX Runtime's own device id (Microsoft/DeveloperTools/.onnxruntime), which
+    # onnxruntime 1.31 writes on first use wherever it runs: not blockforge's state.
+    assert {p.name for p in (installed.home / ".cache").iterdir()} - {"Microsoft"} == {"blockforge"}
 
 
 def test_tune_env_and_a_second_folder_share_the_default_database(installed):
