@@ -113,6 +113,19 @@ def _is_nn_matmul(block) -> tuple[bool, int | None]:
     return ok, _const(ivs[-2].dom.extent)
 
 
+def _inline_producers(sch, blocks, mm, rule: str, func) -> int | None:
+    """Compute the matmul's producers (e.g. a transpose fused in) into place; returns the
+    matmul's index among `blocks`, or None (and says why) when one cannot be inlined."""
+    idx = [i for i, b in enumerate(blocks) if b.same_as(mm)][0]
+    for b in blocks[:idx]:
+        try:
+            sch.compute_inline(b)
+        except Exception as e:
+            _why(rule, func, f"producer {sch.get(b).name_hint} cannot be inlined", e)
+            return None
+    return idx
+
+
 class CPUMatmul(ScheduleRule):
     """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile."""
 
@@ -129,15 +142,11 @@ class CPUMatmul(ScheduleRule):
             ok, n = True, _const(sch.get(mm).iter_vars[-2].dom.extent)
         if not ok:
             return None
-        # Producers (e.g. a transpose fused in) are computed into place; epilogue blocks
-        # are inlined into the accumulator write-back below.
-        idx = [i for i, b in enumerate(blocks) if b.same_as(mm)][0]
-        for b in blocks[:idx]:
-            try:
-                sch.compute_inline(b)
-            except Exception as e:
-                _why("CPUMatmul", func, f"producer {sch.get(b).name_hint} cannot be inlined", e)
-                return None
+        # Producers are computed into place; epilogue blocks are inlined into the
+        # accumulator write-back below.
+        idx = _inline_producers(sch, blocks, mm, "CPUMatmul", func)
+        if idx is None:
+            return None
         lanes = _lanes(target)
         *batch, i, j, k = sch.get_loops(mm)
         m_sym = _const(sch.get(i).extent) is None
@@ -346,13 +355,9 @@ class CPUMatmulRaggedN(ScheduleRule):
         lanes = _lanes(target)
         if not ok or n is None or n % lanes == 0 or n < lanes or _packed_nr(sch.get(mm)):
             return None  # CPUMatmul's (or nobody's) case
-        idx = [i for i, b in enumerate(blocks) if b.same_as(mm)][0]
-        for b in blocks[:idx]:
-            try:
-                sch.compute_inline(b)
-            except Exception as e:
-                _why("CPUMatmulRaggedN", func, f"producer {sch.get(b).name_hint} cannot be inlined", e)
-                return None
+        idx = _inline_producers(sch, blocks, mm, "CPUMatmulRaggedN", func)
+        if idx is None:
+            return None
         epilogue = list(blocks[idx + 1:])
         for b in epilogue[:-1]:
             try:
