@@ -15,7 +15,6 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ from blockforge.compile.session import open_model
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
 from blockforge.targets import resolve
-from blockforge.targets.toolchain import cpu_id
+from blockforge.targets.toolchain import cpu_id, package_version
 
 from .contenders import CONTENDERS, PEERS, REGISTRY, BenchModel, TvmRunner, Unavailable, peer_failure, skip_note
 from .report import BenchReport, KernelProfile, summarize
@@ -99,17 +98,11 @@ def profile_vm(runner: TvmRunner, runs: int = 5) -> list[KernelProfile]:
 
 def host_facts() -> dict:
     """The machine and the engines a report was measured with."""
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
     # The 1-minute load average: on a shared machine it says how far to trust the digits.
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {"cpu_model": cpu_id(), "physical_cores": physical_cores(), "machine": platform.machine(),
             "node": platform.node(), "load_avg_1m": load, "blockforge": blockforge.__version__,
-            "versions": {k: v for k in ENGINES if (v := version(k))}}
+            "versions": {k: v for k in ENGINES if (v := package_version(k))}}
 
 
 BURST = 5

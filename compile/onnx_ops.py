@@ -289,11 +289,19 @@ def _left_pad(bb, t, n: int, m: int, value: int):
     return bb.emit(_T.concat([relax.const(np.full(m - n, value, np.int64), "int64"), t], axis=0))
 
 
-def reshape_op(bb, inputs, attr, params, opset):
+def _runtime_shape(inputs, params):
+    """(data, shape tensor, its length) when Reshape/Expand get their target shape at run time
+    (TVM's own converter handles a constant one: then None)."""
     data, shape = inputs[0], tvm_onnx.get_constant(inputs[1], params)
     n = _length(shape) if _runtime_tensor(shape) and _runtime_tensor(data) else None
-    if n is None:
+    return None if n is None else (data, shape, n)
+
+
+def reshape_op(bb, inputs, attr, params, opset):
+    got = _runtime_shape(inputs, params)
+    if got is None:
         return None
+    data, shape, n = got
     rank = len(_dims(data))
     s = shape
     if not attr.get("allowzero", 0):  # 0 copies the input's dim at that position
@@ -312,10 +320,10 @@ def reshape_op(bb, inputs, attr, params, opset):
 
 
 def expand_op(bb, inputs, attr, params, opset):
-    data, shape = inputs[0], tvm_onnx.get_constant(inputs[1], params)
-    n = _length(shape) if _runtime_tensor(shape) and _runtime_tensor(data) else None
-    if n is None:
+    got = _runtime_shape(inputs, params)
+    if got is None:
         return None
+    data, shape, n = got
     rank = len(_dims(data))
     m = max(n, rank)
     have = _left_pad(bb, _shape_tensor(bb, data), rank, m, 1)

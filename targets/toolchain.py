@@ -99,6 +99,16 @@ def cpu_id() -> str:
     return cpu_model() + (f" ({', '.join(nums)})" if nums else "")
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of a Python distribution (an engine, a toolchain), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def nvcc() -> str | None:
     return shutil.which("nvcc") or next((p for p in NVCC_FALLBACKS if os.path.exists(p)), None)
 

@@ -94,6 +94,19 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
+def compiled_ffn(d: Path, d_model: int, seq: int) -> dict:
+    """A small FFN exported and compiled for host at batch=1,seq=`seq`, with ones as inputs:
+    {"model", "art", "inputs"} (the robustness suites' common starting point)."""
+    from blockforge.graph import FFNSpec, export
+
+    model = export(FFNSpec(d_model=d_model, d_ff=2 * d_model), d / "ffn.onnx").model_path
+    art = d / "ffn.host"
+    r = run_cli("compile", model, "--target", "host", "--shape", f"batch=1,seq={seq}", "-o", art, cwd=d)
+    assert r.rc == 0, r.text
+    np.savez(d / "in.npz", x=np.ones((1, seq, d_model), np.float32))
+    return {"model": model, "art": art, "inputs": d / "in.npz"}
+
+
 def save_npz(path: Path, **arrays: np.ndarray) -> Path:
     np.savez(path, **arrays)
     return path

@@ -14,19 +14,12 @@ def add(sub) -> None:
 
 def collect() -> dict:
     import platform
-    from importlib import metadata
 
     import blockforge
     from blockforge import settings
     from blockforge.compile.records import read_contents
     from blockforge.errors import BlockforgeError
-    from blockforge.targets.toolchain import cpu_model
-
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
+    from blockforge.targets.toolchain import cpu_model, package_version
 
     dbs = []
     edge = settings.edge_build_root()
@@ -49,7 +42,7 @@ def collect() -> dict:
         "package": str(Path(blockforge.__file__).parent),
         "settings": settings.documented(),
         "settings_source": {k: settings.source(k) for k in settings.documented()},
-        "versions": {k: version(k) for k in ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime-gpu",
+        "versions": {k: package_version(k) for k in ("apache-tvm", "apache-tvm-ffi", "onnx", "onnxruntime-gpu",
                                               "onnxruntime", "numpy", "openvino")},
         "python": platform.python_version(),
         "cpu": cpu_model(),

@@ -29,13 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import psutil
 import pytest
 
-from blockforge.graph import FFNSpec, export
-
-from conftest import BLOCKFORGE, run_cli
+from conftest import BLOCKFORGE, compiled_ffn, run_cli
 
 pytestmark = pytest.mark.slow
 SHAPE = "batch=1,seq=8"
@@ -198,13 +195,7 @@ def no_partial(dest: Path) -> None:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("interrupts")
-    model = export(FFNSpec(d_model=32, d_ff=64), d / "ffn.onnx").model_path
-    art = d / "ffn.host"
-    r = run_cli("compile", model, "--target", "host", "--shape", SHAPE, "-o", art, cwd=d)
-    assert r.rc == 0, r.text
-    np.savez(d / "in.npz", x=np.ones((1, 8, 32), np.float32))
-    return {"model": model, "art": art, "inputs": d / "in.npz"}
+    return compiled_ffn(tmp_path_factory.mktemp("interrupts"), d_model=32, seq=8)
 
 
 def _tune_args(b, db: Path) -> list:

@@ -17,20 +17,14 @@ import pytest
 
 from blockforge.graph import FFNSpec, export
 
-from conftest import BLOCKFORGE, assert_user_error, run_cli
+from conftest import BLOCKFORGE, assert_user_error, compiled_ffn, run_cli
 
 SHAPE = "batch=1,seq=4"
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("outputs")
-    model = export(FFNSpec(d_model=16, d_ff=32), d / "ffn.onnx").model_path
-    art = d / "ffn.host"
-    r = run_cli("compile", model, "--target", "host", "--shape", SHAPE, "-o", art, cwd=d)
-    assert r.rc == 0, r.text
-    np.savez(d / "in.npz", x=np.ones((1, 4, 16), np.float32))
-    return {"model": model, "art": art, "inputs": d / "in.npz"}
+    return compiled_ffn(tmp_path_factory.mktemp("outputs"), d_model=16, seq=4)
 
 
 @contextlib.contextmanager
