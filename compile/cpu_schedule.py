@@ -126,6 +126,26 @@ def _inline_producers(sch, blocks, mm, rule: str, func) -> int | None:
     return idx
 
 
+def _collapse_epilogue(sch, epilogue, rule: str, func) -> None:
+    """Inline an elementwise epilogue chain (bias, gelu's several blocks, scale) into its
+    last block; a step that cannot be inlined stays a separate loop nest."""
+    for b in epilogue[:-1]:
+        try:
+            sch.compute_inline(b)
+        except Exception as e:
+            _why(rule, func, f"epilogue {sch.get(b).name_hint} not inlined", e)
+
+
+def _fold_into_writeback(sch, epilogue, rule: str, func) -> None:
+    """Fold what is left of the epilogue into the accumulator's write-back (after cache_write)."""
+    for b in epilogue:
+        if _alive(sch, b):
+            try:
+                sch.reverse_compute_inline(b)
+            except Exception as e:
+                _why(rule, func, f"epilogue {sch.get(b).name_hint} not folded into the write-back", e)
+
+
 class CPUMatmul(ScheduleRule):
     """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile."""
 
@@ -182,18 +202,9 @@ class CPUMatmul(ScheduleRule):
         # Collapse the elementwise epilogue chain (bias, gelu's several blocks, scale) into
         # its last block, then fold that into the write-back of the accumulator.
         epilogue = list(blocks[idx + 1:])
-        for b in epilogue[:-1]:
-            try:
-                sch.compute_inline(b)
-            except Exception as e:  # stays a separate loop nest, scheduled below
-                _why("CPUMatmul", func, f"epilogue {sch.get(b).name_hint} not inlined", e)
+        _collapse_epilogue(sch, epilogue, "CPUMatmul", func)
         acc = sch.cache_write(mm, 0, "local")
-        for b in epilogue:
-            if _alive(sch, b):
-                try:
-                    sch.reverse_compute_inline(b)
-                except Exception as e:
-                    _why("CPUMatmul", func, f"epilogue {sch.get(b).name_hint} not folded into the write-back", e)
+        _fold_into_writeback(sch, epilogue, "CPUMatmul", func)
         sch.reverse_compute_at(acc, outer[-1], preserve_unit_loops=True)
         # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
         # as separate loops after the matmul: parallel over rows, vectorised along j.
@@ -359,22 +370,13 @@ class CPUMatmulRaggedN(ScheduleRule):
         if idx is None:
             return None
         epilogue = list(blocks[idx + 1:])
-        for b in epilogue[:-1]:
-            try:
-                sch.compute_inline(b)
-            except Exception as e:
-                _why("CPUMatmulRaggedN", func, f"epilogue {sch.get(b).name_hint} not inlined", e)
+        _collapse_epilogue(sch, epilogue, "CPUMatmulRaggedN", func)
         *batch, i, j, k = sch.get_loops(mm)
         iext = _const(sch.get(i).extent)
         mr = next((m for m in (MR, 4, 2) if iext is not None and iext % m == 0), 1)
         io, ii = sch.split(i, [None, mr])
         acc = sch.cache_write(mm, 0, "local")  # (MR, N) rows: ~5 KiB at N=197, in L1
-        for b in epilogue:
-            if _alive(sch, b):
-                try:
-                    sch.reverse_compute_inline(b)
-                except Exception as e:
-                    _why("CPUMatmulRaggedN", func, f"epilogue {sch.get(b).name_hint} not folded", e)
+        _fold_into_writeback(sch, epilogue, "CPUMatmulRaggedN", func)
         sch.reorder(*batch, io, k, ii, j)
         sch.reverse_compute_at(acc, io, preserve_unit_loops=True)
         for b in blocks[idx + 1:]:
