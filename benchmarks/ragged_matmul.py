@@ -5,7 +5,7 @@
 Builds (1, 12, 197, 64) x (1, 12, 64, 197) * 0.125 with and without the rule, checks both
 against numpy, and times them interleaved (median of 5 rounds of 5 calls).
 """
-import sys, time, numpy as np
+import time, numpy as np
 import blockforge
 blockforge.configure(redirect_native_output=False)
 import tvm
