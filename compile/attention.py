@@ -124,7 +124,9 @@ def fast_exp(x, nonpositive: bool = False):
     """topi.fast_exp's polynomial as a TIR expression (float32): vectorises and inlines,
     unlike libm's expf; relative error ~1e-7; exp(-inf) and anything below -88.38 give
     exactly 0. nonpositive: x <= 0 is known (scores minus their running max), so only the
-    lower clamp is needed."""
+    lower clamp is needed. NaN stays NaN (and so does inf - inf): TVM lowers max(a, b) to
+    select(a > b, a, b), which returns b when either is NaN, so x goes second in the clamps
+    (one max/min instruction all the same)."""
     from tvm import tirx
 
     f = lambda v: tirx.const(v, "float32")  # noqa: E731
@@ -136,7 +138,7 @@ def fast_exp(x, nonpositive: bool = False):
     two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", nv) + 127, 23))
     body = tirx.Let(rv, xv - nv * f(0.693147180559945), two_n * p)
     body = tirx.Let(nv, tirx.floor(xv * f(1.44269504088896341) + f(0.5)), body)
-    clamped = tirx.max(x if nonpositive else tirx.min(x, f(88.3762626647950)), f(-88.3762626647949))
+    clamped = tirx.max(f(-88.3762626647949), x if nonpositive else tirx.min(f(88.3762626647950), x))
     return tirx.Let(xv, clamped, body)
 
 
@@ -806,7 +808,12 @@ class _Rewrite:
         tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
         if key not in self.funcs:
-            self.funcs[key] = self.bb.add_func(kernel(spec, tiles, self.lanes), "fused_attention")
+            # One symbol per kernel: add_func makes the GlobalVar's name unique, but the
+            # global_symbol attr (what the build links by) must follow it, or two attention
+            # variants in one model are "duplicate global symbol: fused_attention".
+            gv = self.bb.add_func(kernel(spec, tiles, self.lanes), f"fused_attention_{len(self.funcs)}")
+            self.bb.update_func(gv, self.bb.get()[gv].with_attr("global_symbol", gv.name_hint))
+            self.funcs[key] = gv
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 

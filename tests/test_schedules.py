@@ -250,3 +250,16 @@ def test_fast_exp_matches_numpy():
     want = np.exp(a.astype(np.float64))
     assert got[1020] == 0.0, "exp(-inf) is exactly 0 (a masked score adds nothing)"
     np.testing.assert_allclose(got, want, rtol=2e-7 * 8, atol=1e-37)
+
+
+@pytest.mark.parametrize("nonpositive", [False, True])
+def test_fast_exp_keeps_nan(nonpositive):
+    """NaN in, NaN out: the clamps put x second in max/min (TVM's max(a, b) is
+    select(a > b, a, b), b on NaN), so a NaN score (or inf - inf, a row with an Inf score
+    minus its max) is not turned into exp(-88.38) ~ 0 as it was."""
+    x = te.placeholder((i64(16),), "float32", name="x")
+    y = te.compute(x.shape, lambda i: attention.fast_exp(x[i], nonpositive=nonpositive), name="y")
+    a = np.full(16, np.nan, np.float32)
+    a[::2] = -1.0
+    got = _run(te.create_prim_func([x, y]), [a], a.shape)
+    assert np.isnan(got[1::2]).all() and np.allclose(got[::2], np.exp(-1.0)), got
