@@ -52,7 +52,7 @@ def test_export_compiles_and_matches_ort(entry, workdir, monkeypatch):
     from blockforge.compile import VerifyOptions, open_model, verify
 
     # The child-process check is exercised by the CLI tests below; in-process here keeps
-    # the 19 builds to ~1 minute on 2 cores.
+    # the 22 builds cheap (19 took ~1 minute on 2 cores).
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     path = FIXTURES / entry["file"]
     session = open_model(path, "host", _shapes(entry))
