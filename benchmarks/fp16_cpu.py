@@ -29,6 +29,9 @@ from blockforge.graph.model_io import random_inputs  # noqa: E402
 CASES = [("bert_mha_fp16", MHASpec(d_model=768, heads=12, dtype="float16"), 128),
          ("bert_ffn_fp16", FFNSpec(d_model=768, d_ff=3072, activation="gelu", dtype="float16"), 128)]
 
+SMOKE_CASES = [("tiny_mha_fp16", MHASpec(d_model=32, heads=2, dtype="float16"), 8),
+               ("tiny_ffn_fp16", FFNSpec(d_model=32, d_ff=64, activation="gelu", dtype="float16"), 8)]
+
 
 def _build(session, scheme: str):
     """The executable with the CPU float16 phase as `scheme` ('fp32-compute' or 'fp16-storage')."""
@@ -63,13 +66,14 @@ def _overflow(session, scheme, model, inputs):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few samples: proves the script runs (tests/test_benchmarks.py), measures nothing")
     a = ap.parse_args()
     configure(redirect_native_output=False)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"CPU: {cpu}, {os.cpu_count()} logical cores; shared machine: read ranks, not digits")
     tmp = Path(tempfile.mkdtemp())
-    for name, spec, seq in CASES:
+    for name, spec, seq in (SMOKE_CASES if a.smoke else CASES):
         path = export(spec, tmp / f"{name}.onnx").model_path
         dims = {"batch": 1, "seq": seq}
         session = open_model(path, "host", dims)
