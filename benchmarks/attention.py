@@ -84,6 +84,7 @@ def tiles(args) -> int:
     import blockforge
     from blockforge.bench.harness import measure_interleaved
     from blockforge.compile import attention
+    from blockforge.compile.cpu_schedule import vector_lanes
     from blockforge.compile.pipeline import run_phases
     from blockforge.compile.session import open_model
     from blockforge.targets.toolchain import cpu_model
@@ -94,7 +95,7 @@ def tiles(args) -> int:
         s = open_model(args.model, "host", {"batch": args.batch, "seq": seq})
         mod, _ = run_phases(s.relax(), s.target, stop_after="fuse-attention")
         tgt = s.target.tvm_target()
-        lanes = attention._lanes(tgt)
+        lanes = vector_lanes(tgt)
         for spec in attention.kernel_specs(mod):
             runners = {}
             for t in attention.tile_candidates(lanes):

@@ -215,12 +215,13 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:
     """(number of tasks, names of tasks the database has no record for); each fused
     attention kernel counts as a task, covered when its tile choice is recorded."""
-    from .attention import _lanes, kernel_specs, workload
+    from .attention import kernel_specs, workload
+    from .cpu_schedule import vector_lanes
 
     tasks = extract_tasks(mod, target)
     missing = [t.task_name for t in tasks if not database.has_workload(t.dispatched[0])]
     specs = kernel_specs(mod)
-    lanes = _lanes(target.tvm_target())
+    lanes = vector_lanes(target.tvm_target())
     missing += [f"fused_attention ({s.describe()})" for s in specs if not database.has_workload(workload(s, lanes))]
     return len(tasks) + len(specs), missing
 
