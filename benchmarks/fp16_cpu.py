@@ -20,7 +20,6 @@ import numpy as np
 os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
 
 from blockforge import configure  # noqa: E402
-from blockforge.compile import pipeline  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import FFNSpec, MHASpec, export  # noqa: E402
 from blockforge.graph import ort as ort_runner  # noqa: E402
@@ -35,13 +34,7 @@ SMOKE_CASES = [("tiny_mha_fp16", MHASpec(d_model=32, heads=2, dtype="float16"), 
 
 def _build(session, scheme: str):
     """The executable with the CPU float16 phase as `scheme` ('fp32-compute' or 'fp16-storage')."""
-    saved = pipeline._fp32_compute
-    if scheme == "fp16-storage":
-        pipeline._fp32_compute = pipeline._fp32_accumulate
-    try:
-        return session.build().executable
-    finally:
-        pipeline._fp32_compute = saved
+    return session.build(without={"fp32-compute"} if scheme == "fp16-storage" else set()).executable
 
 
 def _runner(ex, session, inputs):
