@@ -100,12 +100,6 @@ class AttentionSpec:
                 f"dv={self.dv} mask={mask}")
 
 
-def _lanes(target) -> int:
-    from .cpu_schedule import _lanes as lanes
-
-    return lanes(target)
-
-
 def _vec_width(n: int, lanes: int) -> int:
     """Widest power-of-two width <= lanes that divides n (1: scalar)."""
     w = lanes
@@ -778,9 +772,11 @@ def tiles_from_trace(trace) -> tuple[int, int] | None:
 
 def tile_record(database, spec: AttentionSpec, target) -> tuple[int, int] | None:
     """The tuned tiles for `spec` on `target` from a MetaSchedule database, or None."""
+    from .cpu_schedule import vector_lanes
+
     if database is None:
         return None
-    mod = workload(spec, _lanes(target))
+    mod = workload(spec, vector_lanes(target))
     if not database.has_workload(mod):
         return None
     rec = database.query_tuning_record(mod, target, "main")
@@ -797,8 +793,10 @@ class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
     def __init__(self, bb, target, database):
+        from .cpu_schedule import vector_lanes
+
         self.bb, self.target, self.database = bb, target, database
-        self.lanes = _lanes(target)
+        self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
 

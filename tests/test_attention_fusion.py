@@ -17,6 +17,7 @@ from tvm import relax  # noqa: E402
 
 from blockforge.compile import VerifyOptions, attention, verify  # noqa: E402
 from blockforge.compile.frontend import import_onnx  # noqa: E402
+from blockforge.compile.cpu_schedule import vector_lanes  # noqa: E402
 from blockforge.compile.pipeline import build, run_phases  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import MHASpec, export  # noqa: E402
@@ -25,7 +26,7 @@ from blockforge.targets import resolve  # noqa: E402
 
 HOST = resolve("host")
 TARGET = HOST.tvm_target()
-LANES = attention._lanes(TARGET)
+LANES = vector_lanes(TARGET)
 
 
 def _fuse(mod):

@@ -12,11 +12,15 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 from tvm import te, tirx, topi  # noqa: E402
 
 from blockforge.compile import attention  # noqa: E402
-from blockforge.compile.cpu_schedule import MR, NR_VECS, PARTITION_HINT, CPUMatmul, CPURowReduction, _lanes  # noqa: E402
+from blockforge.compile.cpu_schedule import MR, NR_VECS, PARTITION_HINT, CPUMatmul, CPURowReduction, vector_lanes  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
 
-TARGET = resolve("host").tvm_target()
-LANES = _lanes(TARGET)
+# Scheduled for a fixed target (the x86-64-avx512 preset's mcpu), so the expected structure
+# is the same on every build machine; run on the host (LLVM splits the 16-lane vectors
+# where the host has only AVX2).
+TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+RUN_TARGET = resolve("host").tvm_target()
+LANES = vector_lanes(TARGET)
 i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
 SEQ = tirx.Var("seq", "int64")
 
@@ -47,7 +51,7 @@ def _schedule(rule, func):
 
 
 def _run(func, arrays, out_shape, dtype="float32"):
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=RUN_TARGET)
     out = tvm.runtime.tensor(np.zeros(out_shape, dtype))
     lib["main"](*[tvm.runtime.tensor(a) for a in arrays], out)
     return out.numpy()
