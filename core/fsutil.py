@@ -219,12 +219,13 @@ class _Inputs:
             got.paths.append(_real(p))
             got.ids[(st.st_dev, st.st_ino)] = p
             if stat.S_ISDIR(st.st_mode):
-                for n, f in enumerate(p.rglob("*")):
-                    if n >= _MAX_INPUT_FILES:
-                        break
-                    fst = _stat(f)
-                    if fst is not None and stat.S_ISREG(fst.st_mode):
-                        got.ids.setdefault((fst.st_dev, fst.st_ino), f)
+                with contextlib.suppress(OSError):  # an unreadable corner: its files are not compared
+                    for n, f in enumerate(p.rglob("*")):
+                        if n >= _MAX_INPUT_FILES:
+                            break
+                        fst = _stat(f)
+                        if fst is not None and stat.S_ISREG(fst.st_mode):
+                            got.ids.setdefault((fst.st_dev, fst.st_ino), f)
         return got
 
     def match(self, st: os.stat_result | None) -> Path | None:
@@ -302,6 +303,7 @@ def _check_tree(dest: Path, *, is_ours: Callable[[Path], bool] | None, what: str
       `force`; even then the old one is only removed once the new one is complete."""
     from blockforge.errors import BlockforgeError
 
+    _refuse_node(dest)  # at the swap too: a FIFO or device that appeared meanwhile is never moved aside
     if dest.is_symlink() and not force:
         raise BlockforgeError(f"{dest} is a symbolic link; refusing to replace it (pass --force to replace the link)")
     if dest.exists():
