@@ -1,6 +1,8 @@
 """Output paths: every verb that writes refuses an output it cannot write with one clear line
 (exit 2, no traceback, before the work), never leaves a partial result, and two writers
-racing to one output end with one complete result.
+racing to one output end with one complete result. One policy for every path a verb
+writes (fsutil.check_outputs): an input of the same run, a device, FIFO or symbolic link,
+two outputs on one path, an empty path and an unwritable place are refused before any work.
 
 Count of cases: len(CASES) + the named tests (test_case_count prints the figures)."""
 
@@ -410,4 +412,4 @@ def test_dump_ir_writes_never_follow_a_planted_link(base, tmp_path):
 
 def test_case_count():
     print(json.dumps({"read_only": len(READ_ONLY_CASES), "wrong_kind": len(WRONG_KIND_CASES),
-                      "policy": len(POLICY_TABLE), "named": 7}))
+                      "policy": len(POLICY_TABLE), "named": 6}))
