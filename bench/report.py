@@ -154,8 +154,9 @@ def plot(reports: list[BenchReport], path: Path, labels: list[str] | None = None
     ax.set_xticks([j + width * (len(order) - 1) / 2 for j in range(len(reports))], names, fontsize=8)
     ax.set_ylabel("median latency / best peer's (lower is faster)")
     cpu = reports[0].host.get("cpu_model", "")
+    unchecked = "; UNCHECKED: no reference for some outputs" if any(r.unchecked for r in reports) else ""
     ax.set_title(f"ratio to the best peer: {reports[0].target}{f', {cpu}' if cpu else ''}, "
-                 f"{reports[0].threads} threads", fontsize=9)
+                 f"{reports[0].threads} threads{unchecked}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
