@@ -16,6 +16,7 @@ from typing import Callable
 
 from blockforge import settings
 from blockforge.errors import BlockforgeError, error_line
+from blockforge.fsutil import atomic_write_text
 from blockforge.targets import ResolvedTarget
 
 
@@ -205,7 +206,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
     names = []
     if dump_ir:
         dump_ir.mkdir(parents=True, exist_ok=True)
-        (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
+        atomic_write_text(dump_ir / "00-import.py", mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without), start=1):
             if phase.name == "apply-tuning":
@@ -217,7 +218,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
                 mod = tvm.transform.Sequential(phase.passes())(mod)
             names.append(phase.name)
             if dump_ir:
-                (dump_ir / f"{i:02d}-{phase.name}.py").write_text(mod.script(show_meta=False))
+                atomic_write_text(dump_ir / f"{i:02d}-{phase.name}.py", mod.script(show_meta=False))
             if phase.name == stop_after:
                 break
     return mod, names

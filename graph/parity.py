@@ -10,7 +10,7 @@ import onnx
 from . import ort as ort_runner
 from .model_io import check_inputs, model_spec, random_inputs, signature
 from .oracle import reference
-from .tolerance import Comparison, compare, tolerance_for
+from .tolerance import Comparison, compare, output_tolerance
 from .weights import make_weights
 
 # (actual, expected): the expected side is the more trusted one.
@@ -84,8 +84,7 @@ def compare_runs(model: onnx.ModelProto, runs: dict[str, dict[str, np.ndarray]])
             if name not in runs[a] or name not in runs[b]:
                 continue
             actual = runs[a][name]
-            kind = spec.kind if spec else "block"  # foreign graphs: the looser, whole-block row
-            tol = tolerance_for(actual.dtype if actual.dtype.kind == "f" else "float32", kind)
+            tol = output_tolerance(actual.dtype, spec.kind if spec else None)
             cmp.append(compare(f"{a} vs {b}", name, actual, runs[b][name], tol))
     return cmp
 
