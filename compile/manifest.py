@@ -280,14 +280,7 @@ def read_manifest(artifact: Path) -> dict:
     mpath = artifact / NAME
     if not os.path.lexists(mpath):
         raise BlockforgeError(f"{artifact}: no manifest.json (not a blockforge artifact)")
-    fd, size = open_regular(mpath, NAME, MAX_MANIFEST_BYTES, where=str(artifact))
-    try:
-        data = _read_fd(fd, size)
-    finally:
-        os.close(fd)
-    if data is None:
-        raise BlockforgeError(f"{artifact}: manifest.json changed while being read")
-    return parse_manifest(data, str(mpath))
+    return parse_manifest(read_regular(mpath, NAME, MAX_MANIFEST_BYTES, where=str(artifact)), str(mpath))
 
 
 def is_artifact(path: Path) -> bool:
@@ -299,10 +292,22 @@ def is_artifact(path: Path) -> bool:
     return True
 
 
-def _check_listed(artifact: Path, name: str, digest: str) -> bytes:
-    """The first 64 bytes of artifact/name, a bounded regular file (no symlink) whose
-    sha256 is `digest`, hashed through the descriptor that was checked."""
-    fd, size = open_regular(Path(artifact) / name, name, MAX_FILE_BYTES, where=str(artifact))
+def read_regular(path: Path, label: str, max_bytes: int, *, where: str) -> bytes:
+    """The bytes of a bounded regular file reached without following a symlink (open_regular)."""
+    fd, size = open_regular(path, label, max_bytes, where=where)
+    try:
+        data = _read_fd(fd, size)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise BlockforgeError(f"{where}: {label} changed while being read")
+    return data
+
+
+def hash_regular(path: Path, label: str, *, where: str) -> tuple[str, bytes]:
+    """(sha256, first 64 bytes) of a regular file of at most MAX_FILE_BYTES reached without
+    following a symlink, hashed through the descriptor that was checked."""
+    fd, size = open_regular(path, label, MAX_FILE_BYTES, where=where)
     try:
         h = hashlib.sha256()
         complete = _read_fd(fd, size, hasher=h) is not None
@@ -310,8 +315,15 @@ def _check_listed(artifact: Path, name: str, digest: str) -> bytes:
     finally:
         os.close(fd)
     if not complete:
-        raise BlockforgeError(f"{artifact}: {name} changed while being read")
-    if h.hexdigest() != digest:
+        raise BlockforgeError(f"{where}: {label} changed while being read")
+    return h.hexdigest(), head
+
+
+def _check_listed(artifact: Path, name: str, digest: str) -> bytes:
+    """The first 64 bytes of artifact/name, a bounded regular file (no symlink) whose
+    sha256 is `digest`."""
+    sha, head = hash_regular(Path(artifact) / name, name, where=str(artifact))
+    if sha != digest:
         raise BlockforgeError(f"{artifact}: {name} does not match its sha256 in manifest.json "
                               "(tampered or corrupted); refusing to load it")
     return head

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.compile.manifest import (MAX_FILE_BYTES, _read_fd, elf_arch, elf_arch_of, is_artifact,
-                                         open_regular, read_manifest, verify_files, verify_package)
+from blockforge.compile.manifest import (MAX_FILE_BYTES, elf_arch, elf_arch_of, hash_regular, is_artifact,
+                                         open_regular, read_manifest, read_regular, verify_files, verify_package)
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_directory, atomic_write_json, check_output
 from blockforge.targets.toolchain import CROSS_COMPILERS, arch_name, host_arch, package_version
@@ -191,15 +191,9 @@ def _read_record(out: Path, key: str) -> dict[str, str]:
     """rel -> sha256 of the outputs the last build under `key` made; {} when the record is
     missing, unreadable or for another key (then nothing in the cache is trusted)."""
     try:
-        fd, size = open_regular(out / CACHE_RECORD, CACHE_RECORD, MAX_RECORD_BYTES, where=str(out))
-    except BlockforgeError:
+        rec = json.loads(read_regular(out / CACHE_RECORD, CACHE_RECORD, MAX_RECORD_BYTES, where=str(out)))
+    except (BlockforgeError, ValueError):  # ValueError: not JSON, not UTF-8
         return {}
-    try:
-        rec = json.loads((_read_fd(fd, size) or b"").decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    finally:
-        os.close(fd)
     files = rec.get("files") if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT \
         and rec.get("key") == key else None
     if not isinstance(files, dict):
@@ -219,22 +213,15 @@ def _hash_shippable(path: Path, arch: str) -> tuple[str | None, str | None]:
     """(sha256, None) for a regular file (not followed through a symlink) that is an ELF
     for `arch`, hashed through the descriptor that was checked; else (None, why not)."""
     try:
-        fd, size = open_regular(path, str(path), MAX_FILE_BYTES, where="edge build")
+        sha, head = hash_regular(path, str(path), where="edge build")
     except BlockforgeError as e:
         return None, str(e)
-    try:
-        h = hashlib.sha256()
-        complete = _read_fd(fd, size, hasher=h) is not None
-        found = elf_arch_of(os.pread(fd, 20, 0))
-    finally:
-        os.close(fd)
-    if not complete:
-        return None, f"edge build: {path} changed while being read"
+    found = elf_arch_of(head)
     if found is None:
         return None, f"edge build: {path} is not an ELF file"
     if found != arch:
         return None, f"edge build: {path} is for {found}, not {arch}"
-    return h.hexdigest(), None
+    return sha, None
 
 
 def _build_outputs(target: str, arch: str, rels: list[str]) -> list[Shipped]:

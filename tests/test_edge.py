@@ -374,6 +374,8 @@ def test_tampered_package_refused_by_loaders(built, tmp_path):
     arrays = make_inputs(artifact, tmp_path)
     np.savez(tmp_path / "in.npz", **arrays)
     out = tmp_path / "out.npy"
+    r = run_cli("run", pkg, "--inputs", tmp_path / "in.npz", "--output", tmp_path / "good.npz", cwd=tmp_path)
+    assert r.rc == 0, r.text  # the untampered package passes the Python loader's checks
     # libraries from LD_LIBRARY_PATH (the app's RUNPATH lets it win): identical bytes, other files
     other = tmp_path / "other-lib"
     shutil.copytree(pkg / "lib", other)
@@ -407,7 +409,7 @@ def test_tampered_aarch64_cache_rebuilt(tmp_path, tamper):
     wheel = {p.name: p for p in _wheel_libs()}
     victim.unlink()
     if tamper == "x86_64-runtime":
-        shutil.copy2(wheel[victim.name], victim)  # an x86-64 libtvm_runtime.so, newer than its objects
+        shutil.copyfile(wheel[victim.name], victim)  # an x86-64 libtvm_runtime.so, newer than its objects
     else:
         decoy = tmp_path / "unrelated.so"
         decoy.write_bytes(b"\x7fELF unrelated")
@@ -427,9 +429,9 @@ def test_tampered_aarch64_runtime_refused_when_rebuild_fails(built, tmp_path, mo
     artifact = built("ffn", "aarch64-linux")
     lib = runtime_libs("aarch64")[0]
     x86 = package_mod._wheel_libs()[0]
-    monkeypatch.setattr(package_mod, "_run_make", lambda *a: None if lib.exists() else shutil.copy2(x86, lib))
+    monkeypatch.setattr(package_mod, "_run_make", lambda *a: None if lib.exists() else shutil.copyfile(x86, lib))
     lib.unlink()
-    shutil.copy2(x86, lib)
+    shutil.copyfile(x86, lib)
     with pytest.raises(BlockforgeError) as err:
         package_artifact(PackageOptions(artifact, output=tmp_path / "pkg"))
     msg = str(err.value)
