@@ -337,7 +337,7 @@ def _run_sh(manifest: dict, arch: str, shipped: list[Shipped]) -> str:
 if command -v sha256sum >/dev/null 2>&1; then
   for entry in {" ".join(f"{s.sha256}:{s.rel}" for s in shipped)}; do
     want=${{entry%%:*}} rel=${{entry#*:}}
-    if [ -L "$here/$rel" ] || [ ! -f "$here/$rel" ] || \
+    if [ -L "$here/$rel" ] || [ ! -f "$here/$rel" ] || \\
        [ "$(sha256sum < "$here/$rel" | cut -d' ' -f1)" != "$want" ]; then
       echo "run.sh: error: $here/$rel does not match its sha256 in manifest.json (tampered or corrupted); refusing to run it" >&2
       exit 2
