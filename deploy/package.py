@@ -243,6 +243,12 @@ def _build_outputs(target: str, arch: str, rels: list[str]) -> list[Shipped]:
         src = _synced_sources(root)
         key = _source_key(src)
         recorded = _read_record(out, key)
+        for d in {Path(rel).parent for rel in rels}:
+            if (out / d).is_symlink() or (os.path.lexists(out / d) and not (out / d).is_dir()):
+                # make would build through it into another folder: a real one is made instead
+                _remove(out / d)
+                for rel in [r for r in recorded if Path(r).parent == d]:
+                    del recorded[rel]
         for rel in rels:
             # Not recorded by a build of these sources, or no longer what that build made:
             # removed, so that make builds it (before make: a bad lib/libtvm_ffi.so would

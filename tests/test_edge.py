@@ -297,7 +297,7 @@ def _is_elf_for(path: Path, machine: int) -> bool:
 HOST_MACHINE = {"x86_64": 62, "aarch64": 183}.get(os.uname().machine)
 
 
-@pytest.mark.parametrize("tamper", ["shell-script", "symlink"])
+@pytest.mark.parametrize("tamper", ["shell-script", "symlink", "symlinked-bin-dir"])
 def test_tampered_cache_app_rebuilt(built, tmp_path, tamper):
     from blockforge.deploy.package import build_app
 
@@ -308,13 +308,20 @@ def test_tampered_cache_app_rebuilt(built, tmp_path, tamper):
     cached.unlink()
     if tamper == "symlink":
         os.symlink(decoy, cached)
+    elif tamper == "symlinked-bin-dir":  # bin/ -> a folder holding the script as edge_app
+        cached.parent.rmdir()
+        (tmp_path / "bin").mkdir()
+        shutil.copy2(decoy, tmp_path / "bin" / "edge_app")
+        os.symlink(tmp_path / "bin", cached.parent)
+        decoy = tmp_path / "bin" / "edge_app"
     else:
         shutil.copy2(decoy, cached)  # newer than its sources: make alone would keep it
         os.chmod(cached, 0o755)
     res = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True))
     app = res.path / "bin" / "edge_app"
     assert _is_elf_for(app, HOST_MACHINE) and b"pwned" not in app.read_bytes()
-    assert _is_elf_for(cached, HOST_MACHINE) and decoy.read_bytes().endswith(b"exit 0\n")  # link not written through
+    assert _is_elf_for(cached, HOST_MACHINE) and not cached.parent.is_symlink()
+    assert decoy.read_bytes().endswith(b"exit 0\n")  # nothing written through a link
     manifest = json.loads((res.path / "manifest.json").read_text())
     assert manifest["package_files"]["bin/edge_app"] == sha256_file(app)
     check_parity("ffn", artifact, res.path, tmp_path, emulate=False)
