@@ -11,6 +11,11 @@ with the same rules and limits, by the C++ edge app (deploy/edge_app/manifest.h,
 - every listed file: a plain name inside the artifact (no separators, `..`, absolute
   paths), a regular file reached without following a symlink, at most 4 GiB, hashed
   through the descriptor that was checked.
+- a package (deploy/package.py) also lists what it ships in bin/ and lib/:
+  `package_files`, an object of "bin/NAME" or "lib/NAME" -> 64 lowercase hex. When bin/ or
+  lib/ is there, it must be a real directory (not a symlink), `package_files` must be
+  present and list every entry of both, and each listed file must be a regular file whose
+  sha256 matches and whose ELF machine is the module's (verify_package).
 
 tests/robustness/manifest_cases.json holds one table of hostile manifests that both
 loaders must refuse with the same words; a fuzz test compares the two readers' verdicts
@@ -44,11 +49,14 @@ MAX_TENSORS = 64
 MAX_RANK = 32
 MAX_STATIC_DIM = 2**31 - 1
 MAX_NAME_BYTES = 256
+MAX_PACKAGE_FILES = 16  # a package ships 3: bin/edge_app, lib/libtvm_runtime.so, lib/libtvm_ffi.so
+PACKAGE_DIRS = ("bin", "lib")
 
 # A file name inside the artifact: no separators, no "." / "..", no leading dot; what
 # compile writes (module.so, kernels.cu, device.fatbin) fits.
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}", re.ASCII)
 DTYPE_NAME = re.compile(r"[a-z][a-z0-9]{0,15}", re.ASCII)
+PACKAGE_NAME = re.compile(r"(?:bin|lib)/[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}", re.ASCII)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _OUTSIDE = "(a path could reach outside the artifact)"
 
@@ -200,6 +208,20 @@ def _sigs(m: dict, key: str) -> None:
                                "symbol names or null)")
 
 
+def _digest_listing(listing, key: str, limit: int, pattern: re.Pattern, shape: str, kind: str) -> None:
+    """'files' and 'package_files': an object of at most `limit` names matching `pattern`
+    -> 64 lowercase hex."""
+    if not isinstance(listing, dict):
+        raise _Refused(f"'{key}' must be an object of {shape} -> sha256")
+    if len(listing) > limit:
+        raise _Refused(f"'{key}' lists more than {limit} files")
+    for name in sorted(listing):  # the C++ reader's std::map order (UTF-8 byte order = code point order)
+        if not pattern.fullmatch(name):
+            raise _Refused(f"'{key}' names '{_printable(name)}': not a {kind} {_OUTSIDE}")
+        if not (isinstance(listing[name], str) and SHA256_HEX.fullmatch(listing[name])):
+            raise _Refused(f"'{key}': the sha256 of {name} is not 64 lowercase hex digits")
+
+
 def check_manifest(m) -> None:
     """The type checks, in the C++ reader's order (so both name the same first problem)."""
     if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -208,15 +230,7 @@ def check_manifest(m) -> None:
         if key not in m:
             raise _Refused(f"manifest lacks '{key}'")
     files = m["files"]
-    if not isinstance(files, dict):
-        raise _Refused("'files' must be an object of file name -> sha256")
-    if len(files) > MAX_FILES:
-        raise _Refused(f"'files' lists more than {MAX_FILES} files")
-    for name in sorted(files):  # the C++ reader's std::map order (UTF-8 byte order = code point order)
-        if not PLAIN_NAME.fullmatch(name):
-            raise _Refused(f"'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
-        if not (isinstance(files[name], str) and SHA256_HEX.fullmatch(files[name])):
-            raise _Refused(f"'files': the sha256 of {name} is not 64 lowercase hex digits")
+    _digest_listing(files, "files", MAX_FILES, PLAIN_NAME, "file name", "plain file name")
     module = m["module"]
     if not isinstance(module, str):
         raise _Refused("'module' must be a string naming one of the hashed 'files'")
@@ -231,6 +245,9 @@ def check_manifest(m) -> None:
                        "'device' (strings or null)")
     _sigs(m, "inputs")
     _sigs(m, "outputs")
+    if "package_files" in m:
+        _digest_listing(m["package_files"], "package_files", MAX_PACKAGE_FILES, PACKAGE_NAME,
+                        "bin/NAME or lib/NAME", "bin/ or lib/ file name")
 
 
 def parse_manifest(data: bytes, label: str = NAME) -> dict:
@@ -263,14 +280,7 @@ def read_manifest(artifact: Path) -> dict:
     mpath = artifact / NAME
     if not os.path.lexists(mpath):
         raise BlockforgeError(f"{artifact}: no manifest.json (not a blockforge artifact)")
-    fd, size = open_regular(mpath, NAME, MAX_MANIFEST_BYTES, where=str(artifact))
-    try:
-        data = _read_fd(fd, size)
-    finally:
-        os.close(fd)
-    if data is None:
-        raise BlockforgeError(f"{artifact}: manifest.json changed while being read")
-    return parse_manifest(data, str(mpath))
+    return parse_manifest(read_regular(mpath, NAME, MAX_MANIFEST_BYTES, where=str(artifact)), str(mpath))
 
 
 def is_artifact(path: Path) -> bool:
@@ -282,28 +292,106 @@ def is_artifact(path: Path) -> bool:
     return True
 
 
+def read_regular(path: Path, label: str, max_bytes: int, *, where: str) -> bytes:
+    """The bytes of a bounded regular file reached without following a symlink (open_regular)."""
+    fd, size = open_regular(path, label, max_bytes, where=where)
+    try:
+        data = _read_fd(fd, size)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise BlockforgeError(f"{where}: {label} changed while being read")
+    return data
+
+
+def hash_regular(path: Path, label: str, *, where: str) -> tuple[str, bytes]:
+    """(sha256, first 64 bytes) of a regular file of at most MAX_FILE_BYTES reached without
+    following a symlink, hashed through the descriptor that was checked."""
+    fd, size = open_regular(path, label, MAX_FILE_BYTES, where=where)
+    try:
+        h = hashlib.sha256()
+        complete = _read_fd(fd, size, hasher=h) is not None
+        head = os.pread(fd, 64, 0)
+    finally:
+        os.close(fd)
+    if not complete:
+        raise BlockforgeError(f"{where}: {label} changed while being read")
+    return h.hexdigest(), head
+
+
+def _check_listed(artifact: Path, name: str, digest: str) -> bytes:
+    """The first 64 bytes of artifact/name, a bounded regular file (no symlink) whose
+    sha256 is `digest`."""
+    sha, head = hash_regular(Path(artifact) / name, name, where=str(artifact))
+    if sha != digest:
+        raise BlockforgeError(f"{artifact}: {name} does not match its sha256 in manifest.json "
+                              "(tampered or corrupted); refusing to load it")
+    return head
+
+
 def verify_files(artifact: Path, manifest: dict) -> None:
     """Every listed file is a bounded regular file (no symlink) whose sha256 matches."""
     for name in sorted(manifest["files"]):
         if not PLAIN_NAME.fullmatch(name):
             raise BlockforgeError(f"{artifact}: 'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
-        fd, size = open_regular(Path(artifact) / name, name, MAX_FILE_BYTES, where=str(artifact))
+        _check_listed(artifact, name, manifest["files"][name])
+
+
+def verify_package(artifact: Path, manifest: dict, arch: str) -> None:
+    """A package's bin/ and lib/ (the edge app and the runtime libraries it loads), in the
+    C++ app's order: both real directories (a symlinked lib/ would reach outside), every
+    entry listed in 'package_files' (the app's rpath searches lib/ before the system, so an
+    unlisted libstdc++.so.6 there would be loaded), every listed file a regular file with its
+    sha256 and an ELF for `arch`. An artifact with neither directory and no
+    'package_files' passes."""
+    artifact = Path(artifact)
+    listed = manifest.get("package_files")
+    present = []
+    for d in PACKAGE_DIRS:
+        p = artifact / d
         try:
-            h = hashlib.sha256()
-            complete = _read_fd(fd, size, hasher=h) is not None
-        finally:
-            os.close(fd)
-        if not complete:
-            raise BlockforgeError(f"{artifact}: {name} changed while being read")
-        if h.hexdigest() != manifest["files"][name]:
-            raise BlockforgeError(f"{artifact}: {name} does not match its sha256 in manifest.json "
-                                  "(tampered or corrupted); refusing to load it")
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise BlockforgeError(f"{artifact}: {d}: cannot open ({e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise BlockforgeError(f"{artifact}: {d}/ is a symlink; refusing to follow it")
+        if not stat.S_ISDIR(st.st_mode):
+            raise BlockforgeError(f"{artifact}: {d} is not a directory")
+        present.append(d)
+    if listed is None:
+        if present:
+            raise BlockforgeError(f"{artifact}: {present[0]}/ is there but manifest.json lacks 'package_files' "
+                                  "(a package lists what it ships in bin/ and lib/)")
+        return
+    try:
+        entries = sorted(f"{d}/{e}" for d in present for e in os.listdir(artifact / d))
+    except OSError as e:
+        raise BlockforgeError(f"{artifact}: cannot list {e.filename} ({e.strerror})") from None
+    for rel in entries:
+        if rel not in listed:
+            raise BlockforgeError(f"{artifact}: {_printable(rel)} is not listed in manifest.json's 'package_files'; "
+                                  "refusing a package with unlisted files in bin/ or lib/")
+    for rel in sorted(listed):
+        if not PACKAGE_NAME.fullmatch(rel):
+            raise BlockforgeError(f"{artifact}: 'package_files' names '{_printable(rel)}': not a bin/ or lib/ "
+                                  f"file name {_OUTSIDE}")
+        found = elf_arch_of(_check_listed(artifact, rel, listed[rel]))
+        if found is None:
+            raise BlockforgeError(f"{artifact}: {rel} is not an ELF file; refusing to load it")
+        if found != arch:
+            raise BlockforgeError(f"{artifact}: {rel} is for {found}, this package is for {arch}")
 
 
 def elf_arch(path: Path) -> str | None:
     """Architecture an ELF shared object was built for (e_machine), or None if not ELF."""
     with open(path, "rb") as f:
-        head = f.read(20)
+        return elf_arch_of(f.read(20))
+
+
+def elf_arch_of(head: bytes) -> str | None:
+    """elf_arch from a file's first (at least 20) bytes."""
     if len(head) < 20 or head[:4] != b"\x7fELF":
         return None
     order = "little" if head[5] == 1 else "big"

@@ -13,7 +13,7 @@ from blockforge.graph.model_io import TensorSig, check_inputs
 from blockforge.targets import resolve
 from blockforge.targets.toolchain import cuda_load_env, host_arch
 
-from .manifest import elf_arch, read_manifest, verify_files
+from .manifest import elf_arch, read_manifest, verify_files, verify_package
 
 
 def _sigs(items: list[dict]) -> list[TensorSig]:
@@ -140,14 +140,17 @@ def tvm_device(kind: str | None):
 def load_artifact(artifact: str | Path) -> LoadedModule:
     """Checks everything a hostile artifact could use before any native code runs:
     read_manifest type-checks manifest.json ('module' must be one of the hashed 'files',
-    all plain names), verify_files hashes every listed regular file (no symlinks), the
-    target must run here and the module must be an ELF for this CPU; only then dlopen."""
+    all plain names), verify_files hashes every listed regular file (no symlinks), a
+    package's bin/ and lib/ must be what its 'package_files' lists (verify_package: this
+    loader uses the wheel's runtime, not lib/, but a tampered package is refused here too),
+    the target must run here and the module must be an ELF for this CPU; only then dlopen."""
     import tvm
     from tvm import relax
 
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
     verify_files(artifact, manifest)
+    verify_package(artifact, manifest, elf_arch(artifact / manifest["module"]) or host_arch())
     t = manifest["target"]
     target = resolve(t["json"]) if t["name"] == "custom" else resolve(t["name"])
     problem = target.run_problem()

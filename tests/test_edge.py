@@ -281,3 +281,168 @@ def test_aarch64_package_matches_ort_under_qemu(built, tmp_path, name):
         head = (res.path / rel).read_bytes()[:20]
         assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183, rel
     check_parity(name, artifact, res.path, tmp_path, emulate=True)
+
+
+# --------------------------------------------------------------------------- the edge build cache
+# The cache (<cache>/edge/<arch>/) is untrusted: make judges freshness by mtime, so a file
+# planted there looked up to date and was shipped. Each case tampers with the session's
+# cache and packages: the tampered bytes are rebuilt away (or refused), never shipped.
+
+
+def _is_elf_for(path: Path, machine: int) -> bool:
+    head = path.read_bytes()[:20]
+    return not path.is_symlink() and head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == machine
+
+
+HOST_MACHINE = {"x86_64": 62, "aarch64": 183}.get(os.uname().machine)
+
+
+@pytest.mark.parametrize("tamper", ["shell-script", "symlink", "symlinked-bin-dir"])
+def test_tampered_cache_app_rebuilt(built, tmp_path, tamper):
+    from blockforge.deploy.package import build_app
+
+    artifact = built("ffn", "host")
+    cached = build_app(host_arch())
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"#!/bin/sh\necho pwned\nexit 0\n")
+    cached.unlink()
+    if tamper == "symlink":
+        os.symlink(decoy, cached)
+    elif tamper == "symlinked-bin-dir":  # bin/ -> a folder holding the script as edge_app
+        cached.parent.rmdir()
+        (tmp_path / "bin").mkdir()
+        shutil.copy2(decoy, tmp_path / "bin" / "edge_app")
+        os.symlink(tmp_path / "bin", cached.parent)
+        decoy = tmp_path / "bin" / "edge_app"
+    else:
+        shutil.copy2(decoy, cached)  # newer than its sources: make alone would keep it
+        os.chmod(cached, 0o755)
+    res = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True))
+    app = res.path / "bin" / "edge_app"
+    assert _is_elf_for(app, HOST_MACHINE) and b"pwned" not in app.read_bytes()
+    assert _is_elf_for(cached, HOST_MACHINE) and not cached.parent.is_symlink()
+    assert decoy.read_bytes().endswith(b"exit 0\n")  # nothing written through a link
+    manifest = json.loads((res.path / "manifest.json").read_text())
+    assert manifest["package_files"]["bin/edge_app"] == sha256_file(app)
+    check_parity("ffn", artifact, res.path, tmp_path, emulate=False)
+
+
+def test_cache_record_mismatch_rebuilt(built, tmp_path):
+    """An ELF of the right CPU that is not what the last build made (the record's sha256)."""
+    from blockforge.deploy.package import build_app
+
+    cached = build_app(host_arch())
+    good = cached.read_bytes()
+    cached.write_bytes(good + b"\0appended")  # still an x86-64 ELF, still newer than its sources
+    res = package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg", app=True))
+    assert (res.path / "bin" / "edge_app").read_bytes() == cached.read_bytes() and not cached.read_bytes().endswith(b"appended")
+
+
+def test_bad_rebuild_refused_with_one_line(built, tmp_path, monkeypatch):
+    """When the rebuild still gives a bad file, packaging stops naming it; nothing is written."""
+    import blockforge.deploy.package as package_mod
+
+    cached = package_mod.build_app(host_arch())
+    real_make = package_mod._run_make
+
+    def make_then_tamper(*args):
+        real_make(*args)
+        cached.unlink(missing_ok=True)
+        cached.write_bytes(b"#!/bin/sh\nexit 0\n")
+
+    monkeypatch.setattr(package_mod, "_run_make", make_then_tamper)
+    with pytest.raises(BlockforgeError) as err:
+        package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg", app=True))
+    msg = str(err.value)
+    assert "\n" not in msg and f"{cached} is not an ELF file" in msg and "rebuilding it did not help" in msg, msg
+    assert not (tmp_path / "pkg").exists()
+    monkeypatch.undo()
+    assert _is_elf_for(package_mod.build_app(host_arch()), HOST_MACHINE)  # the next build repairs it
+
+
+def test_symlinked_wheel_runtime_refused(built, tmp_path, monkeypatch):
+    import blockforge.deploy.package as package_mod
+
+    real = package_mod._wheel_libs()
+    os.symlink(real[0], tmp_path / "libtvm_runtime.so")
+    monkeypatch.setattr(package_mod, "_wheel_libs", lambda: [tmp_path / "libtvm_runtime.so", real[1]])
+    with pytest.raises(BlockforgeError, match="libtvm_runtime.so is a symlink; refusing to follow it"):
+        package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg"))
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_tampered_package_refused_by_loaders(built, tmp_path):
+    """A package's bin/ and lib/ are in its manifest: run.sh, the app and `blockforge run`
+    refuse a changed library; the app refuses runtime libraries from elsewhere."""
+    from conftest import assert_user_error, run_cli
+
+    artifact = built("ffn", "host")
+    pkg = package_artifact(PackageOptions(artifact, output=tmp_path / "pkg", app=True)).path
+    arrays = make_inputs(artifact, tmp_path)
+    np.savez(tmp_path / "in.npz", **arrays)
+    out = tmp_path / "out.npy"
+    r = run_cli("run", pkg, "--inputs", tmp_path / "in.npz", "--output", tmp_path / "good.npz", cwd=tmp_path)
+    assert r.rc == 0, r.text  # the untampered package passes the Python loader's checks
+    # libraries from LD_LIBRARY_PATH (the app's RUNPATH lets it win): identical bytes, other files
+    other = tmp_path / "other-lib"
+    shutil.copytree(pkg / "lib", other)
+    res = subprocess.run([str(pkg / "bin" / "edge_app"), str(pkg), "--input", f"x={tmp_path / 'x.npy'}",
+                          "--output", str(out)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LD_LIBRARY_PATH": str(other)})
+    assert_refused(res, f"the TVM runtime was loaded from {other}/libtvm_")
+    with open(pkg / "lib" / "libtvm_ffi.so", "ab") as f:
+        f.write(b"\0")  # still loads: only the hash can tell
+    res = run_app(pkg, npy_args(tmp_path, arrays), out)
+    assert_refused(res, "lib/libtvm_ffi.so does not match its sha256 in manifest.json")
+    res = subprocess.run([str(pkg / "run.sh"), "--input", f"x={tmp_path / 'x.npy'}", "--output", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "run.sh: error:" in res.stderr \
+        and "lib/libtvm_ffi.so does not match its sha256" in res.stderr, res.stderr
+    r = run_cli("run", pkg, "--inputs", tmp_path / "in.npz", "--output", tmp_path / "out.npz", cwd=tmp_path)
+    assert_user_error(r, "lib/libtvm_ffi.so does not match its sha256")
+    assert not out.exists() and not (tmp_path / "out.npz").exists()
+
+
+@needs_aarch64_gxx
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="plants an x86-64 library in the aarch64 cache")
+@pytest.mark.parametrize("tamper", ["x86_64-runtime", "symlinked-ffi"])
+def test_tampered_aarch64_cache_rebuilt(tmp_path, tamper):
+    """The first call cross-builds the runtime (minutes) unless the session's cache has it;
+    the repair relinks one library from the cached objects."""
+    from blockforge.deploy.package import _wheel_libs
+
+    libs = runtime_libs("aarch64")
+    victim = libs[0] if tamper == "x86_64-runtime" else libs[1]
+    wheel = {p.name: p for p in _wheel_libs()}
+    victim.unlink()
+    if tamper == "x86_64-runtime":
+        shutil.copyfile(wheel[victim.name], victim)  # an x86-64 libtvm_runtime.so, newer than its objects
+    else:
+        decoy = tmp_path / "unrelated.so"
+        decoy.write_bytes(b"\x7fELF unrelated")
+        os.symlink(decoy, victim)
+    again = runtime_libs("aarch64")
+    assert again == libs and all(_is_elf_for(p, 183) for p in again)
+    assert (victim.read_bytes() != wheel[victim.name].read_bytes())
+
+
+@needs_aarch64_gxx
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="plants an x86-64 library in the aarch64 cache")
+def test_tampered_aarch64_runtime_refused_when_rebuild_fails(built, tmp_path, monkeypatch):
+    """The refusal path without minutes of cross-building: make is replaced by one that
+    leaves the x86-64 library in place."""
+    import blockforge.deploy.package as package_mod
+
+    artifact = built("ffn", "aarch64-linux")
+    lib = runtime_libs("aarch64")[0]
+    x86 = package_mod._wheel_libs()[0]
+    monkeypatch.setattr(package_mod, "_run_make", lambda *a: None if lib.exists() else shutil.copyfile(x86, lib))
+    lib.unlink()
+    shutil.copyfile(x86, lib)
+    with pytest.raises(BlockforgeError) as err:
+        package_artifact(PackageOptions(artifact, output=tmp_path / "pkg"))
+    msg = str(err.value)
+    assert "\n" not in msg and f"{lib} is for x86_64, not aarch64" in msg and "rebuilding it did not help" in msg, msg
+    assert not (tmp_path / "pkg").exists()
+    monkeypatch.undo()
+    assert _is_elf_for(runtime_libs("aarch64")[0], 183)  # the real rebuild repairs it

@@ -15,7 +15,17 @@
 // are regular files whose shapes must agree with the manifest (static dims equal,
 // symbolic dims in [1, kMaxSymbolicDim], at most kMaxInputBytes) before their data is
 // read (npy.h). The output is written to a fresh temporary file, then renamed.
+//
+// In a package (deploy/package.py) the app also checks bin/ and lib/ against the
+// manifest's 'package_files' before module.so is loaded (VerifyPackage). It cannot check
+// its own runtime libraries before they load: the dynamic loader maps lib/libtvm_*.so
+// (and runs their constructors) before main. So run.sh checks their sha256 first, where
+// the device has sha256sum; the app then refuses a package whose bin/ or lib/ differs
+// from its manifest, and, when it is the package's own bin/edge_app, runtime libraries
+// that are not the package's verified lib/ files (e.g. taken from LD_LIBRARY_PATH).
+#include <dirent.h>
 #include <dlpack/dlpack.h>
+#include <link.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
@@ -32,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -268,6 +279,91 @@ void CheckElf(const std::string& path, const std::string& module) {
   if (!ok) Refuse(module + " is truncated or corrupt (its ELF segments reach past the end of the file)");
 }
 
+// A package's bin/ and lib/, in the Python loader's order (compile/manifest.py,
+// verify_package): both real directories (a symlinked lib/ would reach outside), every
+// entry listed in 'package_files' (the rpath searches lib/ before the system: an unlisted
+// libstdc++.so.6 there would be loaded), each listed file a regular file with its sha256
+// and an ELF for this CPU. An artifact without bin/, lib/ and 'package_files' passes.
+void VerifyPackage(const std::string& dir, const edge::Manifest& m) {
+  std::vector<std::string> present;
+  for (const char* d : {"bin", "lib"}) {
+    struct stat st;
+    const std::string p = dir + "/" + d;
+    if (lstat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT) continue;
+      Refuse(dir + ": " + d + ": cannot open (" + std::strerror(errno) + ")");
+    }
+    if (S_ISLNK(st.st_mode)) Refuse(dir + ": " + d + "/ is a symlink; refusing to follow it");
+    if (!S_ISDIR(st.st_mode)) Refuse(dir + ": " + d + " is not a directory");
+    present.push_back(d);
+  }
+  if (!m.has_package_files) {
+    if (!present.empty()) {
+      Refuse(dir + ": " + present[0] + "/ is there but manifest.json lacks 'package_files' (a package lists "
+             "what it ships in bin/ and lib/)");
+    }
+    return;
+  }
+  std::set<std::string> entries;
+  for (const std::string& d : present) {
+    DIR* dp = opendir((dir + "/" + d).c_str());
+    if (!dp) Refuse(dir + ": " + d + "/: cannot list (" + std::strerror(errno) + ")");
+    while (const dirent* e = readdir(dp)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") entries.insert(d + "/" + name);
+    }
+    closedir(dp);
+  }
+  for (const std::string& rel : entries) {
+    if (!m.package_files.count(rel)) {
+      Refuse(dir + ": " + rel + " is not listed in manifest.json's 'package_files'; refusing a package with "
+             "unlisted files in bin/ or lib/");
+    }
+  }
+  for (const auto& [rel, digest] : m.package_files) {
+    std::string got, head(20, '\0');
+    bool elf = false;
+    try {
+      edge::InFile f = edge::OpenRegular(dir + "/" + rel, rel, /*follow_links=*/false, edge::kMaxArtifactFileBytes);
+      if (!edge::Sha256Fd(f.fd(), f.size(), &got)) Refuse(dir + ": " + rel + " changed while being read");
+      elf = f.size() >= 20 && f.ReadAt(0, &head[0], 20) && head.compare(0, 4, "\x7f" "ELF") == 0;
+    } catch (const edge::FileError& e) {
+      Refuse(dir + ": " + e.what());
+    }
+    if (got != digest) {
+      Refuse(dir + ": " + rel + " does not match its sha256 in manifest.json (tampered or corrupted); "
+             "refusing to load it");
+    }
+    if (!elf) Refuse(dir + ": " + rel + " is not an ELF file; refusing to load it");
+    const uint16_t machine = static_cast<uint16_t>(LoadLE(head, 18, 2));
+    if (machine != kMachine) Refuse(dir + ": " + rel + " is for " + MachineName(machine) + ", this is " + kArch);
+  }
+}
+
+bool SameFile(const std::string& a, const std::string& b) {
+  struct stat sa, sb;
+  return stat(a.c_str(), &sa) == 0 && stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// When this process is the package's own bin/edge_app, the TVM runtime it loaded must be
+// the package's lib/ files that VerifyPackage hashed, not libraries found elsewhere.
+void CheckLoadedRuntime(const std::string& dir, const edge::Manifest& m) {
+  if (!m.has_package_files || !SameFile("/proc/self/exe", dir + "/bin/edge_app")) return;
+  std::vector<std::string> loaded;
+  dl_iterate_phdr([](dl_phdr_info* info, size_t, void* data) {
+    if (info->dlpi_name && *info->dlpi_name) static_cast<std::vector<std::string>*>(data)->push_back(info->dlpi_name);
+    return 0;
+  }, &loaded);
+  for (const std::string& path : loaded) {
+    const std::string base = path.substr(path.rfind('/') + 1);
+    if (base != "libtvm_runtime.so" && base != "libtvm_ffi.so") continue;
+    if (!m.package_files.count("lib/" + base) || !SameFile(path, dir + "/lib/" + base)) {
+      Refuse("the TVM runtime was loaded from " + path + ", not the package's lib/" + base +
+             " (LD_LIBRARY_PATH?); refusing to run");
+    }
+  }
+}
+
 void CheckTarget(const edge::Manifest& m) {
   if (m.has_arch && m.arch != kArch) {
     Refuse("artifact is built for " + m.arch + " (manifest target.arch), this is " + kArch);
@@ -383,6 +479,8 @@ int Run(int argc, char** argv) {
   const std::string& module = manifest.module;  // one of the hashed files (ParseManifest)
   const std::string module_path = o.artifact + "/" + module;
   VerifyFiles(o.artifact, manifest);
+  VerifyPackage(o.artifact, manifest);
+  CheckLoadedRuntime(o.artifact, manifest);
   CheckElf(module_path, module);
   CheckTarget(manifest);
   const std::vector<edge::TensorSig>& in_sigs = manifest.inputs;

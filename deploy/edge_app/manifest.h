@@ -24,6 +24,7 @@ constexpr size_t kMaxTensors = 64;
 constexpr size_t kMaxRank = 32;
 constexpr int64_t kMaxStaticDim = 2147483647;
 constexpr size_t kMaxNameBytes = 256;
+constexpr size_t kMaxPackageFiles = 16;  // a package ships 3 (bin/edge_app, lib/libtvm_*.so)
 
 struct ManifestError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -47,6 +48,9 @@ struct Manifest {
   bool has_arch = false, has_device = false;  // target.arch / target.device are strings
   std::string arch, device;
   bool device_null = false;  // device: null marks a build-only artifact
+  // A package's bin/ and lib/ files: "bin/NAME" or "lib/NAME" -> sha256.
+  bool has_package_files = false;
+  std::map<std::string, std::string> package_files;
 };
 
 // A file name inside the artifact: no separators, no "." or "..", no leading dot,
@@ -79,6 +83,12 @@ inline bool IsDtypeName(const std::string& s) {
   return true;
 }
 
+// "bin/NAME" or "lib/NAME" with NAME a plain name: what 'package_files' may list.
+inline bool IsPackageName(const std::string& name) {
+  return name.size() > 4 && (name.compare(0, 4, "bin/") == 0 || name.compare(0, 4, "lib/") == 0) &&
+         IsPlainName(name.substr(4));
+}
+
 inline bool IsSha256Hex(const std::string& s) {
   if (s.size() != 64) return false;
   for (char c : s) {
@@ -92,6 +102,24 @@ namespace manifest_detail {
 constexpr const char* kOutside = "(a path could reach outside the artifact)";
 
 [[noreturn]] inline void Bad(const std::string& msg) { throw ManifestError(msg); }
+
+// 'files' and 'package_files': an object of at most `limit` names that `name_ok` accepts
+// -> 64 lowercase hex.
+inline std::map<std::string, std::string> Digests(const json::Value& listing, const std::string& key, size_t limit,
+                                                  bool (*name_ok)(const std::string&), const std::string& shape,
+                                                  const std::string& kind) {
+  if (!listing.is_object()) Bad("'" + key + "' must be an object of " + shape + " -> sha256");
+  if (listing.object.size() > limit) Bad("'" + key + "' lists more than " + std::to_string(limit) + " files");
+  std::map<std::string, std::string> out;
+  for (const auto& [name, digest] : listing.object) {
+    if (!name_ok(name)) Bad("'" + key + "' names '" + json::Printable(name) + "': not a " + kind + " " + kOutside);
+    if (!digest.is_string() || !IsSha256Hex(digest.str)) {
+      Bad("'" + key + "': the sha256 of " + name + " is not 64 lowercase hex digits");
+    }
+    out[name] = digest.str;
+  }
+  return out;
+}
 
 inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
   const json::Value* list = root.get(key);
@@ -160,18 +188,8 @@ inline Manifest ParseManifest(const std::string& text) {
   for (const char* key : {"files", "target", "inputs", "outputs", "module"}) {
     if (!root.get(key)) Bad(std::string("manifest lacks '") + key + "'");
   }
-  const json::Value* files = root.get("files");
-  if (!files->is_object()) Bad("'files' must be an object of file name -> sha256");
-  if (files->object.size() > kMaxFiles) Bad("'files' lists more than " + std::to_string(kMaxFiles) + " files");
-  for (const auto& [name, digest] : files->object) {
-    if (!IsPlainName(name)) {
-      Bad("'files' names '" + json::Printable(name) + "': not a plain file name " + kOutside);
-    }
-    if (!digest.is_string() || !IsSha256Hex(digest.str)) {
-      Bad("'files': the sha256 of " + name + " is not 64 lowercase hex digits");
-    }
-    m.files[name] = digest.str;
-  }
+  m.files = manifest_detail::Digests(*root.get("files"), "files", kMaxFiles, IsPlainName, "file name",
+                                     "plain file name");
   const json::Value* module = root.get("module");
   if (!module->is_string()) Bad("'module' must be a string naming one of the hashed 'files'");
   if (!IsPlainName(module->str)) {
@@ -199,6 +217,11 @@ inline Manifest ParseManifest(const std::string& text) {
   m.device_null = device && device->kind == json::Value::kNull;
   m.inputs = manifest_detail::Sigs(root, "inputs");
   m.outputs = manifest_detail::Sigs(root, "outputs");
+  if (const json::Value* pf = root.get("package_files")) {
+    m.package_files = manifest_detail::Digests(*pf, "package_files", kMaxPackageFiles, IsPackageName,
+                                               "bin/NAME or lib/NAME", "bin/ or lib/ file name");
+    m.has_package_files = true;
+  }
   return m;
 }
 

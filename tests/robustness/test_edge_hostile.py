@@ -1,6 +1,7 @@
 """Hostile artifacts and inputs against the artifact trust chain and the C++ edge app.
 
-- manifest_cases.json: one table of hostile manifests; blockforge's Python loader
+- manifest_cases.json: one table of hostile manifests (artifacts, and packages' bin/ and
+  lib/ with their 'package_files'); blockforge's Python loader
   (load_artifact) and the edge app (plain and ASan/UBSan builds) must each refuse every
   case with one error line holding the case's fragment, before any native code is
   loaded (a planted library's constructor would leave a marker file).
@@ -77,6 +78,10 @@ def _plant(art: Path, rel: str, kind: str, evil: Path) -> None:
             f.truncate(int(kind.split(":", 1)[1]))
     elif kind.startswith("symlink:"):
         os.symlink(kind.split(":", 1)[1], p)
+    elif kind.startswith("elf-machine:"):  # the evil library, its ELF header saying another CPU
+        data = bytearray(evil.read_bytes())
+        data[18:20] = int(kind.split(":", 1)[1]).to_bytes(2, "little")
+        p.write_bytes(bytes(data))
     else:
         raise ValueError(f"unknown plant kind {kind!r}")
 
@@ -108,13 +113,15 @@ def mutate_artifact(src: Path, dest: Path, mutation: dict, evil: Path) -> Path:
         del parent[key]
     for i in range(mutation.get("many_files", 0)):
         m["files"][f"f{i}.bin"] = "{zero}"
-    if isinstance(m.get("files"), dict):
-        for name, digest in m["files"].items():
+    for listing in ("files", "package_files"):
+        if not isinstance(m.get(listing), dict):
+            continue
+        for name, digest in m[listing].items():
             valid = isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
             if digest == "{sha256}" or valid:
-                m["files"][name] = _sha256(dest / name) or "0" * 64
+                m[listing][name] = _sha256(dest / name) or "0" * 64
             elif digest == "{zero}":
-                m["files"][name] = "0" * 64
+                m[listing][name] = "0" * 64
     for name in mutation.get("flip", []):
         data = bytearray((dest / name).read_bytes())
         data[len(data) // 2] ^= 0x40
@@ -168,6 +175,25 @@ def test_pristine_artifact_runs(base, tmp_path, inputs, loader):
         assert res.returncode == 0, res.stderr
         got = np.load(tmp_path / "out.npy")
     assert got.shape == (1, 4, 64) and np.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_listed_package_files_pass(base, tmp_path, inputs, loader):
+    """The control for the package_files cases: a bin/ and lib/ that match their listing
+    pass every loader's checks (and the listed library is not loaded by them)."""
+    art = mutate_artifact(base["artifact"], tmp_path / "d" / "art", {
+        "plant": {"lib": "dir", "lib/libtvm_ffi.so": "evil-so", "bin": "dir", "bin/edge_app": "evil-so"},
+        "set": [[["package_files"], {"lib/libtvm_ffi.so": "{sha256}", "bin/edge_app": "{sha256}"}]]}, base["evil"])
+    base["marker"].unlink(missing_ok=True)
+    if loader == "python":
+        from blockforge.compile import load_artifact
+
+        assert load_artifact(art).run({"x": X})["output"].shape == (1, 4, 64)
+    else:
+        res = run_app(app("asan" if loader.endswith("asan") else "plain"), art, inputs, tmp_path / "out.npy")
+        assert_no_sanitizer_report(res)
+        assert res.returncode == 0, res.stderr
+    assert not base["marker"].exists()
 
 
 @pytest.mark.parametrize("loader", LOADERS)
