@@ -259,7 +259,7 @@ FLAGS = {
                              second=lambda t: ["--json", t]),
     "run --output": Flag(lambda b, d, t: ["run", b["art"], "--inputs", _npz(b, d), "--output", t], "file",
                          "blockforge.graph.model_io:load_npz", _npz, reads_artifact=True),
-    "package -o": Flag(lambda b, d, t: ["package", b["art"], "-o", t], "tree", "blockforge.deploy.package:runtime_libs",
+    "package -o": Flag(lambda b, d, t: ["package", b["art"], "-o", t], "tree", "blockforge.deploy.package:_shipped",
                        lambda b, d: Path(b["art"]), reads_artifact=True),
 }
 
