@@ -24,7 +24,7 @@ from blockforge.errors import error_line
 from blockforge.graph import Spec
 from blockforge.graph import ort as ort_runner
 from blockforge.compile.records import open_for_apply, unvalidated_warning
-from blockforge.compile.runtime import tvm_device
+from blockforge.compile.runtime import run_vm, tvm_device
 from blockforge.compile.session import Session
 
 
@@ -44,12 +44,13 @@ class BenchModel:
 
 
 class Runner:
-    """A prepared contender: call it to run once (timed); output() gives the first output."""
+    """A prepared contender: call it to run once (timed); outputs() gives every output, in
+    the model's order (the harness checks them all before timing)."""
 
     def __call__(self) -> None:
         raise NotImplementedError
 
-    def output(self) -> np.ndarray:
+    def outputs(self) -> list[np.ndarray]:
         raise NotImplementedError
 
 
@@ -76,8 +77,8 @@ class _OrtRunner(Runner):
     def __call__(self) -> None:
         self.sess.run(None, self.feed)
 
-    def output(self) -> np.ndarray:
-        return self.sess.run(None, self.feed)[0]
+    def outputs(self) -> list[np.ndarray]:
+        return list(self.sess.run(None, self.feed))
 
 
 class Ort(Contender):
@@ -120,9 +121,9 @@ class _OpenVinoRunner(Runner):
         # Shared buffers: no copy in or out, as ORT and TVM get.
         self.req.infer(self.feed, share_inputs=True, share_outputs=True)
 
-    def output(self) -> np.ndarray:
+    def outputs(self) -> list[np.ndarray]:
         self()
-        return np.array(self.req.get_output_tensor(0).data, copy=True)
+        return [np.array(self.req.get_output_tensor(i).data, copy=True) for i in range(len(self.compiled.outputs))]
 
 
 class OpenVino(Contender):
@@ -141,12 +142,13 @@ class OpenVino(Contender):
 # ---------------------------------------------------------------- blockforge
 
 class TvmRunner(Runner):
-    def __init__(self, executable, device_kind: str, ins, inputs):
+    def __init__(self, executable, device_kind: str, ins, outs, inputs):
         import tvm
         from tvm import relax
 
         self.dev = tvm_device(device_kind)
         self.vm = relax.VirtualMachine(executable, self.dev)
+        self.ins, self.outs, self.inputs = ins, outs, inputs
         self.args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[s.name]), self.dev) for s in ins]
         self.fn = self.vm["main"]
 
@@ -154,10 +156,9 @@ class TvmRunner(Runner):
         self.fn(*self.args)
         self.dev.sync()
 
-    def output(self) -> np.ndarray:
-        out = self.fn(*self.args)
-        first = out[0] if isinstance(out, (list, tuple)) or type(out).__name__ == "Array" else out
-        return first.numpy()
+    def outputs(self) -> list[np.ndarray]:
+        # as `run` gets them: count, dtypes and shapes checked against the signature
+        return list(run_vm(self.vm, self.dev, self.ins, self.outs, self.inputs).values())
 
 
 class Untuned(Contender):
@@ -166,7 +167,7 @@ class Untuned(Contender):
 
     def make_runner(self, model, inputs, threads):
         s = model.session
-        return TvmRunner(s.build().executable, s.target.device, s.inputs, inputs)
+        return TvmRunner(s.build().executable, s.target.device, s.inputs, s.outputs, inputs)
 
 
 class Tuned(Contender):
@@ -187,7 +188,7 @@ class Tuned(Contender):
         if missing:
             model.notes.append(f"tuned: {len(missing)} of {res.tasks} tasks have no applicable record "
                                "(default schedules used for them)")
-        return TvmRunner(res.executable, s.target.device, s.inputs, inputs)
+        return TvmRunner(res.executable, s.target.device, s.inputs, s.outputs, inputs)
 
 
 REGISTRY: dict[str, Contender] = {c.name: c for c in (Ort(), OrtFused(), OpenVino(), Untuned(), Tuned())}

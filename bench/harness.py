@@ -1,9 +1,10 @@
 """`bench`: contenders measured side by side in one process, interleaved, equal threads.
 
 Contenders come from the registry in bench/contenders.py (ONNX Runtime, ORT's fused
-kernels, OpenVINO, blockforge untuned and tuned); each one's output is checked against the
-reference before it is timed (the oracle for blockforge models, ONNX Runtime otherwise):
-a contender with different math must not win. Reports (bench/report.py) give every
+kernels, OpenVINO, blockforge untuned and tuned); every output of each one is checked
+against the reference before it is timed (the oracle for blockforge models, ONNX Runtime
+otherwise): a contender with different math must not win, and a report whose outputs no
+reference could check has no headline. Reports (bench/report.py) give every
 contender's ratio to the best peer, the headline. The SGEMM ceiling (numpy/BLAS on a large
 square) is measured in the same run, so "% of ceiling" compares like with like on this
 machine, today.
@@ -25,7 +26,7 @@ from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
 from blockforge.graph.model_io import bind_dims, model_spec, random_inputs
 from blockforge.graph.parity import oracle_outputs
-from blockforge.graph.tolerance import Tolerance, compare, tolerance_for
+from blockforge.graph.tolerance import compare, output_tolerance
 from blockforge.compile.session import open_model
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
@@ -136,36 +137,55 @@ def measure_interleaved(runners: dict, repeat: int, warmup: int) -> dict[str, li
     return samples
 
 
-def _reference(bm: BenchModel, inputs: dict) -> tuple[np.ndarray | None, str]:
-    """What every contender's first output must match: the float64 oracle for blockforge
-    models, ONNX Runtime on the model as given otherwise."""
+@dataclass
+class Reference:
+    """What every contender's outputs must match, output by output: the float64 oracle for
+    blockforge models (it computes the first output), ONNX Runtime on the model as given
+    for the rest and for foreign models. Outputs neither could compute are unchecked."""
+
+    expected: dict[str, np.ndarray] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)  # output name -> who computed it
+    unchecked: list[str] = field(default_factory=list)
+
+
+def _reference(bm: BenchModel, inputs: dict) -> Reference:
+    ref = Reference()
+    names = [s.name for s in bm.session.outputs]
     if bm.spec is not None:
-        ref = oracle_outputs(bm.session.model, inputs)
-        return next(iter(ref.values())), "the numpy oracle"
-    try:
-        return next(iter(ort_runner.run(bm.onnx, inputs).values())), "ONNX Runtime"
-    except BlockforgeError as e:
-        bm.notes.append(f"no reference output ({e}); contenders' outputs not checked")
-        return None, ""
+        for k, v in (oracle_outputs(bm.session.model, inputs) or {}).items():
+            ref.expected[k], ref.source[k] = v, "the numpy oracle"
+    missing = [n for n in names if n not in ref.expected]
+    if missing:
+        try:
+            ort_outs = ort_runner.run(bm.onnx, inputs)
+        except BlockforgeError as e:
+            ort_outs = {}
+            bm.notes.append(f"no reference for {', '.join(missing)} ({e}): those outputs are unchecked, "
+                            "so no ratio is a headline")
+        for n in missing:
+            if n in ort_outs:
+                ref.expected[n], ref.source[n] = ort_outs[n], "ONNX Runtime"
+    ref.unchecked = [n for n in names if n not in ref.expected]
+    return ref
 
 
-def _tolerance(dtype: str, kind: str) -> Tolerance:
-    """The table's tolerance; outputs of other dtypes (foreign models) get float32's."""
-    try:
-        return tolerance_for(dtype, kind)
-    except (KeyError, TypeError):
-        return tolerance_for("float32", kind)
-
-
-def _check(name: str, runner, ref: np.ndarray | None, ref_name: str, tol: Tolerance) -> str | None:
-    """Why `runner`'s output does not match the reference, or None when it does."""
-    if ref is None:
-        return None
-    c = compare(name, "output", runner.output(), ref, tol)
-    if c.passed:
-        return None
-    return (f"output differs from {ref_name} (max abs err {c.max_abs:.2e}, rtol {tol.rtol:g} atol {tol.atol:g}"
-            f"{'; ' + c.note if c.note else ''}): not timed, a different computation must not win")
+def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None) -> str | None:
+    """Why `runner`'s outputs do not match the reference, or None when every output that
+    has a reference does: one wrong output is enough to refuse the contender."""
+    outs = runner.outputs()
+    if len(outs) != len(sigs):
+        return (f"gives {len(outs)} outputs, the model has {len(sigs)}: not timed, a different computation "
+                "must not win")
+    for sig, actual in zip(sigs, outs):
+        if sig.name not in ref.expected:
+            continue
+        tol = output_tolerance(np.asarray(actual).dtype, spec_kind)
+        c = compare(name, sig.name, actual, ref.expected[sig.name], tol)
+        if not c.passed:
+            return (f"output {sig.name!r} differs from {ref.source[sig.name]} (max abs err {c.max_abs:.2e}, "
+                    f"rtol {tol.rtol:g} atol {tol.atol:g}{'; ' + c.note if c.note else ''}): not timed, "
+                    "a different computation must not win")
+    return None
 
 
 def bench(opts: BenchOptions) -> BenchReport:
@@ -186,8 +206,7 @@ def bench(opts: BenchOptions) -> BenchReport:
     spec = model_spec(session.model)
     bm = BenchModel(session, bind_dims(session.model, session.dims, strict=False), spec, dict(session.dims),
                     opts.tuning_db)
-    ref, ref_name = _reference(bm, inputs)
-    tol = _tolerance(session.outputs[0].dtype if session.outputs else "float32", spec.kind if spec else "block")
+    ref = _reference(bm, inputs)
     runners = {}
     with native_output_to_log():
         for name in [c for c in CONTENDERS if c in opts.against]:  # registry order: peers first
@@ -197,7 +216,7 @@ def bench(opts: BenchOptions) -> BenchReport:
                 continue
             try:
                 runner = c.make_runner(bm, inputs, threads)
-                why = _check(name, runner, ref, ref_name, tol)
+                why = _check(name, runner, ref, session.outputs, spec.kind if spec else None)
             except Unavailable as e:
                 why = str(e)
             except Exception as e:  # a peer engine that cannot take the model is a note, never an error
@@ -215,4 +234,4 @@ def bench(opts: BenchOptions) -> BenchReport:
     ceiling = sgemm_ceiling(opts.gemm_n)
     results, best = summarize(samples, set(PEERS), flops, ceiling)
     return BenchReport(str(opts.model), target.name, session.dims, threads, flops, ceiling, results, best, profile,
-                       bm.notes, host_facts())
+                       bm.notes, host_facts(), unchecked=ref.unchecked)

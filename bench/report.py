@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-SCHEMA = "blockforge.bench/2"  # /2: ratio_to_best_peer (the headline), best_peer, peer flags, host facts
+# /2: ratio_to_best_peer (the headline), best_peer, peer flags, host facts;
+# /3: unchecked (outputs no reference could compute: then no headline)
+SCHEMA = "blockforge.bench/3"
 
 
 @dataclass
@@ -69,18 +71,23 @@ class BenchReport:
     profile: dict[str, list[KernelProfile]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     host: dict = field(default_factory=dict)  # cpu_model, physical_cores, machine, versions of every engine
+    unchecked: list[str] = field(default_factory=list)  # outputs no reference computed: times of unverified results
 
     @property
     def headline(self) -> dict | None:
-        """The fastest blockforge contender's ratio to the best peer."""
+        """The fastest blockforge contender's ratio to the best peer; None unless every
+        output of every timed contender was checked against a reference."""
         ours = [r for r in self.results if not r.peer]
-        if self.best_peer is None or not ours:
+        if self.best_peer is None or not ours or self.unchecked:
             return None
         best = min(ours, key=lambda r: r.median_ms)
         return {"contender": best.name, "best_peer": self.best_peer, "ratio_to_best_peer": best.ratio_to_best_peer}
 
     def headline_text(self) -> str:
         h = self.headline
+        if h is None and self.unchecked:
+            return (f"no headline: unchecked: no reference could compute {', '.join(self.unchecked)}, so the times "
+                    "below are of results nobody verified")
         if h is None:
             missing = "no peer" if self.best_peer is None else "no blockforge contender"
             return f"no headline: {missing} ran"
@@ -147,8 +154,9 @@ def plot(reports: list[BenchReport], path: Path, labels: list[str] | None = None
     ax.set_xticks([j + width * (len(order) - 1) / 2 for j in range(len(reports))], names, fontsize=8)
     ax.set_ylabel("median latency / best peer's (lower is faster)")
     cpu = reports[0].host.get("cpu_model", "")
+    unchecked = "; UNCHECKED: no reference for some outputs" if any(r.unchecked for r in reports) else ""
     ax.set_title(f"ratio to the best peer: {reports[0].target}{f', {cpu}' if cpu else ''}, "
-                 f"{reports[0].threads} threads", fontsize=9)
+                 f"{reports[0].threads} threads{unchecked}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()

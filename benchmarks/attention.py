@@ -33,7 +33,8 @@ def main(argv=None) -> int:
         return tiles(args)
 
     import blockforge
-    from blockforge.bench.harness import _TvmRunner, measure_interleaved
+    from blockforge.bench.contenders import TvmRunner
+    from blockforge.bench.harness import measure_interleaved, profile_vm
     from blockforge.compile.pipeline import build
     from blockforge.compile.session import open_model
     from blockforge.graph import ort as ort_runner
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         runners = {"ort": lambda sess=sess: sess.run(None, inputs)}
         for name, fuse in (("unfused", False), ("fused", True)):
             ex = build(s.relax(), s.target, fuse_attention=fuse).executable
-            runners[name] = _TvmRunner(ex, s.target.device, s.inputs, inputs)
+            runners[name] = TvmRunner(ex, s.target.device, s.inputs, inputs)
         outs = {k: (r.vm["main"](*r.args).numpy() if k != "ort" else sess.run(None, inputs)[0])
                 for k, r in runners.items()}
         samples = measure_interleaved(runners, args.repeat, warmup=2)
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
         if args.profile:
             for k in ("unfused", "fused"):
                 print(f"\nseq {seq} {k}: top kernels")
-                for p in runners[k].profile()[:8]:
+                for p in profile_vm(runners[k])[:8]:
                     print(f"  {p.name:60s} {p.total_ms:8.3f} ms {p.pct:5.1f}%")
     print(f"\n{args.model.name}, batch {args.batch}, {cpu_model()}, shared machine: read ranks, not digits\n")
     print("| seq | contender | median ms | p90 ms | / ORT | max abs vs ORT |")
@@ -83,6 +84,7 @@ def tiles(args) -> int:
     import blockforge
     from blockforge.bench.harness import measure_interleaved
     from blockforge.compile import attention
+    from blockforge.compile.cpu_schedule import vector_lanes
     from blockforge.compile.pipeline import run_phases
     from blockforge.compile.session import open_model
     from blockforge.targets.toolchain import cpu_model
@@ -93,7 +95,7 @@ def tiles(args) -> int:
         s = open_model(args.model, "host", {"batch": args.batch, "seq": seq})
         mod, _ = run_phases(s.relax(), s.target, stop_after="fuse-attention")
         tgt = s.target.tvm_target()
-        lanes = attention._lanes(tgt)
+        lanes = vector_lanes(tgt)
         for spec in attention.kernel_specs(mod):
             runners = {}
             for t in attention.tile_candidates(lanes):

@@ -25,12 +25,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
     a = ap.parse_args()
     blockforge.configure()
     for variant in (dict(), dict(causal=True, mask="bool")):
         runs, outs = {}, {}
         for layout in ("packed", "attention-op"):
-            spec = MHASpec(d_model=768, heads=12, layout=layout, batch=1, seq=a.seq, **variant)
+            spec = MHASpec(d_model=a.d_model, heads=a.heads, layout=layout, batch=1, seq=a.seq, **variant)
             model, _ = build(spec)
             ins, _ = signature(model)
             x = random_inputs(ins, {}, seed=0)
@@ -50,7 +52,7 @@ def main() -> None:
                 f()
                 times[k].append(time.perf_counter() - t0)
         diff = float(np.abs(outs["packed"] - outs["attention-op"]).max())
-        print(f"MHA d768 h12 batch 1 seq {a.seq} {variant or 'no mask'} on {cpu_model()}: median ms "
+        print(f"MHA d{a.d_model} h{a.heads} batch 1 seq {a.seq} {variant or 'no mask'} on {cpu_model()}: median ms "
               + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in times.items())
               + f"; max |packed - attention-op| {diff:.1e}")
 

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import blockforge
-    from blockforge.bench.harness import _TvmRunner, measure_interleaved
+    from blockforge.bench.contenders import TvmRunner
+    from blockforge.bench.harness import measure_interleaved
     from blockforge.compile.pipeline import build
     from blockforge.compile.session import open_model
     from blockforge.graph.model_io import random_inputs
@@ -50,10 +51,10 @@ def main(argv=None) -> int:
     for seq in args.seq:
         static = open_model(args.model, "host", {"batch": args.batch, "seq": seq})
         inputs = random_inputs(static.inputs, {}, seed=0)
-        runners = {"static": _TvmRunner(build(static.relax(), static.target).executable, "cpu", static.inputs, inputs),
-                   "dynamic": _TvmRunner(dynamic, "cpu", static.inputs, inputs)}
+        runners = {"static": TvmRunner(build(static.relax(), static.target).executable, "cpu", static.inputs, inputs),
+                   "dynamic": TvmRunner(dynamic, "cpu", static.inputs, inputs)}
         if unfused is not None:
-            runners["dynamic-unfused"] = _TvmRunner(unfused, "cpu", static.inputs, inputs)
+            runners["dynamic-unfused"] = TvmRunner(unfused, "cpu", static.inputs, inputs)
         ref = runners["static"].vm["main"](*runners["static"].args).numpy()
         samples = measure_interleaved(runners, args.repeat, warmup=2)
         base = float(np.median(samples["static"]))

@@ -20,7 +20,6 @@ import numpy as np
 os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
 
 from blockforge import configure  # noqa: E402
-from blockforge.compile import pipeline  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import FFNSpec, MHASpec, export  # noqa: E402
 from blockforge.graph import ort as ort_runner  # noqa: E402
@@ -29,16 +28,13 @@ from blockforge.graph.model_io import random_inputs  # noqa: E402
 CASES = [("bert_mha_fp16", MHASpec(d_model=768, heads=12, dtype="float16"), 128),
          ("bert_ffn_fp16", FFNSpec(d_model=768, d_ff=3072, activation="gelu", dtype="float16"), 128)]
 
+SMOKE_CASES = [("tiny_mha_fp16", MHASpec(d_model=32, heads=2, dtype="float16"), 8),
+               ("tiny_ffn_fp16", FFNSpec(d_model=32, d_ff=64, activation="gelu", dtype="float16"), 8)]
+
 
 def _build(session, scheme: str):
     """The executable with the CPU float16 phase as `scheme` ('fp32-compute' or 'fp16-storage')."""
-    saved = pipeline._fp32_compute
-    if scheme == "fp16-storage":
-        pipeline._fp32_compute = pipeline._fp32_accumulate
-    try:
-        return session.build().executable
-    finally:
-        pipeline._fp32_compute = saved
+    return session.build(without={"fp32-compute"} if scheme == "fp16-storage" else set()).executable
 
 
 def _runner(ex, session, inputs):
@@ -63,13 +59,14 @@ def _overflow(session, scheme, model, inputs):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few samples: proves the script runs (tests/test_benchmarks.py), measures nothing")
     a = ap.parse_args()
     configure(redirect_native_output=False)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"CPU: {cpu}, {os.cpu_count()} logical cores; shared machine: read ranks, not digits")
     tmp = Path(tempfile.mkdtemp())
-    for name, spec, seq in CASES:
+    for name, spec, seq in (SMOKE_CASES if a.smoke else CASES):
         path = export(spec, tmp / f"{name}.onnx").model_path
         dims = {"batch": 1, "seq": seq}
         session = open_model(path, "host", dims)

@@ -39,6 +39,12 @@ CASES = [
     ("bert_ffn", FFNSpec(**BERT, d_ff=3072, activation="gelu"), 512),
     ("bert_block", BlockSpec(**BERT, heads=12, d_ff=3072, activation="gelu", norm="post", eps=1e-12), 128),
 ]
+# --smoke: the same kinds of case at toy sizes (the smoke test in make test runs them).
+SMOKE_CASES = [
+    ("tiny_mha", MHASpec(d_model=32, heads=2), 8),
+    ("tiny_ffn", FFNSpec(d_model=32, d_ff=64, activation="gelu"), 8),
+    ("tiny_block", BlockSpec(d_model=32, heads=2, d_ff=64, activation="gelu", norm="post", eps=1e-12), 8),
+]
 SCHEMA = "blockforge.peers/1"
 
 
@@ -66,6 +72,7 @@ def main() -> int:
     ap.add_argument("--against", default=",".join(CONTENDERS))
     ap.add_argument("--tuning-db", default=None, help="tuning database (default: the host's, if any)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few samples: proves the script runs (tests/test_benchmarks.py), measures nothing")
     a = ap.parse_args()
     blockforge.configure()  # TVM's pool = physical cores, as the CLI sets it
     out, models = Path(a.out), Path("artifacts") / "bench"
@@ -73,7 +80,7 @@ def main() -> int:
     node = platform.node() or "host"
     reports = []
     t0 = time.time()
-    for name, spec, seq in CASES:
+    for name, spec, seq in (SMOKE_CASES if a.smoke else CASES):
         case = f"{name}_s{seq}"
         if a.only and a.only not in case:
             continue

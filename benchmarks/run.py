@@ -29,6 +29,9 @@ CASES = [
     ("mha_d512_h8", MHASpec(d_model=512, heads=8), 128),
 ]
 
+# --smoke: toy sizes for the smoke test in make test.
+SMOKE_CASES = [("tiny_mha", MHASpec(d_model=32, heads=2), 8), ("tiny_ffn", FFNSpec(d_model=32, d_ff=64), 8)]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -36,13 +39,14 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--only", default=None, help="substring filter on case names")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few samples: proves the script runs (tests/test_benchmarks.py), measures nothing")
     a = ap.parse_args()
     out = Path(a.out)
     models = Path("artifacts") / "bench"
     host = platform.node() or "host"
     target = resolve("host")
     reports, tune_log = [], []
-    for name, spec, seq in CASES:
+    for name, spec, seq in (SMOKE_CASES if a.smoke else CASES):
         case = f"{name}_s{seq}"
         if a.only and a.only not in case:
             continue

@@ -29,24 +29,32 @@ from blockforge.targets.toolchain import cpu_id
 
 PRESET = "x86-64-avx512"
 DEST = Path("artifacts/shipped/tuning") / PRESET
+BLOCKS = [("mha_bert", MHASpec(d_model=768, heads=12)),
+          ("ffn_bert", FFNSpec(d_model=768, d_ff=3072, activation="gelu"))]
+SMOKE_BLOCKS = [("ffn_tiny", FFNSpec(d_model=32, d_ff=64))]  # one block: a tune is ~1 min even so
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials-per-task", type=int, default=64)
+    ap.add_argument("--dest", type=Path, default=DEST, help=f"where the best records go (default {DEST})")
+    ap.add_argument("--smoke", action="store_true",
+                    help="toy blocks, for the smoke test in make test (needs --dest: never the shipped records)")
     a = ap.parse_args()
+    if a.smoke and a.dest == DEST:
+        ap.error("--smoke writes toy records: give --dest")
     target = resolve(PRESET)
-    models = Path("artifacts") / "demo"
-    for name, spec in (("mha_bert", MHASpec(d_model=768, heads=12)),
-                       ("ffn_bert", FFNSpec(d_model=768, d_ff=3072, activation="gelu"))):
+    models = Path("artifacts") / ("bench-smoke" if a.smoke else "demo")
+    blocks = SMOKE_BLOCKS if a.smoke else BLOCKS
+    for name, spec in blocks:
         path = models / f"{name}.onnx"
         if not path.exists():
             export(spec, path)
         s = tune(TuneOptions(model=path, target=PRESET, trials_per_task=a.trials_per_task,
-                             dims={"batch": 1, "seq": 128}, measure=True, progress=False))
+                             dims={"batch": 1, "seq": 8 if a.smoke else 128}, measure=True, progress=False))
         print(f"{name}: {s.trials_new} new trials, {s.trials_reused} reused")
-    n = DeviceDB(default_db_dir(target), target).export_best(DEST)
-    print(f"wrote {n} records to {DEST}, judged inside the models on {cpu_id()}")
+    n = DeviceDB(default_db_dir(target), target).export_best(a.dest)
+    print(f"wrote {n} records to {a.dest}, judged inside the models on {cpu_id()}")
     return 0
 
 

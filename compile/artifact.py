@@ -20,7 +20,7 @@ import onnx
 
 import blockforge
 from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
-from blockforge.fsutil import (atomic_directory, atomic_write_bytes, check_dir_output, check_output, json_bytes,
+from blockforge.fsutil import (INTO, TREE, Output, atomic_directory, atomic_write_bytes, check_outputs, json_bytes,
                                sha256_file)
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
@@ -40,7 +40,7 @@ class CompileOptions:
     dump_ir: Path | None = None
     tuning_db: Path | None = None  # None: the device's default database, if any
     use_tuning: bool = True
-    force: bool = False  # replace an existing output that is not a blockforge artifact
+    force: bool = False  # replace an existing output that is not a blockforge artifact (fsutil.check_outputs)
 
 
 @dataclass
@@ -101,18 +101,26 @@ def default_output(model: Path, target: ResolvedTarget) -> Path:
     return model.with_name(f"{model.stem}.{target.name}")
 
 
+def _check_outputs(opts: CompileOptions, out) -> Path:
+    check_outputs([Output("-o", out, TREE, "artifact", manifest_io.is_artifact),
+                   Output("--dump-ir", opts.dump_ir, INTO, "--dump-ir directory") if opts.dump_ir is not None else None],
+                  [opts.model, opts.tuning_db], force=opts.force)
+    return Path(out)
+
+
 def compile_model(opts: CompileOptions) -> CompileResult:
+    # The output policy first: a refused or unwritable output costs nothing, not even the
+    # target's resolution (TVM's import); only the default output's name waits for it.
+    if opts.output is not None:
+        dest = _check_outputs(opts, opts.output)
     target = resolve(opts.target)
-    dest = Path(opts.output) if opts.output else default_output(Path(opts.model), target)
-    # The output policy first: a refused or unwritable output costs nothing.
-    check_output(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force)
-    if opts.dump_ir:
-        check_dir_output(opts.dump_ir, "--dump-ir directory")
+    if opts.output is None:
+        dest = _check_outputs(opts, default_output(Path(opts.model), target))
     session = open_model(opts.model, target, opts.dims)
     target, ins, outs = session.target, session.inputs, session.outputs
     manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
-    res = session.build(database=db, dump_ir=opts.dump_ir)
+    res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None)
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
         with native_output_to_log():

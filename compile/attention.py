@@ -100,12 +100,6 @@ class AttentionSpec:
                 f"dv={self.dv} mask={mask}")
 
 
-def _lanes(target) -> int:
-    from .cpu_schedule import _lanes as lanes
-
-    return lanes(target)
-
-
 def _vec_width(n: int, lanes: int) -> int:
     """Widest power-of-two width <= lanes that divides n (1: scalar)."""
     w = lanes
@@ -124,7 +118,9 @@ def fast_exp(x, nonpositive: bool = False):
     """topi.fast_exp's polynomial as a TIR expression (float32): vectorises and inlines,
     unlike libm's expf; relative error ~1e-7; exp(-inf) and anything below -88.38 give
     exactly 0. nonpositive: x <= 0 is known (scores minus their running max), so only the
-    lower clamp is needed."""
+    lower clamp is needed. NaN stays NaN (and so does inf - inf): TVM lowers max(a, b) to
+    select(a > b, a, b), which returns b when either is NaN, so x goes second in the clamps
+    (one max/min instruction all the same)."""
     from tvm import tirx
 
     f = lambda v: tirx.const(v, "float32")  # noqa: E731
@@ -136,7 +132,7 @@ def fast_exp(x, nonpositive: bool = False):
     two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", nv) + 127, 23))
     body = tirx.Let(rv, xv - nv * f(0.693147180559945), two_n * p)
     body = tirx.Let(nv, tirx.floor(xv * f(1.44269504088896341) + f(0.5)), body)
-    clamped = tirx.max(x if nonpositive else tirx.min(x, f(88.3762626647950)), f(-88.3762626647949))
+    clamped = tirx.max(f(-88.3762626647949), x if nonpositive else tirx.min(f(88.3762626647950), x))
     return tirx.Let(xv, clamped, body)
 
 
@@ -776,9 +772,11 @@ def tiles_from_trace(trace) -> tuple[int, int] | None:
 
 def tile_record(database, spec: AttentionSpec, target) -> tuple[int, int] | None:
     """The tuned tiles for `spec` on `target` from a MetaSchedule database, or None."""
+    from .cpu_schedule import vector_lanes
+
     if database is None:
         return None
-    mod = workload(spec, _lanes(target))
+    mod = workload(spec, vector_lanes(target))
     if not database.has_workload(mod):
         return None
     rec = database.query_tuning_record(mod, target, "main")
@@ -795,8 +793,10 @@ class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
     def __init__(self, bb, target, database):
+        from .cpu_schedule import vector_lanes
+
         self.bb, self.target, self.database = bb, target, database
-        self.lanes = _lanes(target)
+        self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
 
@@ -806,7 +806,12 @@ class _Rewrite:
         tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
         if key not in self.funcs:
-            self.funcs[key] = self.bb.add_func(kernel(spec, tiles, self.lanes), "fused_attention")
+            # One symbol per kernel: add_func makes the GlobalVar's name unique, but the
+            # global_symbol attr (what the build links by) must follow it, or two attention
+            # variants in one model are "duplicate global symbol: fused_attention".
+            gv = self.bb.add_func(kernel(spec, tiles, self.lanes), f"fused_attention_{len(self.funcs)}")
+            self.bb.update_func(gv, self.bb.get()[gv].with_attr("global_symbol", gv.name_hint))
+            self.funcs[key] = gv
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 

@@ -41,14 +41,21 @@ def _why(rule: str, func, what: str, e: BaseException | None = None) -> None:
     _log.info("%s on %s: %s%s", rule, name, what, reason)
 
 
-def _lanes(target: Target) -> int:
-    from tvm.target.codegen import llvm_get_vector_width
+def vector_lanes(target: Target) -> int:
+    """float32 lanes of the target's widest vector registers, from the target's own features
+    (mcpu/mattr), not the build machine's: TVM's llvm_get_vector_width answered 512 bits for
+    `-mcpu=haswell` and for plain x86-64 on this AVX-512 host, so AVX2 cross builds got 16-lane
+    tiles (6 rows x 2 zmm-wide accumulators: twice the 16 ymm registers AVX2 has)."""
+    from tvm.target.codegen import target_has_features
 
     try:
-        bits = int(llvm_get_vector_width(target))
-    except Exception:
-        bits = 128
-    return max(4, bits // 32)
+        if target_has_features("avx512f", target):
+            return 16
+        if target_has_features("avx", target):
+            return 8
+    except Exception:  # not an x86 LLVM target
+        pass
+    return 4  # SSE, NEON, and anything narrower-or-unknown: 128-bit
 
 
 def _cores(target: Target) -> int:
@@ -167,7 +174,7 @@ class CPUMatmul(ScheduleRule):
         idx = _inline_producers(sch, blocks, mm, "CPUMatmul", func)
         if idx is None:
             return None
-        lanes = _lanes(target)
+        lanes = vector_lanes(target)
         *batch, i, j, k = sch.get_loops(mm)
         m_sym = _const(sch.get(i).extent) is None
         if n is None:
@@ -210,7 +217,7 @@ class CPUMatmul(ScheduleRule):
         # as separate loops after the matmul: parallel over rows, vectorised along j.
         for b in blocks[idx + 1:]:
             if _alive(sch, b):
-                _schedule_elementwise(sch, b, _lanes(target))
+                _schedule_elementwise(sch, b, vector_lanes(target))
         # Vectorize and parallelize while the update is still a complete reduction block.
         sch.vectorize(ji)
         sch.unroll(ii)
@@ -239,7 +246,7 @@ def _packed_nr(block) -> int | None:
 
 def panel_width(target: Target) -> int:
     """The NR the CPU matmul kernel uses for wide N: NR_VECS vectors."""
-    return NR_VECS * _lanes(target)
+    return NR_VECS * vector_lanes(target)
 
 
 def _alive(sch, b) -> bool:
@@ -306,7 +313,7 @@ class CPURowReduction(ScheduleRule):
             # workloads are never MetaSchedule-tuned, so no trace is replayed with checks.
             sch = s_tir.Schedule(func, enable_check=False)
             blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
-        lanes = _lanes(target)
+        lanes = vector_lanes(target)
         _inline_single_use(sch, blocks)
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         partials = []
@@ -363,7 +370,7 @@ class CPUMatmulRaggedN(ScheduleRule):
         if mm is None:
             return None
         ok, n = _is_nn_matmul(sch.get(mm))
-        lanes = _lanes(target)
+        lanes = vector_lanes(target)
         if not ok or n is None or n % lanes == 0 or n < lanes or _packed_nr(sch.get(mm)):
             return None  # CPUMatmul's (or nobody's) case
         idx = _inline_producers(sch, blocks, mm, "CPUMatmulRaggedN", func)

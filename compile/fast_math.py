@@ -59,6 +59,10 @@ def _static(shape) -> list[int] | None:
 
 @mutator
 class _FastActivations(PyExprMutator):
+    def __init__(self, mod, patch_conv: bool = True):
+        super().__init__(mod)
+        self.patch_conv = patch_conv
+
     def _power(self, call):
         x, e = call.args
         p = _const_scalar(e)
@@ -99,7 +103,7 @@ class _FastActivations(PyExprMutator):
         if op == "relax.power":
             return self._power(call)
         if op == "relax.nn.conv2d":
-            return self._patch_conv(call)
+            return self._patch_conv(call) if self.patch_conv else call
         if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh", "relax.nn.softmax"):
             return call
         dtype = getattr(call.args[0].ty, "dtype", None)
@@ -114,10 +118,16 @@ class _FastActivations(PyExprMutator):
         return self.builder_.call_te(fn, call.args[0], primfunc_name_hint=op.split(".")[-1])
 
 
-@tvm.transform.module_pass(opt_level=0, name="BlockforgeFastActivations")
-def fast_activations(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    m = _FastActivations(mod)
-    for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            m.builder_.update_func(gv, m.visit_expr(func))
-    return m.builder_.get()
+def fast_math(patch_conv: bool = True) -> tvm.transform.Pass:
+    """The rewrites above as one module pass; patch_conv=False keeps convolutions as they are
+    (the pipeline's "patch-conv" ablation)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="BlockforgeFastMath")
+    def fast_math_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        m = _FastActivations(mod, patch_conv)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                m.builder_.update_func(gv, m.visit_expr(func))
+        return m.builder_.get()
+
+    return fast_math_pass

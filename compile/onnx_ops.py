@@ -157,9 +157,12 @@ def _attention_bias(bb, *, mask, dtype: str, sq, skv, past, nonpad, causal: bool
         j = bb.emit(_T.reshape(_positions(bb, skv), [1, skv]))  # (1, S_kv)
         valid = bb.emit(_T.less(j, _T.reshape(nonpad, [b, 1])))  # (B, S_kv)
         terms.append(bb.emit(_T.reshape(_where_bias(bb, valid, dtype), [b, 1, 1, skv])))
+    # Every term after the first is a 0 / -inf structural mask, and it replaces the bias where
+    # -inf rather than adding to it: as ONNX Runtime, a NaN or +inf attn_mask value at a causally
+    # masked key is dropped there (an add would give NaN), while a NaN score still is not.
     bias = None
     for t in terms:
-        bias = t if bias is None else bb.emit(_T.add(bias, t))
+        bias = t if bias is None else bb.emit(_T.where(_T.equal(t, _full(-np.inf, dtype)), t, bias))
     return bias, may_mask_row
 
 
@@ -221,10 +224,12 @@ def attention(bb, inputs, attr: dict, opset: int):
         keys = _T.astype(_T.not_equal(bias, _full(-np.inf, dtype)), "int32")
         keep = bb.emit(_T.astype(_T.max(keys, axis=-1, keepdims=True), dtype))  # (.., S_q, 1)
         # Other rows: -inf -> the lowest finite value, whose exp underflows to 0 all the same.
-        lowest = _T.multiply(keep, _full(-float(ml_dtypes.finfo(_np_dtype(dtype)).max), dtype))
+        lowest = bb.emit(_T.multiply(keep, _full(-float(ml_dtypes.finfo(_np_dtype(dtype)).max), dtype)))
         if mode == 2:
             qk = bb.emit(_T.add(scores, bias))  # the reference's -inf, before the fix
-        bias = bb.emit(_T.maximum(bias, lowest))
+        # A select, not maximum(bias, lowest): a NaN in the mask must reach the output as in
+        # ONNX Runtime, and max drops NaN (TVM's LLVM max is select(a > b, a, b), CUDA's fmaxf).
+        bias = bb.emit(_T.where(_T.less(bias, lowest), lowest, bias))
     if bias is not None:
         scores = bb.emit(_T.add(scores, bias))  # (B, h, S_q, S_kv)
     if mode == 2 and keep is None:

@@ -16,6 +16,7 @@ from typing import Callable
 
 from blockforge import settings
 from blockforge.errors import BlockforgeError, error_line
+from blockforge.fsutil import atomic_write_text
 from blockforge.targets import ResolvedTarget
 
 
@@ -25,6 +26,23 @@ class BuildResult:
     phases: list[str] = field(default_factory=list)
     tasks: int = 0
     untuned_tasks: list[str] = field(default_factory=list)
+
+
+# What a build can leave out, to A/B one rewrite inside a whole model (benchmarks/ use these;
+# tune and the CLI never do): name -> what it turns off.
+ABLATIONS = {
+    "fuse-attention": "the fused CPU attention kernel (phase fuse-attention)",
+    "fp32-compute": "CPU float16 models computed in float32 (left out: float16 storage, float32 sums)",
+    "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
+    "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
+}
+
+
+def _check_ablations(without) -> frozenset[str]:
+    unknown = set(without) - set(ABLATIONS)
+    if unknown:
+        raise ValueError(f"unknown ablation(s) {sorted(unknown)}: known {sorted(ABLATIONS)}")
+    return frozenset(without)
 
 
 @dataclass
@@ -46,20 +64,22 @@ def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
     def passes() -> list:
         from .attention import fuse_attention
 
-        # Before optimize: fast_activations turns softmax into a call_tir the matcher
+        # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database)]
     return passes
 
 
-def _optimize() -> list:
-    from tvm import relax
+def _optimize(without: frozenset[str]) -> Callable[[], list]:
+    def passes() -> list:
+        from tvm import relax
 
-    from .fast_math import fast_activations
+        from .fast_math import fast_math
 
-    # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
-    return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
-            fast_activations, relax.transform.FoldConstant()]
+        # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
+        return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
+                fast_math(patch_conv="patch-conv" not in without), relax.transform.FoldConstant()]
+    return passes
 
 
 def _legalize() -> list:
@@ -76,22 +96,22 @@ def _legalize() -> list:
             ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
 
 
-def default_rules(target: ResolvedTarget) -> list:
+def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset()) -> list:
     """The schedule rules an untuned build applies (and tune seeds each task with), in order."""
     from tvm.s_tir import dlight as dl
 
     if target.is_gpu:
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    from .cpu_schedule import default_cpu_rules
+    from .cpu_schedule import CPUMatmulRaggedN, default_cpu_rules
 
-    return default_cpu_rules()
+    return [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
 
 
-def _schedule(target: ResolvedTarget) -> Callable[[], list]:
+def _schedule(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from tvm.s_tir import dlight as dl
 
-        return [dl.ApplyDefaultSchedule(*default_rules(target))]
+        return [dl.ApplyDefaultSchedule(*default_rules(target, without))]
     return passes
 
 
@@ -125,14 +145,14 @@ def _fp32_accumulate() -> list:
 
 
 def _fp32_compute() -> list:
-    from .fast_math import fast_activations
+    from .fast_math import fast_math
     from .fp32_compute import float16_as_float32
 
     # CPU: ONNX Runtime's CPU provider computes float16 graphs in float32 (casts at the
     # inputs and outputs only); float16 intermediates overflowed where its stay finite
     # (MHA inputs x300: 1024 of 1024 outputs NaN vs 0). fp32_compute.py has the numbers.
     # The activations converted to float32 then get the fast kernels float32 models get.
-    return [float16_as_float32, fast_activations]
+    return [float16_as_float32, fast_math()]
 
 
 def has_fp16(mod) -> bool:
@@ -147,20 +167,23 @@ def has_fp16(mod) -> bool:
 
 
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
-           fuse_attention: bool | None = None) -> list[Phase]:
+           fuse_attention: bool | None = None, without=frozenset()) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
-    False/True to A/B both builds in one process."""
+    False/True to A/B both builds in one process. without: names from ABLATIONS to leave out."""
     out = []
-    fuse = settings.fuse_attention() if fuse_attention is None else fuse_attention
+    without = _check_ablations(without)
+    fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
     cpu = target.kind == "llvm"
-    if fp16 and cpu:
+    if fp16 and cpu and "fp32-compute" in without:
+        out.append(Phase("fp32-accumulate", _fp32_accumulate))  # the float16-storage scheme, for A/B
+    elif fp16 and cpu:
         # CPUs compute float16 models in float32 as ORT's CPU provider does, first: the fused
         # attention kernel then computes in float32 too (fused in float16, its scores
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
-    out.append(Phase("optimize", _optimize))
+    out.append(Phase("optimize", _optimize(without)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
@@ -174,14 +197,14 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
             return [relax.transform.MetaScheduleApplyDatabase(enable_warning=False)]
         out.append(Phase("apply-tuning", apply))
     if target.is_gpu or (target.kind == "llvm" and default_schedules):
-        out.append(Phase("schedule", _schedule(target)))
+        out.append(Phase("schedule", _schedule(target, without)))
     out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
     return out
 
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
                stop_after: str | None = None, report: BuildResult | None = None,
-               default_schedules: bool = True, fuse_attention: bool | None = None):
+               default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset()):
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
@@ -191,9 +214,9 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
     names = []
     if dump_ir:
         dump_ir.mkdir(parents=True, exist_ok=True)
-        (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
+        atomic_write_text(dump_ir / "00-import.py", mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
-        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention), start=1):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -204,7 +227,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
             check_integer_division(mod)
             names.append(phase.name)
             if dump_ir:
-                (dump_ir / f"{i:02d}-{phase.name}.py").write_text(mod.script(show_meta=False))
+                atomic_write_text(dump_ir / f"{i:02d}-{phase.name}.py", mod.script(show_meta=False))
             if phase.name == stop_after:
                 break
     return mod, names
@@ -224,28 +247,31 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:
     """(number of tasks, names of tasks the database has no record for); each fused
     attention kernel counts as a task, covered when its tile choice is recorded."""
-    from .attention import _lanes, kernel_specs, workload
+    from .attention import kernel_specs, workload
+    from .cpu_schedule import vector_lanes
 
     tasks = extract_tasks(mod, target)
     missing = [t.task_name for t in tasks if not database.has_workload(t.dispatched[0])]
     specs = kernel_specs(mod)
-    lanes = _lanes(target.tvm_target())
+    lanes = vector_lanes(target.tvm_target())
     missing += [f"fused_attention ({s.describe()})" for s in specs if not database.has_workload(workload(s, lanes))]
     return len(tasks) + len(specs), missing
 
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
-          default_schedules: bool = True, fuse_attention: bool | None = None) -> BuildResult:
+          default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset()) -> BuildResult:
     """Relax IRModule -> VM executable for `target` (whether it can build here is the
     caller's check: compile.session.open_model).
 
     default_schedules=False keeps TVM's own CPU lowering (naive loops): the baseline
-    blockforge's schedules and tuning are measured against."""
+    blockforge's schedules and tuning are measured against; `without` leaves out named
+    rewrites (ABLATIONS) to A/B each inside a whole model."""
     import tvm
 
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
-                                    default_schedules=default_schedules, fuse_attention=fuse_attention)
+                                    default_schedules=default_schedules, fuse_attention=fuse_attention,
+                                    without=without)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:

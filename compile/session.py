@@ -47,13 +47,14 @@ class Session:
                 self._relax = import_prepared(self.prepared, self.inputs)
         return self._relax
 
-    def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True) -> BuildResult:
+    def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
+              without=frozenset()) -> BuildResult:
         if dump_ir:  # the ONNX-level phase: what TVM imported, and what prepare did
             atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared.SerializeToString())
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
             res = build(self.relax(), self.target, database=database, dump_ir=dump_ir,
-                        default_schedules=default_schedules)
+                        default_schedules=default_schedules, without=without)
         res.phases.insert(0, "prepare")
         return res
 

@@ -12,9 +12,11 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -44,6 +46,17 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _refuse_node(dest: Path) -> None:
+    """At the rename itself: never over a device, FIFO or socket (check_outputs refused one
+    before the work; this holds when one appeared meanwhile, and for internal writes)."""
+    from blockforge.errors import BlockforgeError
+
+    st = _lstat(dest)
+    node = _node_kind(st) if st is not None else None
+    if node:
+        raise BlockforgeError(f"{dest} is {node}, not a regular file; refusing to replace it")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +67,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _refuse_node(path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -86,6 +100,7 @@ def atomic_write_group(files: dict[str | os.PathLike, bytes]) -> list[Path]:
             done: list[tuple[Path, str | None]] = []  # (dest, backup of what it replaced)
             try:
                 for dest, tmp in staged:
+                    _refuse_node(dest)
                     backup = None
                     if dest.is_file() and not dest.is_symlink():
                         backup = f"{tmp}.old"
@@ -129,20 +144,166 @@ def atomic_write_json(path: str | os.PathLike, obj) -> Path:
     return atomic_write_bytes(path, json_bytes(obj))
 
 
-def check_output(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | None = None,
-                 what: str = "output", force: bool = False) -> None:
-    """The output policy every verb applies before any work:
+FILE, TREE, INTO = "file", "tree", "into"  # the kinds of output (Output.kind)
+
+
+@dataclass(frozen=True)
+class Output:
+    """One path a run writes, named as the user gave it (`flag` is how messages name it).
+
+    kind FILE: a file replaced by rename (--json, --plot, --output, -o MODEL.onnx);
+    TREE: a directory replaced whole (compile's and package's -o), `is_ours` says which
+    existing ones may be replaced without --force; INTO: a directory written into, never
+    replaced (--dump-ir, the tuning database)."""
+
+    flag: str
+    path: str | os.PathLike
+    kind: str = FILE
+    what: str = "output"
+    is_ours: Callable[[Path], bool] | None = None
+
+
+_MAX_INPUT_FILES = 10_000  # an input directory's files compared by identity (artifacts hold a few)
+
+
+def _lstat(p: Path) -> os.stat_result | None:
+    try:
+        return p.lstat()
+    except OSError:
+        return None
+
+
+def _stat(p: Path) -> os.stat_result | None:
+    try:
+        return p.stat()
+    except OSError:
+        return None
+
+
+def _node_kind(st: os.stat_result) -> str | None:
+    """What a node that blockforge must never write to or rename over is, or None."""
+    m = st.st_mode
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(m):
+            return name
+    return None
+
+
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+@dataclass
+class _Inputs:
+    """What a run reads: identities (st_dev, st_ino) of every file, an input directory's
+    files included, and the resolved paths of the inputs themselves."""
+
+    ids: dict[tuple[int, int], Path] = field(default_factory=dict)
+    paths: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, inputs: Iterable[str | os.PathLike | None]) -> "_Inputs":
+        got = cls()
+        for i in inputs:
+            if i is None or str(i) == "":
+                continue
+            p = Path(i)
+            st = _stat(p)
+            if st is None:
+                continue  # the run itself says the input is missing
+            got.paths.append(_real(p))
+            got.ids[(st.st_dev, st.st_ino)] = p
+            if stat.S_ISDIR(st.st_mode):
+                with contextlib.suppress(OSError):  # an unreadable corner: its files are not compared
+                    for n, f in enumerate(p.rglob("*")):
+                        if n >= _MAX_INPUT_FILES:
+                            break
+                        fst = _stat(f)
+                        if fst is not None and stat.S_ISREG(fst.st_mode):
+                            got.ids.setdefault((fst.st_dev, fst.st_ino), f)
+        return got
+
+    def match(self, st: os.stat_result | None) -> Path | None:
+        return None if st is None else self.ids.get((st.st_dev, st.st_ino))
+
+
+def check_outputs(outputs: Iterable[Output | None], inputs: Iterable[str | os.PathLike | None] = (), *,
+                  force: bool = False) -> None:
+    """The output policy every verb applies to every path it writes, before any work.
+
+    Each output: not an empty path; never a device, FIFO or socket, nor a symbolic link to
+    one (a write by rename would replace the node; --force does not change that); not a
+    symbolic link (FILE, TREE: the rename would replace the link) and not an input of the
+    same run (the same file by identity: a hard link or a symbolic link to it counts),
+    unless `force`; a directory replaced whole (TREE) never holds or lies inside an input;
+    then the rules of its kind (_check_tree, _check_file, _check_into) and a parent one can
+    create files in. Across outputs: no two on the same path, and none inside a TREE."""
+    from blockforge.errors import BlockforgeError
+
+    outs = [o for o in outputs if o is not None]
+    ins = _Inputs.of(inputs)
+    for o in outs:
+        if str(o.path) == "":
+            raise BlockforgeError(f"{o.flag}: the path is empty; give a path or leave {o.flag} out")
+        p = Path(o.path)
+        lst, st = _lstat(p), _stat(p)
+        node = _node_kind(st) if st is not None else None
+        if node:
+            via = f"a symbolic link to {node} ({os.path.realpath(p)})" if stat.S_ISLNK(lst.st_mode) else node
+            raise BlockforgeError(f"{o.flag} {p} is {via}, not a regular file; blockforge never writes to one, "
+                                  "even with --force (choose another path)")
+        same = ins.match(st)
+        if same is not None and o.kind != INTO and not force:
+            if stat.S_ISLNK(lst.st_mode):
+                what = f"a symbolic link to {same}, an input of this run"
+            else:
+                what = "an input of this run" + ("" if _real(p) == _real(same) else f" (the same file as {same})")
+            raise BlockforgeError(f"{o.flag} {p} is {what}; writing it would destroy the input "
+                                  "(choose another output, or pass --force)")
+        if o.kind == TREE:
+            real = _real(p)
+            for i in ins.paths:
+                if _within(i, real) or _within(real, i):
+                    raise BlockforgeError(f"{o.flag} {p} overlaps the input {i}: the {o.what}, replaced whole, "
+                                          "cannot be, hold or lie inside what the run reads; choose another output")
+        try:
+            if o.kind == INTO:
+                _check_into(p, o.what)
+            elif o.kind == TREE:
+                _check_tree(p, is_ours=o.is_ours, what=o.what, force=force)
+            else:
+                _check_file(p, o.what, force=force)
+        except BlockforgeError as e:  # the rules of a kind name the path; the user named a flag
+            raise BlockforgeError(f"{o.flag} {e}") from None
+    for n, a in enumerate(outs):
+        ra = _real(Path(a.path))
+        for b in outs[n + 1:]:
+            rb = _real(Path(b.path))
+            if ra == rb:
+                raise BlockforgeError(f"{a.flag} and {b.flag} name the same path ({a.path}); one would overwrite "
+                                      "the other: give each its own")
+            for tree, other, rt, ro in ((a, b, ra, rb), (b, a, rb, ra)):
+                if tree.kind == TREE and _within(ro, rt):
+                    raise BlockforgeError(f"{other.flag} {other.path} lies inside {tree.flag} {tree.path}, which is "
+                                          "replaced whole at the end; choose a path outside it")
+
+
+def _check_tree(dest: Path, *, is_ours: Callable[[Path], bool] | None, what: str, force: bool) -> None:
+    """A directory replaced whole, checked before the work and again at the swap:
 
     - nothing there, or an empty directory: fine;
     - the same kind of blockforge output (`is_ours`): replaced, the old one kept until the
       new one is complete;
     - anything else (a user's folder, a file, another kind of output): refused unless
-      `force`; even then the old one is only removed once the new one is complete;
-    - the parent directory must be writable (checked now, not after the work).
-    """
+      `force`; even then the old one is only removed once the new one is complete."""
     from blockforge.errors import BlockforgeError
 
-    dest = Path(dest)
+    _refuse_node(dest)  # at the swap too: a FIFO or device that appeared meanwhile is never moved aside
     if dest.is_symlink() and not force:
         raise BlockforgeError(f"{dest} is a symbolic link; refusing to replace it (pass --force to replace the link)")
     if dest.exists():
@@ -152,11 +313,37 @@ def check_output(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | N
             kind = "a directory" if dest.is_dir() else "a file"
             raise BlockforgeError(f"{dest} exists and is {kind} that is not a blockforge {what}; refusing to "
                                   "replace it (choose another output, or pass --force)")
-    check_parent(dest)
+    _check_parent(dest)
 
 
-def check_parent(dest: str | os.PathLike) -> None:
-    """The nearest existing ancestor of `dest` must be a directory we can write in."""
+def _check_file(dest: Path, what: str, *, force: bool) -> None:
+    """A file replaced by rename: not a directory, not a symbolic link unless `force` (the
+    rename replaces the link itself, never its target)."""
+    from blockforge.errors import BlockforgeError
+
+    if dest.is_symlink() and not force:
+        raise BlockforgeError(f"{dest} is a symbolic link; refusing to replace it (pass --force to replace the "
+                              "link itself; its target is left alone)")
+    if dest.is_dir():
+        raise BlockforgeError(f"{dest} is a directory; the {what} must be a file path")
+    _check_parent(dest)
+
+
+def _check_into(dest: Path, what: str) -> None:
+    """A directory written into (a symbolic link to one is followed: nothing is renamed
+    over it)."""
+    from blockforge.errors import BlockforgeError
+
+    if dest.exists() and not dest.is_dir():
+        raise BlockforgeError(f"{dest}: the {what} must be a directory, and this is a file")
+    if not dest.exists():
+        _check_parent(dest)
+    else:
+        _probe_create(dest, dest)
+
+
+def _check_parent(dest: str | os.PathLike) -> None:
+    """The nearest existing ancestor of `dest` must be a directory we can create files in."""
     from blockforge.errors import BlockforgeError
 
     dest = Path(dest)
@@ -165,8 +352,24 @@ def check_parent(dest: str | os.PathLike) -> None:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise BlockforgeError(f"{dest}: {probe} is a file, not a directory")
-    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise BlockforgeError(f"{dest}: cannot write in {probe} ({_not_writable(probe)})")
+    _probe_create(dest, probe)
+
+
+def _probe_create(dest: Path, where: Path) -> None:
+    """Create and remove a file in `where`: mode bits do not tell (root writes anywhere by
+    them, yet not in /proc or /sys, nor in an immutable directory), so ask the file system."""
+    from blockforge.errors import BlockforgeError
+
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise BlockforgeError(f"{dest}: cannot write in {where} ({_not_writable(where)})")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".blockforge-probe-", dir=where)
+    except OSError as e:
+        why = f"read-only file system: {where}" if e.errno == errno.EROFS else e.strerror or e
+        raise BlockforgeError(f"{dest}: cannot write in {where} ({why})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
 
 
 def _not_writable(directory: Path) -> str:
@@ -177,32 +380,6 @@ def _not_writable(directory: Path) -> str:
     except OSError:
         pass
     return "permission denied"
-
-
-def check_dir_output(dest: str | os.PathLike, what: str = "output directory") -> Path:
-    """A directory output written into (not replaced), checked before any work."""
-    from blockforge.errors import BlockforgeError
-
-    dest = Path(dest)
-    if dest.exists() and not dest.is_dir():
-        raise BlockforgeError(f"{dest}: the {what} must be a directory, and this is a file")
-    if not dest.exists():
-        check_parent(dest)
-    elif not os.access(dest, os.W_OK | os.X_OK):
-        raise BlockforgeError(f"{dest}: cannot write in it ({_not_writable(dest)})")
-    return dest
-
-
-def check_file_output(dest: str | os.PathLike, what: str = "output file") -> Path:
-    """A file output (--json, --output, --plot, -o MODEL.onnx), checked before any work:
-    not a directory, and a writable directory to put it in."""
-    from blockforge.errors import BlockforgeError
-
-    dest = Path(dest)
-    if dest.is_dir():
-        raise BlockforgeError(f"{dest} is a directory; the {what} must be a file path")
-    check_parent(dest)
-    return dest
 
 
 def write_error(dest: str | os.PathLike, e: OSError):
@@ -268,14 +445,15 @@ def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool]
                      what: str = "output", force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that replaces `dest` only if the block succeeds.
 
-    The output policy (check_output) is applied before and again at the swap (another
+    The directory rule (_check_tree; check_outputs applies it with the rest of the policy before
+    the work) is applied before and again at the swap (another
     process may have written `dest` meanwhile). The previous `dest` is moved aside and
     removed only after the new one is in place; two writers racing to one `dest` end with
     one complete result, never a mix."""
     from blockforge.errors import BlockforgeError
 
     dest = Path(dest)
-    check_output(dest, is_ours=is_ours, what=what, force=force)
+    _check_tree(dest, is_ours=is_ours, what=what, force=force)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
@@ -290,7 +468,7 @@ def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool]
                     with open(p, "rb") as f:
                         os.fsync(f.fileno())
         for _attempt in range(20):
-            check_output(dest, is_ours=is_ours, what=what, force=force)
+            _check_tree(dest, is_ours=is_ours, what=what, force=force)
             old = None
             if dest.exists() or dest.is_symlink():
                 old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{_attempt}")

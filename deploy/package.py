@@ -30,7 +30,7 @@ from pathlib import Path
 from blockforge import settings
 from blockforge.compile.manifest import elf_arch, is_artifact, read_manifest, verify_files
 from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_directory, check_output
+from blockforge.fsutil import TREE, Output, atomic_directory, check_outputs
 from blockforge.targets.toolchain import CROSS_COMPILERS, arch_name, host_arch
 
 RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_ffi.so")
@@ -199,13 +199,6 @@ def is_package(path: Path) -> bool:
     return is_artifact(path) and (Path(path) / "lib").is_dir()
 
 
-def _check_output(dest: Path, artifact: Path, force: bool) -> None:
-    a, d = artifact.resolve(), dest.resolve()
-    if d == a or a in d.parents or d in a.parents:
-        raise BlockforgeError(f"{dest}: the package cannot be the artifact or inside it; choose another output")
-    check_output(dest, is_ours=is_package, what="package", force=force)
-
-
 def package_artifact(opts: PackageOptions) -> PackageResult:
     artifact = Path(opts.artifact)
     manifest = read_manifest(artifact)
@@ -222,8 +215,9 @@ def package_artifact(opts: PackageOptions) -> PackageResult:
     if arch and found != arch:
         raise BlockforgeError(f"{artifact}: {module} is for {found} but manifest.json says {arch}")
     arch = found
-    dest = Path(opts.output) if opts.output else artifact.with_name(artifact.name + ".pkg")
-    _check_output(dest, artifact, opts.force)
+    out = opts.output if opts.output is not None else artifact.with_name(artifact.name + ".pkg")
+    check_outputs([Output("-o", out, TREE, "package", is_package)], [artifact], force=opts.force)
+    dest = Path(out)
 
     libs = runtime_libs(arch)
     app = build_app(arch) if opts.app else None

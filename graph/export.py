@@ -10,7 +10,7 @@ from onnx import shape_inference
 
 import blockforge
 from blockforge.errors import BlockforgeError, error_line
-from blockforge.fsutil import atomic_write_group, check_file_output, json_bytes, sha256_bytes, write_error
+from blockforge.fsutil import Output, atomic_write_group, check_outputs, json_bytes, sha256_bytes, write_error
 
 from .analysis import analyze
 from .builders import build
@@ -65,14 +65,18 @@ def manifest_for(model: onnx.ModelProto, data: bytes, spec: Spec | None) -> dict
     }
 
 
-def export(spec: Spec, output: str | Path | None = None) -> ExportResult:
-    """Build `spec`, validate it and write MODEL.onnx + MODEL.json: both or neither."""
-    path = Path(output) if output else Path("artifacts") / default_name(spec)
+def export(spec: Spec, output: str | Path | None = None, *, force: bool = False) -> ExportResult:
+    """Build `spec`, validate it and write MODEL.onnx + MODEL.json: both or neither.
+    `force`: replace symbolic links there (the links, not their targets)."""
+    if output == "":
+        raise BlockforgeError("-o: the path is empty; name the model (MODEL.onnx) or leave -o out")
+    path = Path(output) if output is not None else Path("artifacts") / default_name(spec)
     if path.suffix != ".onnx":
         raise BlockforgeError(f"output path {path} must end in .onnx")
     mpath = path.with_suffix(".json")
-    check_file_output(path, "model")  # before the build: a refused output costs nothing
-    check_file_output(mpath, "model's manifest")
+    # before the build: a refused output costs nothing
+    check_outputs([Output("-o", path, what="model"), Output("-o's manifest", mpath, what="model's manifest")],
+                  force=force)
     model, weights = build(spec)
     validate(model)
     data = model.SerializeToString()  # weights inline: no external-data files to trust

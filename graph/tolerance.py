@@ -36,6 +36,17 @@ def tolerance_for(dtype: str, kind: str) -> Tolerance:
     return TOLERANCES[(str(np.dtype(dtype)), scope)]
 
 
+def output_tolerance(dtype, spec_kind: str | None) -> Tolerance:
+    """The row one model output is compared with (verify and bench alike): foreign graphs
+    (no spec) get the looser whole-block row; dtypes without a row of their own (integers,
+    bool, float64) float32's."""
+    kind = spec_kind or "block"
+    try:
+        return tolerance_for(dtype, kind)
+    except (KeyError, TypeError):
+        return tolerance_for("float32", kind)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """max_rel is taken only over elements where the relative term governs the tolerance,

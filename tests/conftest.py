@@ -133,6 +133,8 @@ SKIP_GROUPS = (
               "a machine with an NVIDIA GPU and its driver (nvidia-smi lists it); then `make test`"),
     SkipGroup("CUDA build tests (nvcc)", ("nvcc",),
               "the CUDA toolkit with nvcc on PATH (e.g. apt-get install nvidia-cuda-toolkit)"),
+    SkipGroup("Hugging Face export tests (torch, transformers)", ("torch/transformers not installed",),
+              "pip install '.[export]' into the venv (~3 min: a CPU torch wheel)"),
 )
 
 

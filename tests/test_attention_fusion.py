@@ -17,6 +17,7 @@ from tvm import relax  # noqa: E402
 
 from blockforge.compile import VerifyOptions, attention, verify  # noqa: E402
 from blockforge.compile.frontend import import_onnx  # noqa: E402
+from blockforge.compile.cpu_schedule import vector_lanes  # noqa: E402
 from blockforge.compile.pipeline import build, run_phases  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import MHASpec, export  # noqa: E402
@@ -25,7 +26,7 @@ from blockforge.targets import resolve  # noqa: E402
 
 HOST = resolve("host")
 TARGET = HOST.tvm_target()
-LANES = attention._lanes(TARGET)
+LANES = vector_lanes(TARGET)
 
 
 def _fuse(mod):
@@ -350,3 +351,83 @@ def test_setting_turns_the_phase_off(monkeypatch):
     monkeypatch.delenv(settings.FUSE_ATTENTION)
     assert "fuse-attention" not in [p.name for p in phases(HOST, default_schedules=False)], "naive baseline stays naive"
     assert "fuse-attention" not in [p.name for p in phases(HOST, fuse_attention=False)]
+
+
+def _four_variant_model(path: Path) -> Path:
+    """Four distinct attentions in one model (onnx.helper, static shapes), as Swin and
+    encoder-decoders have them: window attention (4 windows of 4 tokens, 2 heads), shifted-
+    window attention with its (windows, 1, N, N) additive mask, causal decoder self-attention
+    (4 heads) and cross-attention over a 12-token memory with a bool padding mask."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+
+    def const(name, a):
+        inits.append(numpy_helper.from_array(np.asarray(a), name))
+        return name
+
+    def op(kind, ins, out, **attrs):
+        nodes.append(helper.make_node(kind, ins, [out], name=out, **attrs))
+        return out
+
+    def attn(p, xq, xkv, b, sq, skv, heads, add=None, keep=None):
+        c, d = 32, 32 // heads
+        w = {n: const(f"{p}/W_{n}", (rng.standard_normal((c, c)) / np.sqrt(c)).astype(np.float32)) for n in "qkvo"}
+        heads_q = const(f"{p}/hq", np.array([b, sq, heads, d], np.int64))
+        heads_kv = const(f"{p}/hkv", np.array([b, skv, heads, d], np.int64))
+        q = op("Transpose", [op("Reshape", [op("MatMul", [xq, w["q"]], f"{p}/q0"), heads_q], f"{p}/q1")], f"{p}/q",
+               perm=[0, 2, 1, 3])
+        kt = op("Transpose", [op("Reshape", [op("MatMul", [xkv, w["k"]], f"{p}/k0"), heads_kv], f"{p}/k1")],
+                f"{p}/kt", perm=[0, 2, 3, 1])
+        v = op("Transpose", [op("Reshape", [op("MatMul", [xkv, w["v"]], f"{p}/v0"), heads_kv], f"{p}/v1")], f"{p}/v",
+               perm=[0, 2, 1, 3])
+        s = op("Mul", [op("MatMul", [q, kt], f"{p}/s0"), const(f"{p}/scale", np.float32(d ** -0.5))], f"{p}/s1")
+        if add is not None:
+            s = op("Add", [s, add], f"{p}/s2")
+        if keep is not None:
+            s = op("Where", [keep, s, const(f"{p}/fill", np.float32(np.finfo(np.float32).min))], f"{p}/s3")
+        o = op("MatMul", [op("Softmax", [s], f"{p}/p", axis=-1), v], f"{p}/o0")
+        o = op("Reshape", [op("Transpose", [o], f"{p}/o1", perm=[0, 2, 1, 3]),
+                           const(f"{p}/merge", np.array([b, sq, c], np.int64))], f"{p}/o2")
+        return op("Add", [xq, op("MatMul", [o, w["o"]], f"{p}/o3")], f"{p}/out")
+
+    windows = const("windows", np.array([4, 4, 32], np.int64))
+    tokens = const("tokens", np.array([1, 16, 32], np.int64))
+    shift = np.where(rng.random((4, 1, 4, 4)) < 0.7, 0.0, -100.0).astype(np.float32)
+    shift[..., 0] = 0.0  # Swin's shifted-window mask: 0 / -100, every row keeps a key
+    xw = op("Reshape", ["x", windows], "xw")
+    h = attn("wmsa", xw, xw, 4, 4, 4, 2)
+    h = attn("swmsa", h, h, 4, 4, 4, 2, add=const("shift_mask", shift))
+    h = op("Reshape", [h, tokens], "h")
+    h = attn("self", h, h, 1, 16, 16, 4, keep=const("causal", np.tril(np.ones((16, 16), bool))))
+    axes = const("axes", np.array([1, 2], np.int64))
+    h = attn("cross", h, "memory", 1, 16, 12, 4, keep=op("Unsqueeze", ["memory_mask", axes], "mm"))
+    nodes.append(helper.make_node("Identity", [h], ["y"], name="y"))
+    graph = helper.make_graph(nodes, "four_attentions", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 32]),
+        helper.make_tensor_value_info("memory", TensorProto.FLOAT, [1, 12, 32]),
+        helper.make_tensor_value_info("memory_mask", TensorProto.BOOL, [1, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 32])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
+    return path
+
+
+def test_distinct_attention_variants_get_distinct_kernels(tmp_path, monkeypatch):
+    """Every fused kernel was added under one global symbol, so a model with two or more
+    attention variants failed to build ("duplicate global symbol: fused_attention", exit 70):
+    all of Swin's exports did. Four variants: four kernels, four symbols, and ORT parity."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    path = _four_variant_model(tmp_path / "four.onnx")
+    mod, _ = run_phases(open_model(path, HOST, {}).relax(), HOST, stop_after="fuse-attention")
+    kernels = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)]
+    specs = {attention.AttentionSpec.from_json(str(f.attrs[attention.KERNEL_ATTR])) for f in kernels}
+    assert len(kernels) == len(specs) == 4, [s.describe() for s in specs]
+    assert sum(s.causal for s in specs) == 1 and sum(s.add is not None for s in specs) == 1
+    assert {s.heads for s in specs} == {2, 4} and {s.skv for s in specs} == {4, 16, 12}
+    symbols = {str(f.attrs["global_symbol"]) for f in kernels}
+    assert len(symbols) == 4 and all(s.startswith("fused_attention") for s in symbols), symbols
+    assert "relax.nn.softmax" not in _ops(mod), "every attention is fused"
+    rep = verify(VerifyOptions(model=path, target="host", dims={}, use_tuning=False))
+    assert {c.pair for c in rep.comparisons} == {"tvm vs ort"}
+    assert rep.passed, [c for c in rep.comparisons if not c.passed]

@@ -136,7 +136,7 @@ def test_missing_or_refusing_peers_are_notes(tiny_mha, monkeypatch):
     assert [r.name for r in rep.results] == ["ort"] and rep.best_peer == "ort"
     notes = "\n".join(rep.notes)
     assert "openvino: not installed (pip install 'blockforge[peers]'); skipped" in notes
-    assert "ort-fused: output differs from the numpy oracle" in notes and "not timed" in notes
+    assert "ort-fused: output 'output' differs from the numpy oracle" in notes and "not timed" in notes
 
     # A peer engine that raises on the model is a note too, never an error.
     def boom(model, inputs, threads):
@@ -148,10 +148,80 @@ def test_missing_or_refusing_peers_are_notes(tiny_mha, monkeypatch):
         bench(BenchOptions(model=tiny_mha, against=("ort", "openvino"), dims={"batch": 1, "seq": 16}, repeat=3))
 
 
+def _foreign(tmp_path, name: str, nodes: list, outputs: list, dtype=None, inits=()) -> str:
+    """A small foreign model (no blockforge spec: ONNX Runtime is the reference), x (2, 8)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    dtype = dtype or TensorProto.FLOAT
+    g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", dtype, [2, 8])],
+                          [helper.make_tensor_value_info(o, dtype, [2, 8]) for o in outputs], list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / f"{name}.onnx")
+    return tmp_path / f"{name}.onnx"
+
+
+def test_every_output_is_checked_before_timing(tmp_path, monkeypatch):
+    """A two-output model; a contender (a peer injected through the registry: ORT's own
+    result with the second output off by one) gets the first output right and the second
+    wrong: refused, not timed, the note naming the output. TVM's two outputs both pass."""
+    from onnx import helper, numpy_helper
+
+    from blockforge.bench import contenders
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "w")
+    model = _foreign(tmp_path, "two", [helper.make_node("MatMul", ["x", "w"], ["y1"]),
+                                       helper.make_node("Tanh", ["y1"], ["y2"])], ["y1", "y2"], inits=[w])
+
+    class SecondOutputWrong(contenders._OrtRunner):
+        def outputs(self):
+            outs = super().outputs()
+            return [outs[0], outs[1] + np.float32(1.0)]
+
+    monkeypatch.setattr(REGISTRY["openvino"], "available", lambda: True)
+    monkeypatch.setattr(REGISTRY["openvino"], "make_runner", lambda m, i, t: SecondOutputWrong(m.onnx, i, t))
+    rep = bench(BenchOptions(model=model, against=("ort", "openvino", "untuned"), repeat=3, gemm_n=128))
+    notes = "\n".join(rep.notes)
+    assert [r.name for r in rep.results] == ["ort", "untuned"], notes
+    assert "openvino: output 'y2' differs from ONNX Runtime (max abs err 1.00e+00" in notes and "not timed" in notes
+    assert rep.unchecked == [] and rep.headline is not None and rep.headline["best_peer"] == "ort"
+
+
+def test_nothing_checked_no_headline(tmp_path, monkeypatch):
+    """A model ONNX Runtime cannot run (Erf on float64: no CPU kernel) has no reference;
+    a peer that runs it (injected: numpy's erf) and TVM are timed, but the report says
+    unchecked and gives no ratio headline."""
+    import math
+
+    from onnx import TensorProto, helper
+
+    model = _foreign(tmp_path, "erf64", [helper.make_node("Erf", ["x"], ["y"])], ["y"], dtype=TensorProto.DOUBLE)
+
+    class NumpyErf:
+        def __init__(self, inputs):
+            self.x = inputs["x"]
+
+        def __call__(self):
+            return np.vectorize(math.erf)(self.x)
+
+        def outputs(self):
+            return [self()]
+
+    monkeypatch.setattr(REGISTRY["openvino"], "available", lambda: True)
+    monkeypatch.setattr(REGISTRY["openvino"], "make_runner", lambda m, i, t: NumpyErf(i))
+    rep = bench(BenchOptions(model=model, against=("ort", "openvino", "untuned"), repeat=3, gemm_n=128))
+    notes = "\n".join(rep.notes)
+    assert [r.name for r in rep.results] == ["openvino", "untuned"], notes
+    assert rep.headline is None and rep.to_dict()["headline"] is None, rep.headline_text()
+    assert rep.unchecked == ["y"] and "no reference for y" in notes and "ort: cannot take this model" in notes
+    assert "no headline: unchecked" in rep.markdown()
+
+
 RESULT_KEYS = {"name", "peer", "median_ms", "p90_ms", "min_ms", "gflops", "ratio_to_best_peer", "ratio_to_ort",
                "pct_of_sgemm", "samples_ms"}
 REPORT_KEYS = {"schema", "model", "target", "dims", "threads", "flops", "sgemm_gflops", "results", "best_peer",
-               "headline", "profile", "notes", "host"}
+               "headline", "profile", "notes", "host", "unchecked"}
 
 
 @pytest.mark.slow
@@ -165,7 +235,7 @@ def test_bench_cli_json_plot_profile(tmp_path):
     assert "tuned: no tuning records" in r.out  # no database: said, not faked
     assert "note: ort-fused:" in r.out  # relu FFN: nothing for ORT to fuse (or no optimizer): a note
     rep = json.loads((tmp_path / "b.json").read_text())
-    assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA
+    assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA and rep["unchecked"] == []
     assert rep["flops"] == 2 * 2 * 16 * 64 * 128 and rep["threads"] >= 1 and rep["sgemm_gflops"] > 0
     assert {"cpu_model", "physical_cores", "machine", "load_avg_1m", "versions"} <= set(rep["host"])
     assert {"apache-tvm", "onnx", "numpy"} <= set(rep["host"]["versions"])

@@ -12,11 +12,15 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 from tvm import te, tirx, topi  # noqa: E402
 
 from blockforge.compile import attention  # noqa: E402
-from blockforge.compile.cpu_schedule import MR, NR_VECS, PARTITION_HINT, CPUMatmul, CPURowReduction, _lanes  # noqa: E402
+from blockforge.compile.cpu_schedule import MR, NR_VECS, PARTITION_HINT, CPUMatmul, CPURowReduction, vector_lanes  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
 
-TARGET = resolve("host").tvm_target()
-LANES = _lanes(TARGET)
+# Scheduled for a fixed target (the x86-64-avx512 preset's mcpu), so the expected structure
+# is the same on every build machine; run on the host (LLVM splits the 16-lane vectors
+# where the host has only AVX2).
+TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+RUN_TARGET = resolve("host").tvm_target()
+LANES = vector_lanes(TARGET)
 i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
 SEQ = tirx.Var("seq", "int64")
 
@@ -47,7 +51,7 @@ def _schedule(rule, func):
 
 
 def _run(func, arrays, out_shape, dtype="float32"):
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=RUN_TARGET)
     out = tvm.runtime.tensor(np.zeros(out_shape, dtype))
     lib["main"](*[tvm.runtime.tensor(a) for a in arrays], out)
     return out.numpy()
@@ -250,3 +254,16 @@ def test_fast_exp_matches_numpy():
     want = np.exp(a.astype(np.float64))
     assert got[1020] == 0.0, "exp(-inf) is exactly 0 (a masked score adds nothing)"
     np.testing.assert_allclose(got, want, rtol=2e-7 * 8, atol=1e-37)
+
+
+@pytest.mark.parametrize("nonpositive", [False, True])
+def test_fast_exp_keeps_nan(nonpositive):
+    """NaN in, NaN out: the clamps put x second in max/min (TVM's max(a, b) is
+    select(a > b, a, b), b on NaN), so a NaN score (or inf - inf, a row with an Inf score
+    minus its max) is not turned into exp(-88.38) ~ 0 as it was."""
+    x = te.placeholder((i64(16),), "float32", name="x")
+    y = te.compute(x.shape, lambda i: attention.fast_exp(x[i], nonpositive=nonpositive), name="y")
+    a = np.full(16, np.nan, np.float32)
+    a[::2] = -1.0
+    got = _run(te.create_prim_func([x, y]), [a], a.shape)
+    assert np.isnan(got[1::2]).all() and np.allclose(got[::2], np.exp(-1.0)), got

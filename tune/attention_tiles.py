@@ -56,8 +56,10 @@ def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int],
     fuse-attention phase) not yet in the device database `db`; returns kernels tuned."""
     from tvm.s_tir import meta_schedule as ms
 
+    from blockforge.compile.cpu_schedule import vector_lanes
+
     tgt = target.tvm_target()
-    lanes = attention._lanes(tgt)
+    lanes = vector_lanes(tgt)
     done = 0
     for n, spec in enumerate(attention.kernel_specs(mod), start=1):
         wl_mod = attention.workload(spec, lanes)

@@ -26,7 +26,7 @@ from blockforge.compile.records import FAILED_RUN_SECS, default_db_dir, load_dat
 from blockforge.compile.runtime import tvm_device
 from blockforge.compile.session import Session, open_model
 from blockforge.errors import BlockforgeError, raise_if_stopped
-from blockforge.fsutil import atomic_write_json, check_dir_output, private_temp_root
+from blockforge.fsutil import INTO, Output, atomic_write_json, check_outputs, private_temp_root
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
@@ -540,8 +540,9 @@ def tune(opts: TuneOptions) -> TuneSummary:
     if problem:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     n_servers = _check_options(opts, target)  # before the slow import, not after
-    db_dir = Path(opts.tuning_db) if opts.tuning_db else default_db_dir(target, opts.rpc_key)
-    check_dir_output(db_dir, "tuning database")  # a refused database costs nothing
+    db_arg = opts.tuning_db if opts.tuning_db is not None else default_db_dir(target, opts.rpc_key)
+    check_outputs([Output("--tuning-db", db_arg, INTO, "tuning database")], [opts.model])  # refused: costs nothing
+    db_dir = Path(db_arg)
     session = open_model(opts.model, target, opts.dims)
     local = not opts.rpc_tracker and target.run_problem() is None
     db = DeviceDB(db_dir, target, create=not opts.check_only, cpu=cpu_id() if local else None)

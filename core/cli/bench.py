@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_shape, check_outputs, dims, path_or_none, write_json
+from .common import add_force, add_shape, check_outputs, dims, path_or_none, write_json
 
 
 DEFAULT_SHAPE = "batch=1,seq=128"
@@ -27,6 +27,7 @@ def add(sub) -> None:
     p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG bar chart (ratio to the best peer) here")
+    add_force(p)
     p.set_defaults(func=run)
 
 
@@ -40,10 +41,10 @@ def default_dims(a) -> dict:
 
 
 def run(a) -> int:
+    check_outputs(a, [a.model, a.tuning_db], json=a.json, plot=a.plot)  # before the import, too
     from blockforge.bench import BenchOptions, bench, plot
     from blockforge.fsutil import write_error
 
-    check_outputs(json=a.json, plot=a.plot)
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
                              repeat=a.repeat, dims=dims(a), default_dims=default_dims(a),
@@ -52,7 +53,7 @@ def run(a) -> int:
     for n in rep.notes:
         print(f"note: {n}")
     write_json(a.json, rep.to_dict())
-    if a.plot:
+    if a.plot is not None:
         try:
             plot([rep], Path(a.plot))
         except OSError as e:

@@ -44,17 +44,25 @@ def add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tuning", action="store_true", help="ignore tuning records")
 
 
-def check_outputs(**paths: str | None) -> None:
-    """File outputs (--json, --output, --plot) checked before the work, not after it."""
-    from blockforge.fsutil import check_file_output
+def add_force(p: argparse.ArgumentParser, extra: str = "") -> None:
+    p.add_argument("--force", action="store_true",
+                   help=f"replace {extra}an output that is an input of this run or a symbolic link (the link, not "
+                        "its target); never a device, FIFO or socket, and never two outputs on one path")
 
-    for flag, path in paths.items():
-        if path:
-            check_file_output(path, f"--{flag.replace('_', '-')} output")
+
+def check_outputs(a: argparse.Namespace, inputs: list, *others, **paths: str | None) -> None:
+    """The verb's file outputs (--json, --output, --plot; `others`: fsutil.Output objects
+    of other kinds) through the one output policy (fsutil.check_outputs) together, before
+    the work, not after it; an empty path is an error."""
+    from blockforge.fsutil import Output, check_outputs as policy
+
+    files = [Output(f"--{flag.replace('_', '-')}", path, what=f"--{flag.replace('_', '-')} output")
+             for flag, path in paths.items() if path is not None]
+    policy([*files, *others], inputs, force=getattr(a, "force", False))
 
 
 def write_json(path: str | None, obj) -> None:
-    if path:
+    if path is not None:
         from blockforge.fsutil import atomic_write_json, write_error
 
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_shape, add_tuning, dims, path_or_none
+from .common import add_force, add_shape, add_tuning, dims, path_or_none
 
 
 def add(sub) -> None:
@@ -13,7 +13,7 @@ def add(sub) -> None:
     p.add_argument("--target", required=True, help="preset name (see `blockforge targets`) or TVM target JSON")
     add_shape(p)
     p.add_argument("-o", "--output", default=None, help="artifact directory (default <model>.<target> beside the model)")
-    p.add_argument("--force", action="store_true", help="replace an existing output that is not a blockforge artifact")
+    add_force(p, "an existing output that is not a blockforge artifact, or ")
     p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
     add_tuning(p)
     p.set_defaults(func=run)
@@ -23,8 +23,8 @@ def run(a) -> int:
     from blockforge.compile import CompileOptions, compile_model
 
     res = compile_model(CompileOptions(
-        model=a.model, target=a.target, dims=dims(a), output=path_or_none(a.output),
-        dump_ir=path_or_none(a.dump_ir), tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning,
+        model=a.model, target=a.target, dims=dims(a), output=a.output,
+        dump_ir=a.dump_ir, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning,
         force=a.force))
     m = res.manifest
     size = (res.artifact / m["module"]).stat().st_size

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .common import add_force
+
 
 def add(sub) -> None:
     from blockforge.graph import spec as S
@@ -31,6 +33,7 @@ def add(sub) -> None:
     p.add_argument("--batch", type=int, default=None, help="static batch (default symbolic)")
     p.add_argument("--seq", type=int, default=None, help="static sequence length (default symbolic)")
     p.add_argument("-o", "--output", default=None, help="MODEL.onnx (default artifacts/<name>.onnx)")
+    add_force(p)
     p.set_defaults(func=run)
 
 
@@ -50,7 +53,7 @@ def spec_from_args(a):
 def run(a) -> int:
     from blockforge.graph.export import export
 
-    res = export(spec_from_args(a), a.output)
+    res = export(spec_from_args(a), a.output, force=a.force)
     m = res.manifest
     print(f"wrote {res.model_path} ({m['bytes'] / 2**20:.1f} MiB, {m['params']:,} params, "
           f"{m['matmul_flops'] / 1e9:.3f} GFLOP at {m['flops_at']}) and {res.manifest_path}")

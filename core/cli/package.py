@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import path_or_none
+from .common import add_force
 
 
 def add(sub) -> None:
@@ -10,14 +10,14 @@ def add(sub) -> None:
     p.add_argument("artifact")
     p.add_argument("-o", "--output", default=None, help="package dir (default <artifact>.pkg)")
     p.add_argument("--app", action="store_true", help="also build and include the C++ edge app and run.sh")
-    p.add_argument("--force", action="store_true", help="replace an existing output that is not a blockforge package")
+    add_force(p, "an existing output that is not a blockforge package, or ")
     p.set_defaults(func=run)
 
 
 def run(a) -> int:
     from blockforge.deploy import PackageOptions, package_artifact
 
-    res = package_artifact(PackageOptions(artifact=a.artifact, output=path_or_none(a.output), app=a.app, force=a.force))
+    res = package_artifact(PackageOptions(artifact=a.artifact, output=a.output, app=a.app, force=a.force))
     total = sum(res.files.values())
     print(f"packaged {a.artifact} for {res.arch} -> {res.path}/ ({total / 2**20:.1f} MiB)")
     for name, size in sorted(res.files.items()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .common import add_force, check_outputs
+
 # numpy cannot read back what np.savez writes for ml_dtypes arrays (bfloat16, float8_*,
 # int4, ...: they load as raw void bytes), so such an output is stored as its bits:
 # `<name>.<dtype>_bits`, a uint8/uint16 array; ml_dtypes gets the values back with
@@ -17,6 +19,7 @@ def add(sub) -> None:
     p.add_argument("artifact")
     p.add_argument("--inputs", required=True)
     p.add_argument("--output", required=True)
+    add_force(p)
     p.set_defaults(func=run)
 
 
@@ -48,9 +51,7 @@ def run(a) -> int:
     from blockforge.graph.model_io import load_npz
     from blockforge.logs import native_output_to_log
 
-    from .common import check_outputs
-
-    check_outputs(output=a.output)
+    check_outputs(a, [a.artifact, a.inputs], output=a.output)
     inputs = load_npz(a.inputs)
     mod = load_artifact(a.artifact)
     with native_output_to_log():

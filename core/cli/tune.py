@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_shape, check_outputs, dims, path_or_none, print_table, write_json
+from .common import add_force, add_shape, check_outputs, dims, print_table, write_json
 
 
 def add(sub) -> None:
@@ -29,15 +29,20 @@ def add(sub) -> None:
                         "verdicts (makes records tuned on another CPU usable here; one build per tuned task)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, help="write the summary as JSON here")
+    add_force(p)
     p.set_defaults(func=run)
 
 
 def run(a) -> int:
+    from blockforge.fsutil import INTO, Output
+
+    # --json and the database together: one path for both is refused
+    check_outputs(a, [a.model], Output("--tuning-db", a.tuning_db, INTO, "tuning database")
+                  if a.tuning_db is not None else None, json=a.json)
     from blockforge.tune import TuneOptions, tune
 
-    check_outputs(json=a.json)
     s = tune(TuneOptions(model=a.model, target=a.target, trials=a.trials, trials_per_task=a.trials_per_task,
-                         tuning_db=path_or_none(a.tuning_db), rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
+                         tuning_db=a.tuning_db, rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
                          dims=dims(a), round_trials=a.round_trials, measure=not a.no_measure,
                          progress=not a.no_progress, rpc_wait_s=a.rpc_wait, check_only=a.check_only))
     rows = [[t.name, f"{t.flops / 1e6:.2f}", f"{t.best_us:.1f}" if t.best_us else "-",

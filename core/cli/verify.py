@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_shape, add_tuning, check_outputs, dims, path_or_none, print_table, write_json
+from .common import add_force, add_shape, add_tuning, check_outputs, dims, path_or_none, print_table, write_json
 
 
 def add(sub) -> None:
@@ -14,14 +14,15 @@ def add(sub) -> None:
     p.add_argument("--target", default=None, help="also compile with TVM for this preset or target JSON")
     add_tuning(p)
     p.add_argument("--json", default=None, help="write the report as JSON here")
+    add_force(p)
     p.set_defaults(func=run)
 
 
 def run(a) -> int:
+    check_outputs(a, [a.model, a.inputs, a.tuning_db], json=a.json)
     from blockforge.compile.verify import VerifyOptions, verify
     from blockforge.errors import printable
 
-    check_outputs(json=a.json)
     report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs), dims=dims(a), seed=a.seed,
                                   target=a.target, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning))
     for note in report.notes:

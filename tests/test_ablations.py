@@ -1,0 +1,59 @@
+"""The pipeline's ablations (compile/pipeline.py ABLATIONS): each name leaves out exactly
+its rewrite, so benchmarks A/B one inside a whole model through the public build()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax  # noqa: E402
+from tvm.script import relax as R  # noqa: E402
+
+from blockforge.compile.cpu_schedule import CPUMatmulRaggedN  # noqa: E402
+from blockforge.compile.pipeline import build, default_rules, phases, run_phases  # noqa: E402
+from blockforge.targets import resolve  # noqa: E402
+
+HOST = resolve("host")
+
+
+def test_unknown_ablation_is_refused():
+    with pytest.raises(ValueError, match="unknown ablation"):
+        phases(HOST, without={"fuse-attentoin"})
+
+
+def test_phase_ablations():
+    assert "fuse-attention" in [p.name for p in phases(HOST)]
+    assert "fuse-attention" not in [p.name for p in phases(HOST, without={"fuse-attention"})]
+    fp16 = [p.name for p in phases(HOST, fp16=True, without={"fp32-compute"})]
+    assert "fp32-compute" not in fp16 and "fp32-accumulate" in fp16, fp16
+
+
+def test_ragged_n_rule_ablation():
+    assert any(isinstance(r, CPUMatmulRaggedN) for r in default_rules(HOST))
+    assert not any(isinstance(r, CPUMatmulRaggedN) for r in default_rules(HOST, frozenset({"ragged-n"})))
+
+
+@tvm.script.ir_module
+class Patch:
+    @R.function
+    def main(x: R.Tensor((1, 3, 32, 32), "float32"), w: R.Tensor((8, 3, 16, 16), "float32")):
+        with R.dataflow():
+            y = R.nn.conv2d(x, w, strides=16)
+            R.output(y)
+        return y
+
+
+def test_patch_conv_ablation_keeps_the_conv_and_the_numbers():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 3, 16, 16)).astype("float32")
+    x = rng.standard_normal((1, 3, 32, 32)).astype("float32")
+    mod = relax.transform.BindParams("main", {"w": tvm.runtime.tensor(w)})(Patch)
+    outs = {}
+    for without in (set(), {"patch-conv"}):
+        opt, _ = run_phases(mod, HOST, stop_after="optimize", without=without)
+        assert ("conv2d" in opt.script()) == bool(without)
+        vm = relax.VirtualMachine(build(mod, HOST, without=without).executable, tvm.cpu())
+        outs[bool(without)] = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-4, atol=1e-4)
+

@@ -1,0 +1,235 @@
+"""Schedules as TVM's dlight tests check them: a PrimFunc before, the expected TIR after,
+`assert_structural_equal`, under fixed targets (the x86-64-avx512 and x86-64-avx2 presets'
+mcpus), so the expected IR is the same on every build machine. tests/test_schedules.py
+checks the properties (parallel loop, widths, guards) and the numbers over more shapes.
+
+To regenerate an expected function after a deliberate schedule change, print
+`_schedule(rule, before, target).script()` and substitute the width parameters back in.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm.script import tirx as T  # noqa: E402
+
+from blockforge.compile.cpu_schedule import CPUMatmul, CPURowReduction, vector_lanes  # noqa: E402
+
+AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell", "num-cores": 2})
+NEON = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"], "num-cores": 4})
+
+
+def _schedule(rule, func, target):
+    func = func.with_attr("global_symbol", "main")  # as the expected functions are named
+    with target:
+        sch = rule.apply(func, target, False)
+    assert sch is not None, f"{type(rule).__name__} did not apply"
+    return sch.mod["main"]
+
+
+@pytest.mark.parametrize("target, lanes", [(AVX512, 16), (AVX2, 8), (NEON, 4),
+                                            (tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu"}), 4)])
+def test_vector_lanes_follow_the_target_not_the_build_machine(target, lanes):
+    """TVM's llvm_get_vector_width says 512 bits for `-mcpu=haswell` on an AVX-512 machine:
+    the lanes come from the target's own features."""
+    assert vector_lanes(target) == lanes
+
+
+# fmt: off
+@T.prim_func(s_tir=True)
+def matmul_before(a: T.Buffer((T.int64(8), T.int64(16)), "float32"), b: T.Buffer((T.int64(16), T.int64(128)), "float32"), matmul: T.Buffer((T.int64(8), T.int64(128)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    for i, j, k in T.grid(T.int64(8), T.int64(128), T.int64(16)):
+        with T.sblock("matmul"):
+            v_i = T.axis.spatial(T.int64(8), i)
+            v_j = T.axis.spatial(T.int64(128), j)
+            v_k = T.axis.reduce(T.int64(16), k)
+            T.reads(a[v_i, v_k], b[v_k, v_j])
+            T.writes(matmul[v_i, v_j])
+            with T.init():
+                matmul[v_i, v_j] = T.float32(0.0)
+            matmul[v_i, v_j] = matmul[v_i, v_j] + a[v_i, v_k] * b[v_k, v_j]
+# fmt: on
+
+
+def _matmul_expected(nr: int):
+    """MR = 6 rows unrolled x NR columns vectorised in registers; (column panels x row tiles)
+    fused into the one parallel loop; the partial last row tile guarded."""
+
+    @T.prim_func(s_tir=True)
+    def main(a: T.Buffer((T.int64(8), T.int64(16)), "float32"), b: T.Buffer((T.int64(16), T.int64(128)), "float32"), matmul: T.Buffer((T.int64(8), T.int64(128)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        # with T.sblock("root"):
+        matmul_local = T.sblock_alloc_buffer((T.int64(8), T.int64(128)), scope="local")
+        for j_0_i_0_fused in T.parallel(T.int64(2 * (128 // nr))):
+            for i_1_init in T.unroll(T.int64(6)):
+                for j_1_init in T.vectorized(T.int64(nr)):
+                    with T.sblock("matmul_init"):
+                        v_i = T.axis.spatial(T.int64(8), j_0_i_0_fused % T.int64(2) * T.int64(6) + i_1_init)
+                        v_j = T.axis.spatial(T.int64(128), j_0_i_0_fused // T.int64(2) * T.int64(nr) + j_1_init)
+                        T.where(j_0_i_0_fused % T.int64(2) * T.int64(6) + i_1_init < T.int64(8))
+                        T.reads()
+                        T.writes(matmul_local[v_i, v_j])
+                        matmul_local[v_i, v_j] = T.float32(0.0)
+            for k in range(T.int64(16)):
+                for i_1 in T.unroll(T.int64(6)):
+                    for j_1 in T.vectorized(T.int64(nr)):
+                        with T.sblock("matmul_update"):
+                            v_i = T.axis.spatial(T.int64(8), j_0_i_0_fused % T.int64(2) * T.int64(6) + i_1)
+                            v_j = T.axis.spatial(T.int64(128), j_0_i_0_fused // T.int64(2) * T.int64(nr) + j_1)
+                            v_k = T.axis.reduce(T.int64(16), k)
+                            T.where(j_0_i_0_fused % T.int64(2) * T.int64(6) + i_1 < T.int64(8))
+                            T.reads(matmul_local[v_i, v_j], a[v_i, v_k], b[v_k, v_j])
+                            T.writes(matmul_local[v_i, v_j])
+                            matmul_local[v_i, v_j] = matmul_local[v_i, v_j] + a[v_i, v_k] * b[v_k, v_j]
+            for ax0 in T.unroll(T.int64(6)):
+                for ax1 in T.vectorized(T.int64(nr)):
+                    with T.sblock("matmul_local"):
+                        v0 = T.axis.spatial(T.int64(8), j_0_i_0_fused % T.int64(2) * T.int64(6) + ax0)
+                        v1 = T.axis.spatial(T.int64(128), j_0_i_0_fused // T.int64(2) * T.int64(nr) + ax1)
+                        T.where(j_0_i_0_fused % T.int64(2) * T.int64(6) + ax0 < T.int64(8))
+                        T.reads(matmul_local[v0, v1])
+                        T.writes(matmul[v0, v1])
+                        matmul[v0, v1] = matmul_local[v0, v1]
+
+    return main
+
+
+@pytest.mark.parametrize("target, nr", [(AVX512, 64), (AVX2, 32)])
+def test_matmul_static(target, nr):
+    tvm.ir.assert_structural_equal(_schedule(CPUMatmul(), matmul_before, target), _matmul_expected(nr))
+
+
+# fmt: off
+@T.prim_func(s_tir=True)
+def softmax_before(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), T_softmax_norm: T.Buffer((T.int64(4), T.int64(32)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    T_softmax_maxelem = T.sblock_alloc_buffer((T.int64(4),))
+    T_softmax_exp = T.sblock_alloc_buffer((T.int64(4), T.int64(32)))
+    T_softmax_expsum = T.sblock_alloc_buffer((T.int64(4),))
+    for i0, k in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("T_softmax_maxelem"):
+            v_i0 = T.axis.spatial(T.int64(4), i0)
+            v_k = T.axis.reduce(T.int64(32), k)
+            T.reads(x[v_i0, v_k])
+            T.writes(T_softmax_maxelem[v_i0])
+            with T.init():
+                T_softmax_maxelem[v_i0] = T.float32(-340282346638528859811704183484516925440.0)
+            T_softmax_maxelem[v_i0] = T.max(T_softmax_maxelem[v_i0], x[v_i0, v_k])
+    for i0, i1 in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("T_softmax_exp"):
+            v_i0 = T.axis.spatial(T.int64(4), i0)
+            v_i1 = T.axis.spatial(T.int64(32), i1)
+            T.reads(x[v_i0, v_i1], T_softmax_maxelem[v_i0])
+            T.writes(T_softmax_exp[v_i0, v_i1])
+            T_softmax_exp[v_i0, v_i1] = T.exp(x[v_i0, v_i1] - T_softmax_maxelem[v_i0])
+    for i0, k in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("T_softmax_expsum"):
+            v_i0 = T.axis.spatial(T.int64(4), i0)
+            v_k = T.axis.reduce(T.int64(32), k)
+            T.reads(T_softmax_exp[v_i0, v_k])
+            T.writes(T_softmax_expsum[v_i0])
+            with T.init():
+                T_softmax_expsum[v_i0] = T.float32(0.0)
+            T_softmax_expsum[v_i0] = T_softmax_expsum[v_i0] + T_softmax_exp[v_i0, v_k]
+    for i0, i1 in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("T_softmax_norm"):
+            v_i0 = T.axis.spatial(T.int64(4), i0)
+            v_i1 = T.axis.spatial(T.int64(32), i1)
+            T.reads(T_softmax_exp[v_i0, v_i1], T_softmax_expsum[v_i0])
+            T.writes(T_softmax_norm[v_i0, v_i1])
+            T.sblock_attr({"axis": 1})
+            T_softmax_norm[v_i0, v_i1] = T_softmax_exp[v_i0, v_i1] / T_softmax_expsum[v_i0]
+# fmt: on
+
+
+def _softmax_expected(lanes: int):
+    """One parallel loop over rows; max and sum as lane-wide rfactor partials, then a
+    horizontal reduction; exp and the normalisation vectorised."""
+
+    @T.prim_func(s_tir=True)
+    def main(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), T_softmax_norm: T.Buffer((T.int64(4), T.int64(32)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        # with T.sblock("root"):
+        T_softmax_maxelem = T.sblock_alloc_buffer((T.int64(4),))
+        T_softmax_exp = T.sblock_alloc_buffer((T.int64(4), T.int64(32)))
+        T_softmax_expsum = T.sblock_alloc_buffer((T.int64(4),))
+        T_softmax_maxelem_rf = T.sblock_alloc_buffer((T.int64(lanes), T.int64(4)))
+        T_softmax_expsum_rf = T.sblock_alloc_buffer((T.int64(lanes), T.int64(4)))
+        for i0_m in T.parallel(T.int64(4)):
+            for k_1_init in T.vectorized(T.int64(lanes)):
+                with T.sblock("T_softmax_maxelem_rf_init"):
+                    vk_1 = T.axis.spatial(T.int64(lanes), k_1_init)
+                    v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                    T.reads()
+                    T.writes(T_softmax_maxelem_rf[vk_1, v_i0])
+                    T_softmax_maxelem_rf[vk_1, v_i0] = T.float32(-340282346638528859811704183484516925440.0)
+            for k_0 in range(T.int64(32 // lanes)):
+                for k_1 in T.vectorized(T.int64(lanes)):
+                    with T.sblock("T_softmax_maxelem_rf_update"):
+                        vk_1 = T.axis.spatial(T.int64(lanes), k_1)
+                        v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                        vk_0 = T.axis.reduce(T.int64(32 // lanes), k_0)
+                        T.reads(T_softmax_maxelem_rf[vk_1, v_i0], x[v_i0, vk_0 * T.int64(lanes) + vk_1])
+                        T.writes(T_softmax_maxelem_rf[vk_1, v_i0])
+                        T_softmax_maxelem_rf[vk_1, v_i0] = T.max(T_softmax_maxelem_rf[vk_1, v_i0], x[v_i0, vk_0 * T.int64(lanes) + vk_1])
+            for k_1 in range(T.int64(lanes)):
+                with T.sblock("T_softmax_maxelem"):
+                    vk_1 = T.axis.reduce(T.int64(lanes), k_1)
+                    v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                    T.reads(T_softmax_maxelem_rf[vk_1, v_i0])
+                    T.writes(T_softmax_maxelem[v_i0])
+                    with T.init():
+                        T_softmax_maxelem[v_i0] = T.float32(-340282346638528859811704183484516925440.0)
+                    T_softmax_maxelem[v_i0] = T.max(T_softmax_maxelem[v_i0], T_softmax_maxelem_rf[vk_1, v_i0])
+            for i1_0 in range(T.int64(32 // lanes)):
+                for i1_1 in T.vectorized(T.int64(lanes)):
+                    with T.sblock("T_softmax_exp"):
+                        v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                        v_i1 = T.axis.spatial(T.int64(32), i1_0 * T.int64(lanes) + i1_1)
+                        T.reads(x[v_i0, v_i1], T_softmax_maxelem[v_i0])
+                        T.writes(T_softmax_exp[v_i0, v_i1])
+                        T_softmax_exp[v_i0, v_i1] = T.exp(x[v_i0, v_i1] - T_softmax_maxelem[v_i0])
+            for k_1_init in T.vectorized(T.int64(lanes)):
+                with T.sblock("T_softmax_expsum_rf_init"):
+                    vk_1 = T.axis.spatial(T.int64(lanes), k_1_init)
+                    v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                    T.reads()
+                    T.writes(T_softmax_expsum_rf[vk_1, v_i0])
+                    T_softmax_expsum_rf[vk_1, v_i0] = T.float32(0.0)
+            for k_0 in range(T.int64(32 // lanes)):
+                for k_1 in T.vectorized(T.int64(lanes)):
+                    with T.sblock("T_softmax_expsum_rf_update"):
+                        vk_1 = T.axis.spatial(T.int64(lanes), k_1)
+                        v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                        vk_0 = T.axis.reduce(T.int64(32 // lanes), k_0)
+                        T.reads(T_softmax_expsum_rf[vk_1, v_i0], T_softmax_exp[v_i0, vk_0 * T.int64(lanes) + vk_1])
+                        T.writes(T_softmax_expsum_rf[vk_1, v_i0])
+                        T_softmax_expsum_rf[vk_1, v_i0] = T_softmax_expsum_rf[vk_1, v_i0] + T_softmax_exp[v_i0, vk_0 * T.int64(lanes) + vk_1]
+            for k_1 in range(T.int64(lanes)):
+                with T.sblock("T_softmax_expsum"):
+                    vk_1 = T.axis.reduce(T.int64(lanes), k_1)
+                    v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                    T.reads(T_softmax_expsum_rf[vk_1, v_i0])
+                    T.writes(T_softmax_expsum[v_i0])
+                    with T.init():
+                        T_softmax_expsum[v_i0] = T.float32(0.0)
+                    T_softmax_expsum[v_i0] = T_softmax_expsum[v_i0] + T_softmax_expsum_rf[vk_1, v_i0]
+            for i1_0 in range(T.int64(32 // lanes)):
+                for i1_1 in T.vectorized(T.int64(lanes)):
+                    with T.sblock("T_softmax_norm"):
+                        v_i0 = T.axis.spatial(T.int64(4), i0_m)
+                        v_i1 = T.axis.spatial(T.int64(32), i1_0 * T.int64(lanes) + i1_1)
+                        T.reads(T_softmax_exp[v_i0, v_i1], T_softmax_expsum[v_i0])
+                        T.writes(T_softmax_norm[v_i0, v_i1])
+                        T.sblock_attr({"axis": 1})
+                        T_softmax_norm[v_i0, v_i1] = T_softmax_exp[v_i0, v_i1] / T_softmax_expsum[v_i0]
+
+    return main
+
+
+@pytest.mark.parametrize("target, lanes", [(AVX512, 16), (AVX2, 8)])
+def test_softmax_row_reduction_static(target, lanes):
+    tvm.ir.assert_structural_equal(_schedule(CPURowReduction(), softmax_before, target), _softmax_expected(lanes))
