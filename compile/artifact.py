@@ -20,7 +20,8 @@ import onnx
 
 import blockforge
 from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
-from blockforge.fsutil import INTO, TREE, Output, atomic_directory, atomic_write_json, check_outputs, sha256_file
+from blockforge.fsutil import (INTO, TREE, Output, atomic_directory, atomic_write_bytes, check_outputs, json_bytes,
+                               sha256_file)
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
@@ -117,6 +118,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
         dest = _check_outputs(opts, default_output(Path(opts.model), target))
     session = open_model(opts.model, target, opts.dims)
     target, ins, outs = session.target, session.inputs, session.outputs
+    manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
     res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None)
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
@@ -153,5 +155,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),
         }
-        atomic_write_json(tmp / manifest_io.NAME, manifest)
+        data = json_bytes(manifest)
+        manifest_io.parse_manifest(data, f"{dest}/{manifest_io.NAME}")  # what the loaders will check, whole
+        atomic_write_bytes(tmp / manifest_io.NAME, data)
     return CompileResult(dest, manifest, target)

@@ -250,6 +250,18 @@ def check_manifest(m) -> None:
                         "bin/NAME or lib/NAME", "bin/ or lib/ file name")
 
 
+def check_signature(inputs: list[dict], outputs: list[dict], label: str) -> None:
+    """The loaders' checks of a signature ({name, shape, dtype} lists), for compile to apply
+    before it builds: a model whose names or dims no loader would take (a negative dim, a
+    newline in a name, a 100k-character name) is refused now, not after the build."""
+    try:
+        for key, items in (("inputs", inputs), ("outputs", outputs)):
+            _sigs({key: items}, key)
+    except _Refused as e:
+        raise BlockforgeError(f"{label}: cannot compile: the artifact loaders (Python and the edge app) would "
+                              f"refuse its signature: {e}") from None
+
+
 def parse_manifest(data: bytes, label: str = NAME) -> dict:
     """manifest.json's bytes -> the checked manifest; every refusal is "{label}: ..."."""
     if len(data) > MAX_MANIFEST_BYTES:

@@ -85,12 +85,15 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
 def _legalize() -> list:
     from tvm import relax
 
+    from .zero_division import ieee_division
+
     # As tvm.compile's default pipeline: sort/scan/sampling ops have no LegalizeOps rule and
     # are dispatched to the target's kernels first (RoBERTa's position ids are a cumsum of the
     # mask; R.cumsum from ONNX Unsqueeze with runtime axes otherwise reaches codegen).
     return [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
             relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+            relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+            ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
 
 
 def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset()) -> list:
@@ -115,7 +118,10 @@ def _schedule(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], l
 def _lower() -> list:
     from tvm import relax
 
-    return [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
+    from .zero_division import ieee_division
+
+    # again: scheduling (compute_inline) and tuning records join expressions across blocks
+    return [ieee_division, relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
             relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite()]
 
 
@@ -202,6 +208,8 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
+    from .zero_division import check_integer_division
+
     tgt = target.tvm_target()
     names = []
     if dump_ir:
@@ -216,6 +224,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
                     mod = tvm.transform.Sequential(phase.passes())(mod)
             else:
                 mod = tvm.transform.Sequential(phase.passes())(mod)
+            check_integer_division(mod)
             names.append(phase.name)
             if dump_ir:
                 atomic_write_text(dump_ir / f"{i:02d}-{phase.name}.py", mod.script(show_meta=False))

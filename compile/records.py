@@ -254,9 +254,35 @@ def load_database(directory: Path, *, only: set[str] | None = None, exclude: set
         try:
             return ms.database.JSONDatabase(work_dir=str(tmp), allow_missing=False), c
         except Exception as e:
-            raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {error_line(e, last=True)}") from None
+            why = _unreplayable(directory, c) or error_line(e, last=True)
+            raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {why}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unreplayable(directory: Path, c: Contents) -> str | None:
+    """The first record whose trace does not replay on its workload, named by task: loading
+    replays every trace, and MetaSchedule's own error names none ("parallel_for_dynamic
+    error with (not rendered)"). Only asked after a load failed: one replay per record."""
+    from tvm.s_tir import meta_schedule as ms
+
+    ledger = read_ledger(directory)
+    workloads: dict[int, object] = {}
+    for k, (i, line) in enumerate(c.records, start=1):
+        sh = c.workloads[i][0]
+        try:
+            if i not in workloads:
+                workloads[i] = ms.database.Workload.from_json(json.loads(c.workloads[i][1]))
+            ms.database.TuningRecord.from_json(json.loads(line)[1], workloads[i])
+        except Exception as e:
+            entry = ledger.get(sh)
+            task = entry.get("task") if isinstance(entry, dict) else None
+            cause = error_line(e, last=True)
+            cause = type(e).__name__ if "not rendered" in cause else cause
+            return (f"record {k} (task {task or 'unknown'}, workload {sh}) does not replay on its workload "
+                    f"({cause}: its schedule does not apply to that workload); remove that "
+                    "record or re-tune the task")
+    return None
 
 
 def apply_cpu(target: ResolvedTarget) -> str | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, printable
 from blockforge.fsutil import atomic_write_bytes, atomic_write_json
 from blockforge.graph.model_io import TensorSig, resolve_dims, signature, unbound_dims
 from blockforge.logs import native_output_to_log
@@ -79,7 +79,7 @@ def import_prepared(prepared: onnx.ModelProto, inputs: list[TensorSig]):
         open_dims = unbound_dims(inputs, {})
         if not open_dims:
             raise
-        example = ",".join(f"{s.name}={'x'.join(str(d) if isinstance(d, int) else 'N' for d in s.dims)}"
+        example = ",".join(f"{printable(s.name)}={'x'.join(str(d) if isinstance(d, int) else 'N' for d in s.dims)}"
                            for s in inputs)
         raise BlockforgeError(f"{e} (dims {', '.join(open_dims)} are unbound: exports often import only with "
                               f"static shapes, e.g. --shape {example})") from None

@@ -11,6 +11,25 @@ class BlockforgeError(Exception):
     exit_code = 2
 
 
+def printable(s, limit: int | None = 200) -> str:
+    """A model-controlled string (a tensor, node, op or dim name) as output may show it:
+    newlines, ANSI escapes and every other non-printable character escaped as repr() writes
+    them, and cut at `limit` characters (None: whole messages), so that a name can neither forge a line (a fake
+    "blockforge: error:") nor drive the terminal. Idempotent: backslashes are left as they are."""
+    s = str(s)
+    if limit is None:
+        limit = len(s)
+    out = []
+    for c in s[:limit]:
+        if c.isprintable():
+            out.append(c)
+        else:
+            r = repr(c)[1:-1]  # '\n', '\x1b', '\u202e'
+            out.append(r if r.startswith("\\") else f"\\x{ord(c):02x}")
+    tail = f"...({len(s)} characters)" if len(s) > limit else ""
+    return "".join(out) + tail
+
+
 def error_line(e: BaseException, *, last: bool = False, limit: int = 300) -> str:
     """One line of an exception's message for a user-facing error.
 

@@ -63,7 +63,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would surprise users
-        with os.fdopen(fd, "wb") as f:
+        with naming(path), os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -92,7 +92,7 @@ def atomic_write_group(files: dict[str | os.PathLike, bytes]) -> list[Path]:
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
             staged.append((dest, tmp))
             os.fchmod(fd, 0o666 & ~_umask())
-            with os.fdopen(fd, "wb") as f:
+            with naming(dest), os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -361,14 +361,25 @@ def _probe_create(dest: Path, where: Path) -> None:
     from blockforge.errors import BlockforgeError
 
     if not os.access(where, os.W_OK | os.X_OK):
-        raise BlockforgeError(f"{dest}: cannot write in {where} (permission denied)")
+        raise BlockforgeError(f"{dest}: cannot write in {where} ({_not_writable(where)})")
     try:
         fd, tmp = tempfile.mkstemp(prefix=".blockforge-probe-", dir=where)
     except OSError as e:
-        raise BlockforgeError(f"{dest}: cannot write in {where} ({e.strerror or e})") from None
+        why = f"read-only file system: {where}" if e.errno == errno.EROFS else e.strerror or e
+        raise BlockforgeError(f"{dest}: cannot write in {where} ({why})") from None
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(tmp)
+
+
+def _not_writable(directory: Path) -> str:
+    """Why os.access said no: a read-only mount is not a permission the user can change."""
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return f"read-only file system: {directory}"
+    except OSError:
+        pass
+    return "permission denied"
 
 
 def write_error(dest: str | os.PathLike, e: OSError):
@@ -376,6 +387,19 @@ def write_error(dest: str | os.PathLike, e: OSError):
     from blockforge.errors import BlockforgeError
 
     return BlockforgeError(f"cannot write {dest}: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike, scratch: Path | None = None) -> Iterator[None]:
+    """An OSError without a file name (write() and fsync() on a full disk give none), or
+    naming a file in `scratch` (a temporary directory the user never sees), leaves the block
+    naming `path`: the CLI's one line then says where ("PATH: No space left on device")."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or (scratch is not None and str(e.filename).startswith(str(scratch))):
+            e.filename = str(path)
+        raise
 
 
 @contextlib.contextmanager
@@ -437,11 +461,12 @@ def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool]
         raise BlockforgeError(f"{dest}: cannot create the output ({e.strerror or e})") from None
     os.chmod(tmp, 0o777 & ~_umask())
     try:
-        yield tmp
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
+        with naming(dest, tmp):  # a full disk while the output is written: say which output
+            yield tmp
+            for p in tmp.rglob("*"):
+                if p.is_file():
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
         for _attempt in range(20):
             _check_tree(dest, is_ours=is_ours, what=what, force=force)
             old = None

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, printable
 from blockforge.errors import error_line
 
 from .spec import Spec, spec_from_dict
@@ -62,7 +62,7 @@ class TensorSig:
                 shape = "x".join(str(x) if isinstance(x, int) else "N" for x in self.dims)
                 raise BlockforgeError(
                     f"input {self.name!r} has symbolic dim {d!r}: give it a value with --shape {d}=N "
-                    f"or the whole input shape, --shape {self.name}={shape}"
+                    f"or the whole input shape, --shape {printable(self.name)}={shape}"
                 )
         return tuple(out)
 
@@ -208,7 +208,7 @@ def symbolic_dims(sigs: list[TensorSig]) -> list[str]:
 
 def describe_inputs(sigs: list[TensorSig]) -> str:
     """'input_ids [s33, s50], attention_mask [s6, s50]': for error messages."""
-    return ", ".join(f"{s.name} [{', '.join(str(d) for d in s.dims)}]" for s in sigs) or "none"
+    return ", ".join(f"{printable(s.name)} [{', '.join(printable(d) for d in s.dims)}]" for s in sigs) or "none"
 
 
 def _bind_shape(sig: TensorSig, shape: tuple[int, ...], bound: dict[str, int], source: dict[str, str],
@@ -227,7 +227,7 @@ def _bind_shape(sig: TensorSig, shape: tuple[int, ...], bound: dict[str, int], s
                 raise BlockforgeError(f"{what} gives {d}={v} through input {sig.name!r}, "
                                       f"but {source[d]} gave {d}={bound[d]}")
             bound.setdefault(d, v)
-            source.setdefault(d, f"{what} ({sig.name})")
+            source.setdefault(d, f"{what} ({printable(sig.name)})")
         else:
             raise BlockforgeError(f"input {sig.name!r} axis {axis} is dynamic without a name; "
                                   "it cannot be bound (re-export the model with named dynamic axes)")
@@ -311,9 +311,9 @@ def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: st
     want = {s.name for s in sigs}
     missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
     if missing or extra:
-        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-            [f"unexpected {', '.join(extra)}"] if extra else [])
-        raise BlockforgeError(f"{label}: {'; '.join(parts)} (model inputs: {', '.join(s.name for s in sigs)})")
+        parts = ([f"missing {', '.join(map(printable, missing))}"] if missing else []) + (
+            [f"unexpected {', '.join(map(printable, extra))}"] if extra else [])
+        raise BlockforgeError(f"{label}: {'; '.join(parts)} (model inputs: {', '.join(printable(s.name) for s in sigs)})")
     bound: dict[str, int] = {}
     for s in sigs:
         a = inputs[s.name]

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 
 from blockforge.errors import BlockforgeError, error_line
+from blockforge.logs import native_output_to_log
 
 
 def _ort():
@@ -49,8 +50,11 @@ def session(model: onnx.ModelProto, *, threads: int | None = None, device: str =
         providers = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
+    # ORT's C++ logger writes its errors ("[E:onnxruntime:...]") to file descriptor 2, before
+    # the exception that carries the same text: to the log file, as TVM's native output.
     try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+        with native_output_to_log():
+            return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
     except Exception as e:
         raise BlockforgeError(f"ONNX Runtime cannot load the model: {error_line(e)}") from None
 
@@ -58,7 +62,8 @@ def session(model: onnx.ModelProto, *, threads: int | None = None, device: str =
 def run(model_or_session, inputs: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]:
     sess = model_or_session if not isinstance(model_or_session, onnx.ModelProto) else session(model_or_session, **kw)
     try:
-        outs = sess.run(None, inputs)
+        with native_output_to_log():
+            outs = sess.run(None, inputs)
     except Exception as e:
         raise BlockforgeError(f"ONNX Runtime failed to run the model: {error_line(e)}") from None
     return {o.name: v for o, v in zip(sess.get_outputs(), outs)}

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 
-from blockforge.errors import BlockforgeError, Terminated
+from blockforge.errors import BlockforgeError, Terminated, printable
 
 VERB_NAMES = ("export", "inspect", "verify", "targets", "compile", "run", "tune", "rpc", "bench", "package", "env")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -106,7 +106,8 @@ def _dispatch(args, log) -> int:
     except BlockforgeError as e:
         if _stop_requested():
             return _stopped()
-        print(f"blockforge: error: {e}", file=sys.stderr)
+        # one line whatever the message quotes (a model's names, TVM's text): no raw control characters
+        print(f"blockforge: error: {printable(e, limit=None)}", file=sys.stderr)
         return e.exit_code
     except (KeyboardInterrupt, Terminated):
         return _stopped()
@@ -119,7 +120,7 @@ def _dispatch(args, log) -> int:
         # expected): the user's to fix, not a bug; the traceback still goes to the log
         log.error("file system error\n%s", traceback.format_exc())
         where = f"{e.filename}: " if e.filename else ""
-        print(f"blockforge: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"blockforge: error: {printable(where, limit=None)}{e.strerror or e}", file=sys.stderr)
         return 2
     except Exception as e:
         if _stop_requested():
@@ -132,7 +133,7 @@ def _internal_error(e: BaseException, log) -> int:
     from blockforge.logs import log_path
 
     log.error("internal error\n%s", traceback.format_exc())
-    print(f"blockforge: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+    print(f"blockforge: internal error: {type(e).__name__}: {printable(str(e).splitlines()[0] if str(e) else '')} "
           f"(traceback in {log_path()})", file=sys.stderr)
     return 70
 

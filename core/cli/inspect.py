@@ -21,6 +21,7 @@ def run(a) -> int:
     from blockforge.compile.isolate import load_untrusted, probe
     from blockforge.compile.prepare import SHAPE_OPS, prepare
     from blockforge.compile.session import bind_request
+    from blockforge.errors import printable
     from blockforge.graph.analysis import analyze
     from blockforge.graph.model_io import DEFAULT_DIMS, model_spec, signature, unbound_dims
     from blockforge.logs import native_output_to_log
@@ -44,14 +45,17 @@ def run(a) -> int:
         print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None,
                           "unbound_dims": open_dims, "prepare": report.to_dict() if report else None}, indent=2))
         return 0
+    # Names, dims and op types are the model's text: escaped, so none can forge a line or reach
+    # the terminal as an escape sequence (--json escapes them as JSON does).
     print(f"model: {a.model}  (opset {facts.opset}, {'blockforge ' + spec.kind if spec else 'foreign model'})")
     for label, sigs in (("input", facts.inputs), ("output", facts.outputs)):
         for s in sigs:
-            print(f"  {label:6} {s.name:18} {s.dtype:8} {list(s.dims)}")
+            shape = "[" + ", ".join(str(d) if isinstance(d, int) else printable(repr(d)) for d in s.dims) + "]"
+            print(f"  {label:6} {printable(s.name):18} {s.dtype:8} {shape}")
     print(f"  params {facts.params:,} ({facts.param_bytes / 2**20:.2f} MiB)")
     print(f"  MatMul/Gemm/Conv/attention FLOPs {facts.flops:,} at {facts.dims}")
     if open_dims:
-        print(f"  note: dims {', '.join(open_dims)} are unbound: FLOPs count only the static part "
+        print(f"  note: dims {', '.join(map(printable, open_dims))} are unbound: FLOPs count only the static part "
               "(give --shape, e.g. input_ids=1x128)")
-    print("  ops: " + ", ".join(f"{k} x{v}" for k, v in facts.ops.items()))
+    print("  ops: " + ", ".join(f"{printable(k)} x{v}" for k, v in facts.ops.items()))
     return 0

@@ -21,14 +21,15 @@ def add(sub) -> None:
 def run(a) -> int:
     check_outputs(a, [a.model, a.inputs, a.tuning_db], json=a.json)
     from blockforge.compile.verify import VerifyOptions, verify
+    from blockforge.errors import printable
 
     report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs), dims=dims(a), seed=a.seed,
                                   target=a.target, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning))
     for note in report.notes:
-        print(f"note: {note}")
+        print(f"note: {printable(note, limit=None)}")
     for issue in report.input_issues:
-        print(f"warning: {issue}")
-    rows = [[c.pair, c.output, f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}",
+        print(f"warning: {printable(issue, limit=None)}")
+    rows = [[c.pair, printable(c.output), f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}",
              f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
              ("PASS" if c.passed else "FAIL") + (f" ({c.note})" if c.note else "")] for c in report.comparisons]
     print_table(["pair", "output", "max abs err", "max rel err (|expected| >= atol/rtol)", "err/allowed",
