@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import onnx
 
+from blockforge import settings
 from blockforge.errors import BlockforgeError, error_line
 from blockforge.graph.model_io import bind_dims, check_model
 
@@ -102,23 +103,120 @@ def _restore_interface(prepared: onnx.ModelProto, bound: onnx.ModelProto) -> Non
         raise BlockforgeError(f"prepare changed the model's outputs ({expect} -> {got})")
 
 
-def prepare(model: onnx.ModelProto, dims: dict[str, int]) -> tuple[onnx.ModelProto, PrepareReport]:
-    """A copy of `model` with `dims` bound and its constant/shape arithmetic folded.
+# Ops never folded: their value is not a function of their inputs.
+_NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
-    `dims` are resolved symbolic dim names (model_io.resolve_dims); dims left unbound stay
-    symbolic and are folded as far as shape inference can see. A folding failure is not
-    fatal: the bound, shape-inferred model is returned and the report says why."""
-    t0 = time.perf_counter()
-    before = len(model.graph.node), _shape_ops(model)
+
+# Elements of 1-D values ONNX's data propagation may compute (it carries each as a list of
+# dims, ~64 bytes an element, copied at every Cast/Add/...: 20 Casts of a 1M-element Range
+# took 1.5 GB and 5 s). Shape arithmetic needs a few dozen; past this, inference runs without.
+DATA_PROP_MAX = 1 << 20
+
+
+def _infer(bound: onnx.ModelProto, dims: dict[str, int], data_prop: bool) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(bound, strict_mode=False, data_prop=data_prop)
+    except Exception as e:
+        raise BlockforgeError(f"ONNX shape inference fails on this model at dims {dims}: {error_line(e)}") from None
+
+
+def _bound_inferred(model: onnx.ModelProto, dims: dict[str, int],
+                    label: str = "model") -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(bound, shape-inferred bound) copies of `model` at `dims`, its sizes checked
+    (check_folded_sizes) before and after data propagation, which computes values."""
     bound = bind_dims(model, dims, strict=False)
     if bound is model:
         bound = onnx.ModelProto()
         bound.CopyFrom(model)
     del bound.graph.value_info[:]  # the exporter's, at symbolic dims: recomputed below
+    plain = _infer(bound, dims, data_prop=False)  # shapes only: nothing is computed
+    check_folded_sizes(plain, dims, label)
+    if _propagated_elements(plain) > DATA_PROP_MAX:
+        _log.warning("prepare: 1-D values of over %d elements: shape inference without data propagation",
+                     DATA_PROP_MAX)
+        return bound, plain
+    inferred = _infer(bound, dims, data_prop=True)
+    check_folded_sizes(inferred, dims, label)  # sizes data propagation found (Shape arithmetic)
+    return bound, inferred
+
+
+def _propagated_elements(inferred: onnx.ModelProto) -> int:
+    """Elements of the values data propagation may carry: 1-D (or scalar) node outputs and
+    integer initializers, where their size is known."""
+    g = inferred.graph
+    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    n = sum(_elements(t.dims) for t in g.initializer if t.data_type in ints and len(t.dims) <= 1)
+    outs = {o for node in g.node for o in node.output}
+    for vi in (*g.value_info, *g.output):
+        shape = vi.type.tensor_type.shape
+        if vi.name in outs and len(shape.dim) <= 1 and all(d.HasField("dim_value") for d in shape.dim):
+            n += _elements([d.dim_value for d in shape.dim])
+    return n
+
+
+def _elements(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= max(int(d), 0)  # Python ints: a bomb's 2**64 elements do not overflow
+    return n
+
+
+def _nbytes(vi: onnx.ValueInfoProto) -> int | None:
+    """Bytes of a tensor whose shape inference found every dim; None when not all known."""
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape") or not all(d.HasField("dim_value") for d in tt.shape.dim):
+        return None
     try:
-        inferred = onnx.shape_inference.infer_shapes(bound, strict_mode=False, data_prop=True)
-    except Exception as e:
-        raise BlockforgeError(f"ONNX shape inference fails on this model at dims {dims}: {error_line(e)}") from None
+        item = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        item = 1
+    return _elements([d.dim_value for d in tt.shape.dim]) * item
+
+
+def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:
+    """Refuse a model that would materialise a tensor above settings.max_tensor_bytes() at
+    compile time, before anything is allocated.
+
+    A node whose inputs are all constants (initializers, Constant, Shape of a static tensor)
+    is folded: by onnxslim here, by ONNX Runtime's session setup, by TVM's FoldConstant.
+    ConstantOfShape/Expand/Tile/Range turn a few bytes into any size: a 200-byte model asking
+    for ConstantOfShape([65536, 65536]) made compile allocate 16 GiB. Shape inference on the
+    bound model gives each output's size first."""
+    cap = settings.max_tensor_bytes()
+    g = inferred.graph
+    info = {vi.name: vi for vi in (*g.input, *g.value_info, *g.output)}
+    const = {t.name for t in g.initializer}
+    for n in g.node:
+        ins = [i for i in n.input if i]
+        static_shape = n.op_type in ("Shape", "Size") and ins and info.get(ins[0]) is not None \
+            and _nbytes(info[ins[0]]) is not None
+        if n.op_type in _NOT_FOLDED or not (n.op_type == "Constant" or static_shape or (ins and all(i in const for i in ins))):
+            continue
+        for o in n.output:
+            size = _nbytes(info[o]) if o in info else None
+            if size is not None and size > cap:
+                at = f" at dims {dims}" if dims else ""
+                raise BlockforgeError(
+                    f"{label}: node '{n.name or o}' ({n.op_type}) would materialise a {size / 2**30:.1f} GiB "
+                    f"tensor{at} (the limit is {cap / 2**30:.1f} GiB, {settings.MAX_TENSOR}); refusing it")
+            const.add(o)
+
+
+def check_sizes(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:
+    """check_folded_sizes() for a model not yet bound (verbs that do not prepare)."""
+    _bound_inferred(model, dims, label)
+
+
+def prepare(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> tuple[onnx.ModelProto, PrepareReport]:
+    """A copy of `model` with `dims` bound and its constant/shape arithmetic folded.
+
+    `dims` are resolved symbolic dim names (model_io.resolve_dims); dims left unbound stay
+    symbolic and are folded as far as shape inference can see. A folding failure is not
+    fatal: the bound, shape-inferred model is returned and the report says why. A tensor
+    folding would materialise above the size cap is (check_folded_sizes; `label` names the model)."""
+    t0 = time.perf_counter()
+    before = len(model.graph.node), _shape_ops(model)
+    bound, inferred = _bound_inferred(model, dims, label)
     notes = []
     try:
         prepared = _slim(inferred)
