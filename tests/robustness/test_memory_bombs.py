@@ -166,9 +166,11 @@ def _runtime_bomb(d: Path) -> Path:
     return d / "runtime_bomb.onnx"
 
 
-def test_ort_runs_in_the_bounded_child(tmp_path):
-    """verify without --target: ONNX Runtime's run is bounded by the memory limit too."""
-    r = run_measured("verify", _runtime_bomb(tmp_path), cwd=tmp_path, env={"BLOCKFORGE_MEMORY_LIMIT_GB": "1"})
+@pytest.mark.parametrize("target", [(), ("--target", "host")], ids=["ort", "ort+tvm"])
+def test_ort_runs_in_the_bounded_child(target, tmp_path):
+    """verify: ONNX Runtime's run is bounded by the memory limit too (it used to run in the
+    parent), and it runs before TVM runs the same graph in the parent."""
+    r = run_measured("verify", _runtime_bomb(tmp_path), *target, cwd=tmp_path, env={"BLOCKFORGE_MEMORY_LIMIT_GB": "1"})
     assert_user_error(r.res, "the model needs more than 1.0 GiB to run in ONNX Runtime", "BLOCKFORGE_MEMORY_LIMIT_GB")
     assert r.peak_rss < PEAK_MAX, f"peak {r.peak_rss / 2**20:.0f} MiB"
 
