@@ -93,7 +93,9 @@ def _memory_error(path: Path, verb: str, c: _Child) -> BlockforgeError | None:
             f"{path}: the model needs more than {c.peak_rss / 2**30:.1f} GiB to {verb}: the kernel's "
             f"out-of-memory killer stopped the child process (the limit is {limit:.1f} GiB, "
             f"{settings.MEMORY_LIMIT}: set it below the memory this machine or container has)")
-    if c.rc != 0 and _NO_MEMORY.search(c.stdout + c.stderr):
+    # the reason, not the whole log: the child's error line, the end of its traceback
+    reason = [ln for ln in c.stdout.splitlines() if ln.strip()][-1:] + c.stderr.splitlines()[-6:]
+    if c.rc != 0 and _NO_MEMORY.search("\n".join(reason)):
         return BlockforgeError(f"{path}: the model needs more than {limit:.1f} GiB to {verb} "
                                f"(the memory limit, {settings.MEMORY_LIMIT}); refusing it")
     return None
