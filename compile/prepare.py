@@ -161,16 +161,25 @@ def _elements(dims) -> int:
     return n
 
 
+def _itemsize(elem_type: int) -> int:
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
 def _nbytes(vi: onnx.ValueInfoProto) -> int | None:
     """Bytes of a tensor whose shape inference found every dim; None when not all known."""
     tt = vi.type.tensor_type
     if not tt.HasField("shape") or not all(d.HasField("dim_value") for d in tt.shape.dim):
         return None
-    try:
-        item = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
-    except (KeyError, TypeError, ValueError):
-        item = 1
-    return _elements([d.dim_value for d in tt.shape.dim]) * item
+    return _elements([d.dim_value for d in tt.shape.dim]) * _itemsize(tt.elem_type)
+
+
+# Folded tensors in all may take the size cap plus this many times the model's own weights
+# (exports Cast or Transpose weights: 1-2x); the folders keep every folded value alive
+# (onnxslim: 120 Casts of a 1M-element Range, 8 MiB each, took 2.1 GB and 2.6 s).
+FOLDED_PER_WEIGHT = 4
 
 
 def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:
@@ -181,11 +190,15 @@ def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: s
     is folded: by onnxslim here, by ONNX Runtime's session setup, by TVM's FoldConstant.
     ConstantOfShape/Expand/Tile/Range turn a few bytes into any size: a 200-byte model asking
     for ConstantOfShape([65536, 65536]) made compile allocate 16 GiB. Shape inference on the
-    bound model gives each output's size first."""
+    bound model gives each output's size first. Many tensors each under the cap are refused
+    too when together they pass the cap plus FOLDED_PER_WEIGHT x the model's weights."""
     cap = settings.max_tensor_bytes()
     g = inferred.graph
     info = {vi.name: vi for vi in (*g.input, *g.value_info, *g.output)}
     const = {t.name for t in g.initializer}
+    weights = sum(_elements(t.dims) * _itemsize(t.data_type) for t in g.initializer)
+    total, largest = 0, (0, None)
+    at = f" at dims {dims}" if dims else ""
     for n in g.node:
         ins = [i for i in n.input if i]
         static_shape = n.op_type in ("Shape", "Size") and ins and info.get(ins[0]) is not None \
@@ -195,11 +208,19 @@ def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: s
         for o in n.output:
             size = _nbytes(info[o]) if o in info else None
             if size is not None and size > cap:
-                at = f" at dims {dims}" if dims else ""
                 raise BlockforgeError(
                     f"{label}: node '{n.name or o}' ({n.op_type}) would materialise a {size / 2**30:.1f} GiB "
                     f"tensor{at} (the limit is {cap / 2**30:.1f} GiB, {settings.MAX_TENSOR}); refusing it")
+            total += size or 0
+            largest = max(largest, (size or 0, n), key=lambda s: s[0])
             const.add(o)
+    budget = cap + FOLDED_PER_WEIGHT * weights
+    if total > budget:
+        size, n = largest
+        raise BlockforgeError(
+            f"{label}: folding its constants would materialise {total / 2**30:.1f} GiB{at}, the largest "
+            f"{size / 2**20:.0f} MiB at node '{n.name or n.output[0]}' ({n.op_type}) (the limit is "
+            f"{budget / 2**30:.1f} GiB: {settings.MAX_TENSOR} plus {FOLDED_PER_WEIGHT}x the model's weights); refusing it")
 
 
 def check_sizes(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:

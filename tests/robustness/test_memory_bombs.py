@@ -153,6 +153,26 @@ def test_tensor_cap_is_a_setting(bombs, tmp_path):
     assert_user_error(r.res, "would materialise a 0.5 GiB tensor", "limit is 0.1 GiB")
 
 
+def test_many_folded_tensors_in_all(tmp_path):
+    """300 Casts of a 1M-element Range: each 8 MiB, under the cap, 2.4 GiB in all from a 12 KB
+    model (ONNX's data propagation alone took 1.5 GB for 20 of them; onnxslim keeps every
+    folded value)."""
+    n, k = 1 << 20, 300
+    x = helper.make_tensor_value_info("x", T.INT64, [1])
+    y = helper.make_tensor_value_info("y", T.INT64, [1])
+    inits = [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in (("s", 0), ("l", n), ("d", 1))]
+    nodes = [helper.make_node("Range", ["s", "l", "d"], ["c0"], name="range")]
+    nodes += [helper.make_node("Cast", [f"c{i}"], [f"c{i + 1}"], to=T.INT64, name=f"cast{i}") for i in range(k)]
+    nodes += [helper.make_node("ReduceSum", [f"c{k}"], ["r"], keepdims=0, name="sum"),
+              helper.make_node("Add", ["x", "r"], ["y"], name="add")]
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits), ir_version=8,
+                                opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "casts.onnx")
+    r = run_measured("compile", tmp_path / "casts.onnx", "--target", "host", "-o", tmp_path / "art", cwd=tmp_path)
+    assert_user_error(r.res, "folding its constants would materialise 2.4 GiB", "node 'range' (Range)",
+                      "BLOCKFORGE_MAX_TENSOR_GB plus 4x the model's weights")
+    assert r.peak_rss < PEAK_MAX and r.seconds < 30, (r.peak_rss, r.seconds)
+
+
 def _runtime_bomb(d: Path) -> Path:
     """Expand of the *input* to 32768 x 32768 float32 (4 GiB): nothing to fold, so no cap
     applies; ONNX Runtime allocates it when it runs."""
