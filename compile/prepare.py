@@ -123,35 +123,20 @@ def _infer(bound: onnx.ModelProto, dims: dict[str, int], data_prop: bool) -> onn
 def _bound_inferred(model: onnx.ModelProto, dims: dict[str, int],
                     label: str = "model") -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(bound, shape-inferred bound) copies of `model` at `dims`, its sizes checked
-    (check_folded_sizes) before and after data propagation, which computes values."""
+    (_check_folded) before and after data propagation, which computes values."""
     bound = bind_dims(model, dims, strict=False)
     if bound is model:
         bound = onnx.ModelProto()
         bound.CopyFrom(model)
     del bound.graph.value_info[:]  # the exporter's, at symbolic dims: recomputed below
     plain = _infer(bound, dims, data_prop=False)  # shapes only: nothing is computed
-    check_folded_sizes(plain, dims, label)
-    if _propagated_elements(plain) > DATA_PROP_MAX:
+    if _check_folded(plain, dims, label) > DATA_PROP_MAX:
         _log.warning("prepare: 1-D values of over %d elements: shape inference without data propagation",
                      DATA_PROP_MAX)
         return bound, plain
     inferred = _infer(bound, dims, data_prop=True)
-    check_folded_sizes(inferred, dims, label)  # sizes data propagation found (Shape arithmetic)
+    _check_folded(inferred, dims, label)  # sizes data propagation found (Shape arithmetic)
     return bound, inferred
-
-
-def _propagated_elements(inferred: onnx.ModelProto) -> int:
-    """Elements of the values data propagation may carry: 1-D (or scalar) node outputs and
-    integer initializers, where their size is known."""
-    g = inferred.graph
-    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
-    n = sum(_elements(t.dims) for t in g.initializer if t.data_type in ints and len(t.dims) <= 1)
-    outs = {o for node in g.node for o in node.output}
-    for vi in (*g.value_info, *g.output):
-        shape = vi.type.tensor_type.shape
-        if vi.name in outs and len(shape.dim) <= 1 and all(d.HasField("dim_value") for d in shape.dim):
-            n += _elements([d.dim_value for d in shape.dim])
-    return n
 
 
 def _elements(dims) -> int:
@@ -182,7 +167,7 @@ def _nbytes(vi: onnx.ValueInfoProto) -> int | None:
 FOLDED_PER_WEIGHT = 4
 
 
-def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:
+def _check_folded(inferred: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> int:
     """Refuse a model that would materialise a tensor above settings.max_tensor_bytes() at
     compile time, before anything is allocated.
 
@@ -191,12 +176,17 @@ def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: s
     ConstantOfShape/Expand/Tile/Range turn a few bytes into any size: a 200-byte model asking
     for ConstantOfShape([65536, 65536]) made compile allocate 16 GiB. Shape inference on the
     bound model gives each output's size first. Many tensors each under the cap are refused
-    too when together they pass the cap plus FOLDED_PER_WEIGHT x the model's weights."""
+    too when together they pass the cap plus FOLDED_PER_WEIGHT x the model's weights.
+
+    Returns the elements ONNX's data propagation may carry: the 1-D (or scalar) folded
+    values and integer initializers of known size."""
     cap = settings.max_tensor_bytes()
     g = inferred.graph
     info = {vi.name: vi for vi in (*g.input, *g.value_info, *g.output)}
     const = {t.name for t in g.initializer}
     weights = sum(_elements(t.dims) * _itemsize(t.data_type) for t in g.initializer)
+    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    propagated = sum(_elements(t.dims) for t in g.initializer if t.data_type in ints and len(t.dims) <= 1)
     total, largest = 0, (0, None)
     at = f" at dims {dims}" if dims else ""
     for n in g.node:
@@ -213,6 +203,8 @@ def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: s
                     f"tensor{at} (the limit is {cap / 2**30:.1f} GiB, {settings.MAX_TENSOR}); refusing it")
             total += size or 0
             largest = max(largest, (size or 0, n), key=lambda s: s[0])
+            if size is not None and len(info[o].type.tensor_type.shape.dim) <= 1:
+                propagated += size // _itemsize(info[o].type.tensor_type.elem_type)
             const.add(o)
     budget = cap + FOLDED_PER_WEIGHT * weights
     if total > budget:
@@ -221,10 +213,11 @@ def check_folded_sizes(inferred: onnx.ModelProto, dims: dict[str, int], label: s
             f"{label}: folding its constants would materialise {total / 2**30:.1f} GiB{at}, the largest "
             f"{size / 2**20:.0f} MiB at node '{n.name or n.output[0]}' ({n.op_type}) (the limit is "
             f"{budget / 2**30:.1f} GiB: {settings.MAX_TENSOR} plus {FOLDED_PER_WEIGHT}x the model's weights); refusing it")
+    return propagated
 
 
 def check_sizes(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:
-    """check_folded_sizes() for a model not yet bound (verbs that do not prepare)."""
+    """_check_folded() for a model not yet bound (verbs that do not prepare)."""
     _bound_inferred(model, dims, label)
 
 
@@ -234,7 +227,7 @@ def prepare(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") 
     `dims` are resolved symbolic dim names (model_io.resolve_dims); dims left unbound stay
     symbolic and are folded as far as shape inference can see. A folding failure is not
     fatal: the bound, shape-inferred model is returned and the report says why. A tensor
-    folding would materialise above the size cap is (check_folded_sizes; `label` names the model)."""
+    folding would materialise above the size cap is (_check_folded; `label` names the model)."""
     t0 = time.perf_counter()
     before = len(model.graph.node), _shape_ops(model)
     bound, inferred = _bound_inferred(model, dims, label)
