@@ -153,6 +153,10 @@ def _itemsize(elem_type: int) -> int:
         return 1
 
 
+def _human(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _nbytes(vi: onnx.ValueInfoProto) -> int | None:
     """Bytes of a tensor whose shape inference found every dim; None when not all known."""
     tt = vi.type.tensor_type
@@ -173,8 +177,8 @@ def _check_folded(inferred: onnx.ModelProto, dims: dict[str, int], label: str = 
 
     A node whose inputs are all constants (initializers, Constant, Shape of a static tensor)
     is folded: by onnxslim here, by ONNX Runtime's session setup, by TVM's FoldConstant.
-    ConstantOfShape/Expand/Tile/Range turn a few bytes into any size: a 200-byte model asking
-    for ConstantOfShape([65536, 65536]) made compile allocate 16 GiB. Shape inference on the
+    ConstantOfShape/Expand/Tile/Range turn a few bytes into any size: a 207-byte model asking
+    for ConstantOfShape([32768, 32768]) float32 made compile peak at 4.5 GB. Shape inference on the
     bound model gives each output's size first. Many tensors each under the cap are refused
     too when together they pass the cap plus FOLDED_PER_WEIGHT x the model's weights.
 
@@ -195,12 +199,17 @@ def _check_folded(inferred: onnx.ModelProto, dims: dict[str, int], label: str = 
             and _nbytes(info[ins[0]]) is not None
         if n.op_type in _NOT_FOLDED or not (n.op_type == "Constant" or static_shape or (ins and all(i in const for i in ins))):
             continue
+        stored = n.op_type == "Constant" and any(a.name == "value" for a in n.attribute)
         for o in n.output:
             size = _nbytes(info[o]) if o in info else None
+            if stored:  # a dense Constant is weights the file holds (a sparse one is expanded: checked)
+                weights += size or 0
+                const.add(o)
+                continue
             if size is not None and size > cap:
                 raise BlockforgeError(
-                    f"{label}: node '{n.name or o}' ({n.op_type}) would materialise a {size / 2**30:.1f} GiB "
-                    f"tensor{at} (the limit is {cap / 2**30:.1f} GiB, {settings.MAX_TENSOR}); refusing it")
+                    f"{label}: node '{n.name or o}' ({n.op_type}) would materialise a {_human(size)} "
+                    f"tensor{at} (the limit is {_human(cap)}, {settings.MAX_TENSOR}); refusing it")
             total += size or 0
             largest = max(largest, (size or 0, n), key=lambda s: s[0])
             if size is not None and len(info[o].type.tensor_type.shape.dim) <= 1:
@@ -210,9 +219,9 @@ def _check_folded(inferred: onnx.ModelProto, dims: dict[str, int], label: str = 
     if total > budget:
         size, n = largest
         raise BlockforgeError(
-            f"{label}: folding its constants would materialise {total / 2**30:.1f} GiB{at}, the largest "
-            f"{size / 2**20:.0f} MiB at node '{n.name or n.output[0]}' ({n.op_type}) (the limit is "
-            f"{budget / 2**30:.1f} GiB: {settings.MAX_TENSOR} plus {FOLDED_PER_WEIGHT}x the model's weights); refusing it")
+            f"{label}: folding its constants would materialise {_human(total)}{at}, the largest "
+            f"{_human(size)} at node '{n.name or n.output[0]}' ({n.op_type}) (the limit is "
+            f"{_human(budget)}: {settings.MAX_TENSOR} plus {FOLDED_PER_WEIGHT}x the model's weights); refusing it")
     return propagated
 
 

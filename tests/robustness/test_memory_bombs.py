@@ -173,6 +173,27 @@ def test_many_folded_tensors_in_all(tmp_path):
     assert r.peak_rss < PEAK_MAX and r.seconds < 30, (r.peak_rss, r.seconds)
 
 
+def test_dense_constant_is_weights_sparse_is_folded(monkeypatch):
+    """A dense Constant node holds weights the file already has (some exporters write weights
+    so): never refused; a sparse one is expanded to its dense shape: sized like a fold."""
+    from blockforge.compile.prepare import check_sizes
+    from blockforge.errors import BlockforgeError
+
+    monkeypatch.setenv("BLOCKFORGE_MAX_TENSOR_GB", "0.001")  # 1 MiB
+    x = helper.make_tensor_value_info("x", T.FLOAT, [1, 1024])
+    y = helper.make_tensor_value_info("y", T.FLOAT, [1, 1024])
+
+    def model(**value):
+        nodes = [helper.make_node("Constant", [], ["w"], name="w", **value), helper.make_node("MatMul", ["x", "w"], ["y"])]
+        return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+
+    check_sizes(model(value=numpy_helper.from_array(np.ones((1024, 1024), np.float32))), {}, "dense")  # 4 MiB
+    sparse = helper.make_sparse_tensor(numpy_helper.from_array(np.array([1.0], np.float32), "v"),
+                                       numpy_helper.from_array(np.array([0], np.int64), "i"), [1024, 1024])
+    with pytest.raises(BlockforgeError, match=r"node 'w' \(Constant\) would materialise a 4.0 MiB tensor"):
+        check_sizes(model(sparse_value=sparse), {}, "sparse")
+
+
 def _runtime_bomb(d: Path) -> Path:
     """Expand of the *input* to 32768 x 32768 float32 (4 GiB): nothing to fold, so no cap
     applies; ONNX Runtime allocates it when it runs."""
