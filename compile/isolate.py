@@ -163,7 +163,8 @@ def run_ort(path: str | Path, model, inputs: dict, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory(prefix="blockforge-ort-") as d:
         np.savez(Path(d) / "in.npz", **inputs)
         cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path), "--ort", d, "--device", device]
-        _run_checked(path, cmd, "ONNX Runtime", "run in ONNX Runtime")
+        # no time limit: the run is the work itself (it had none in-process either)
+        _run_checked(path, cmd, "ONNX Runtime", "run in ONNX Runtime", timeout=float("inf"))
         try:
             names = json.loads((Path(d) / "names.json").read_text())
             with np.load(Path(d) / "out.npz", allow_pickle=False) as z:
@@ -188,13 +189,11 @@ def load_untrusted(path: str | Path, *, tvm: bool = False, prepare: bool = False
     return model
 
 
-def _check_sizes(model, label: str, request: dict) -> dict:
+def _check_sizes(model, label: str, request: dict) -> None:
     from .prepare import check_sizes
     from .session import bind_request
 
-    dims = bind_request(model, **request)
-    check_sizes(model, dims, label)
-    return dims
+    check_sizes(model, bind_request(model, **request), label)
 
 
 def _limit_memory() -> None:
