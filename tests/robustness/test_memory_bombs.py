@@ -43,11 +43,16 @@ def run_measured(*args, cwd: Path, env: dict | None = None, timeout: float = 120
     with open(cwd / "out.txt", "w+") as out, open(cwd / "err.txt", "w+") as err:
         p = subprocess.Popen([*BLOCKFORGE, *map(str, args)], stdout=out, stderr=err, cwd=cwd, env=e,
                              preexec_fn=cap)
-        try:
-            _, status, ru = os.wait4(p.pid, 0)
-        finally:
-            if p.returncode is None and p.poll() is None:
+        while True:  # wait4, not Popen.wait: its rusage is the tree's peak
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - t0 > timeout:
                 p.kill()
+                os.wait4(p.pid, 0)
+                p.returncode = -9
+                pytest.fail(f"{args[0]} did not finish within {timeout} s")
+            time.sleep(0.02)
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
