@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import onnx
 
+from blockforge import settings
 from blockforge.errors import BlockforgeError, error_line
 from blockforge.graph.model_io import bind_dims, check_model
 
@@ -102,23 +103,143 @@ def _restore_interface(prepared: onnx.ModelProto, bound: onnx.ModelProto) -> Non
         raise BlockforgeError(f"prepare changed the model's outputs ({expect} -> {got})")
 
 
-def prepare(model: onnx.ModelProto, dims: dict[str, int]) -> tuple[onnx.ModelProto, PrepareReport]:
-    """A copy of `model` with `dims` bound and its constant/shape arithmetic folded.
+# Ops never folded: their value is not a function of their inputs.
+_NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
-    `dims` are resolved symbolic dim names (model_io.resolve_dims); dims left unbound stay
-    symbolic and are folded as far as shape inference can see. A folding failure is not
-    fatal: the bound, shape-inferred model is returned and the report says why."""
-    t0 = time.perf_counter()
-    before = len(model.graph.node), _shape_ops(model)
+
+# Elements of 1-D values ONNX's data propagation may compute (it carries each as a list of
+# dims, ~64 bytes an element, copied at every Cast/Add/...: 20 Casts of a 1M-element Range
+# took 1.5 GB and 5 s). Shape arithmetic needs a few dozen; past this, inference runs without.
+DATA_PROP_MAX = 1 << 20
+
+
+def _infer(bound: onnx.ModelProto, dims: dict[str, int], data_prop: bool) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(bound, strict_mode=False, data_prop=data_prop)
+    except Exception as e:
+        raise BlockforgeError(f"ONNX shape inference fails on this model at dims {dims}: {error_line(e)}") from None
+
+
+def _bound_inferred(model: onnx.ModelProto, dims: dict[str, int],
+                    label: str = "model") -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(bound, shape-inferred bound) copies of `model` at `dims`, its sizes checked
+    (_check_folded) before and after data propagation, which computes values."""
     bound = bind_dims(model, dims, strict=False)
     if bound is model:
         bound = onnx.ModelProto()
         bound.CopyFrom(model)
     del bound.graph.value_info[:]  # the exporter's, at symbolic dims: recomputed below
+    plain = _infer(bound, dims, data_prop=False)  # shapes only: nothing is computed
+    if _check_folded(plain, dims, label) > DATA_PROP_MAX:
+        _log.warning("prepare: 1-D values of over %d elements: shape inference without data propagation",
+                     DATA_PROP_MAX)
+        return bound, plain
+    inferred = _infer(bound, dims, data_prop=True)
+    _check_folded(inferred, dims, label)  # sizes data propagation found (Shape arithmetic)
+    return bound, inferred
+
+
+def _elements(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= max(int(d), 0)  # Python ints: a bomb's 2**64 elements do not overflow
+    return n
+
+
+def _itemsize(elem_type: int) -> int:
     try:
-        inferred = onnx.shape_inference.infer_shapes(bound, strict_mode=False, data_prop=True)
-    except Exception as e:
-        raise BlockforgeError(f"ONNX shape inference fails on this model at dims {dims}: {error_line(e)}") from None
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
+def _human(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _nbytes(vi: onnx.ValueInfoProto) -> int | None:
+    """Bytes of a tensor whose shape inference found every dim; None when not all known."""
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape") or not all(d.HasField("dim_value") for d in tt.shape.dim):
+        return None
+    return _elements([d.dim_value for d in tt.shape.dim]) * _itemsize(tt.elem_type)
+
+
+# Folded tensors in all may take the size cap plus this many times the model's own weights
+# (exports Cast or Transpose weights: 1-2x); the folders keep every folded value alive
+# (onnxslim: 120 Casts of a 1M-element Range, 8 MiB each, took 2.1 GB and 2.6 s).
+FOLDED_PER_WEIGHT = 4
+
+
+def _check_folded(inferred: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> int:
+    """Refuse a model that would materialise a tensor above settings.max_tensor_bytes() at
+    compile time, before anything is allocated.
+
+    A node whose inputs are all constants (initializers, Constant, Shape of a static tensor)
+    is folded: by onnxslim here, by ONNX Runtime's session setup, by TVM's FoldConstant.
+    ConstantOfShape/Expand/Tile/Range turn a few bytes into any size: a 207-byte model asking
+    for ConstantOfShape([32768, 32768]) float32 made compile peak at 4.5 GB. Shape inference on the
+    bound model gives each output's size first. Many tensors each under the cap are refused
+    too when together they pass the cap plus FOLDED_PER_WEIGHT x the model's weights.
+
+    Returns the elements ONNX's data propagation may carry: the 1-D (or scalar) folded
+    values and integer initializers of known size."""
+    cap = settings.max_tensor_bytes()
+    g = inferred.graph
+    info = {vi.name: vi for vi in (*g.input, *g.value_info, *g.output)}
+    const = {t.name for t in g.initializer}
+    weights = sum(_elements(t.dims) * _itemsize(t.data_type) for t in g.initializer)
+    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    propagated = sum(_elements(t.dims) for t in g.initializer if t.data_type in ints and len(t.dims) <= 1)
+    total, largest = 0, (0, None)
+    at = f" at dims {dims}" if dims else ""
+    for n in g.node:
+        ins = [i for i in n.input if i]
+        static_shape = n.op_type in ("Shape", "Size") and ins and info.get(ins[0]) is not None \
+            and _nbytes(info[ins[0]]) is not None
+        if n.op_type in _NOT_FOLDED or not (n.op_type == "Constant" or static_shape or (ins and all(i in const for i in ins))):
+            continue
+        stored = n.op_type == "Constant" and any(a.name == "value" for a in n.attribute)
+        for o in n.output:
+            size = _nbytes(info[o]) if o in info else None
+            if stored:  # a dense Constant is weights the file holds (a sparse one is expanded: checked)
+                weights += size or 0
+                const.add(o)
+                continue
+            if size is not None and size > cap:
+                raise BlockforgeError(
+                    f"{label}: node '{n.name or o}' ({n.op_type}) would materialise a {_human(size)} "
+                    f"tensor{at} (the limit is {_human(cap)}, {settings.MAX_TENSOR}); refusing it")
+            total += size or 0
+            largest = max(largest, (size or 0, n), key=lambda s: s[0])
+            if size is not None and len(info[o].type.tensor_type.shape.dim) <= 1:
+                propagated += size // _itemsize(info[o].type.tensor_type.elem_type)
+            const.add(o)
+    budget = cap + FOLDED_PER_WEIGHT * weights
+    if total > budget:
+        size, n = largest
+        raise BlockforgeError(
+            f"{label}: folding its constants would materialise {_human(total)}{at}, the largest "
+            f"{_human(size)} at node '{n.name or n.output[0]}' ({n.op_type}) (the limit is "
+            f"{_human(budget)}: {settings.MAX_TENSOR} plus {FOLDED_PER_WEIGHT}x the model's weights); refusing it")
+    return propagated
+
+
+def check_sizes(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> None:
+    """_check_folded() for a model not yet bound (verbs that do not prepare)."""
+    _bound_inferred(model, dims, label)
+
+
+def prepare(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") -> tuple[onnx.ModelProto, PrepareReport]:
+    """A copy of `model` with `dims` bound and its constant/shape arithmetic folded.
+
+    `dims` are resolved symbolic dim names (model_io.resolve_dims); dims left unbound stay
+    symbolic and are folded as far as shape inference can see. A folding failure is not
+    fatal: the bound, shape-inferred model is returned and the report says why. A tensor
+    folding would materialise above the size cap is (_check_folded; `label` names the model)."""
+    t0 = time.perf_counter()
+    before = len(model.graph.node), _shape_ops(model)
+    bound, inferred = _bound_inferred(model, dims, label)
     notes = []
     try:
         prepared = _slim(inferred)

@@ -106,5 +106,5 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget = "host",
     bound = bind_request(proto, **request)
     ins, outs = bound_signature(proto, bound)
     with native_output_to_log():
-        prepared, report = prepare(proto, bound)
+        prepared, report = prepare(proto, bound, str(model))
     return Session(Path(model), proto, bound, t, ins, outs, prepared, report)

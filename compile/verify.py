@@ -9,7 +9,7 @@ from blockforge.graph.model_io import load_npz
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
 
-from .isolate import load_untrusted
+from .isolate import load_untrusted, run_ort
 
 
 @dataclass
@@ -38,6 +38,14 @@ def verify(opts: VerifyOptions) -> ParityReport:
         session = open_model(opts.model, opts.target, opts.dims, input_shapes=shapes)
         model, target = session.model, session.target
         inputs = prepare_inputs(model, npz, session.dims, opts.seed)
+        problem = target.run_problem()
+        if not problem and target.device == "cuda":
+            from blockforge.graph.ort import cuda_available
+
+            ort_device = "cuda" if cuda_available() else "cpu"  # compare GPU with GPU (TF32 off in graph/ort.py)
+        # ORT first, in the bounded child: a model too big to run stops there, before TVM
+        # runs the same graph in this process.
+        ort = run_ort(opts.model, model, inputs, ort_device)
         db, info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
         res = session.build(database=db)
         ex = res.executable
@@ -48,24 +56,21 @@ def verify(opts: VerifyOptions) -> ParityReport:
             line = unvalidated_warning(info, [t for t in res.untuned_tasks if t in info["unvalidated"]], target.name)
             if line:
                 notes.append(line)
-        problem = target.run_problem()
         if problem:
             notes.append(f"TVM build for {target.name} succeeded; not run: {problem}")
         else:
             from tvm import relax
 
-            from blockforge.graph.ort import cuda_available
-
-            if target.device == "cuda" and cuda_available():
-                ort_device = "cuda"  # compare GPU with GPU (TF32 off in graph/ort.py)
             dev = tvm_device(target.device)
             with native_output_to_log():
                 extra["tvm"] = run_vm(relax.VirtualMachine(ex, dev), dev, session.inputs, session.outputs, inputs)
     else:
         from .session import bind_request
 
-        model = load_untrusted(opts.model)
+        # the child refuses what ORT's session setup would fold above the size cap
+        model = load_untrusted(opts.model, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
         inputs = prepare_inputs(model, npz, bind_request(model, opts.dims, shapes), opts.seed)
-    report = check_parity(model, inputs, extra, ort_device=ort_device)
+        ort = run_ort(opts.model, model, inputs, ort_device)  # the untrusted model runs in the bounded child
+    report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort)
     report.notes[:0] = notes
     return report

@@ -9,6 +9,8 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_LOG` | `<cache>/logs/blockforge.log` | where Python logs and TVM's native output go |
 | `BLOCKFORGE_ISOLATE` | `1` | `0` skips the child-process check of untrusted models |
 | `BLOCKFORGE_ISOLATE_TIMEOUT` | `300` | seconds the child-process check may take |
+| `BLOCKFORGE_MEMORY_LIMIT_GB` | 3/4 of the RAM (or the container's memory limit, when lower) | GiB of data memory (RLIMIT_DATA) a child process handling an untrusted model may use: the check, prepare and TVM import, and ONNX Runtime's run |
+| `BLOCKFORGE_MAX_TENSOR_GB` | 2, or 1/4 of the memory limit when lower | GiB a tensor computed at compile time (a folded constant: ConstantOfShape, Expand, Tile, Range, ... of constants) may have; a model over it is refused before anything is allocated |
 | `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
@@ -29,6 +31,8 @@ CACHE_DIR = "BLOCKFORGE_CACHE_DIR"
 LOG = "BLOCKFORGE_LOG"
 ISOLATE = "BLOCKFORGE_ISOLATE"
 ISOLATE_TIMEOUT = "BLOCKFORGE_ISOLATE_TIMEOUT"
+MEMORY_LIMIT = "BLOCKFORGE_MEMORY_LIMIT_GB"
+MAX_TENSOR = "BLOCKFORGE_MAX_TENSOR_GB"
 PREPACK = "BLOCKFORGE_PREPACK"
 FUSE_ATTENTION = "BLOCKFORGE_FUSE_ATTENTION"
 
@@ -93,6 +97,76 @@ def isolate_timeout_s() -> float:
     return t if t > 0 else 300.0
 
 
+def _gib(name: str) -> float | None:
+    """A positive number of GiB from the environment; None when unset or not one."""
+    try:
+        v = float(os.environ.get(name, ""))
+    except ValueError:
+        return None
+    return v if v > 0 and v < float("inf") else None
+
+
+def machine_memory_bytes() -> int:
+    """The RAM this process may use: physical memory, or its cgroup's limit when lower (a
+    container, a systemd slice)."""
+    try:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    except ImportError:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _cgroup_files("memory.max", "memory.limit_in_bytes"):
+        try:
+            v = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if v.isdigit():
+            total = min(total, int(v))
+    return total
+
+
+def _cgroup_files(*names: str) -> list[str]:
+    """This process's cgroup files of these names (v2 unified, or v1 memory controller)."""
+    out = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if controllers == "" or "memory" in controllers.split(","):
+                base = "/sys/fs/cgroup" + ("" if controllers == "" else "/memory")
+                out += [f"{base}{rel.rstrip('/')}/{n}" for n in names]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def cgroup_oom_kills() -> int:
+    """OOM kills counted so far in this process's cgroup (v2 memory.events, v1 oom_control) plus system-wide
+    (/proc/vmstat): a child killed by SIGKILL while one of them rose was killed for memory."""
+    n = 0
+    for path in [*_cgroup_files("memory.events", "memory.oom_control"), "/proc/vmstat"]:
+        try:
+            for line in Path(path).read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill" and v.strip().isdigit():
+                    n += int(v)
+        except OSError:
+            continue
+    return n
+
+
+def memory_limit_bytes() -> int:
+    """Data memory (RLIMIT_DATA) a child process handling an untrusted model may use."""
+    v = _gib(MEMORY_LIMIT)
+    return int(v * 2**30) if v else machine_memory_bytes() * 3 // 4
+
+
+def max_tensor_bytes() -> int:
+    """The largest tensor compile-time folding may materialise: a quarter of the memory
+    limit leaves room for the copies folding makes (input, output, TVM's constant)."""
+    v = _gib(MAX_TENSOR)
+    return int(v * 2**30) if v else min(2 << 30, memory_limit_bytes() // 4)
+
+
 def prepack() -> bool:
     return _flag(PREPACK, True)
 
@@ -122,7 +196,9 @@ def source(name: str) -> str:
 def documented() -> dict[str, str]:
     """Every variable this module owns, with its current effective value (for `blockforge env`)."""
     return {CACHE_DIR: str(cache_dir()), LOG: str(log_file()), ISOLATE: "1" if isolate() else "0",
-            ISOLATE_TIMEOUT: f"{isolate_timeout_s():g}", PREPACK: "1" if prepack() else "0",
+            ISOLATE_TIMEOUT: f"{isolate_timeout_s():g}",
+            MEMORY_LIMIT: f"{memory_limit_bytes() / 2**30:.1f}", MAX_TENSOR: f"{max_tensor_bytes() / 2**30:.1f}",
+            PREPACK: "1" if prepack() else "0",
             FUSE_ATTENTION: "1" if fuse_attention() else "0",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}

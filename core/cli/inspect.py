@@ -31,13 +31,14 @@ def run(a) -> int:
     # evaluates subgraphs natively: a child process runs it on the untrusted model first.
     # Graphs without shape arithmetic skip it (the folder's import alone costs ~1 s).
     request = dict(dims=dims(a), default_dims=DEFAULT_DIMS)
-    model = load_untrusted(a.model)
+    # The child also refuses a model whose folding would materialise a tensor above the cap.
+    model = load_untrusted(a.model, sizes=True, request=request)
     bound = bind_request(model, **request)
     prepared, report = None, None
     if any(n.op_type in SHAPE_OPS for n in model.graph.node):
         probe(Path(a.model), prepare=True, request=request)
         with native_output_to_log():
-            prepared, report = prepare(model, bound)
+            prepared, report = prepare(model, bound, a.model)
     facts = analyze(model, bound, prepared)
     spec = model_spec(model)
     open_dims = unbound_dims(signature(model)[0], bound)
