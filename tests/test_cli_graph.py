@@ -155,3 +155,35 @@ def test_no_stray_files_after_errors(tmp_path):
     run_cli("export", "mha", "--d-model", "100", "--heads", "8", cwd=tmp_path)
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "blockforge.log"]
     assert leftovers == []
+
+
+def test_verify_without_target_refuses_a_model_it_has_no_oracle_for(tmp_path):
+    """A foreign model has no oracle: without --target ONNX Runtime would be compared with
+    nothing (before: an empty table, then FAIL, exit 1)."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(tmp_path / "r.onnx"))
+    assert_user_error(run_cli("verify", tmp_path / "r.onnx", cwd=tmp_path), "not a blockforge model", "target")
+    r = run_cli("verify", tmp_path / "r.onnx", "--target", "host", cwd=tmp_path)
+    assert r.rc == 0 and "tvm vs ort" in r.out and "PASS" in r.out, r.text
+
+
+@pytest.mark.parametrize("argv", [["verify", "{m}", "--inputs", ""], ["verify", "{m}", "--tuning-db", ""],
+                                  ["compile", "{m}", "--target", "host", "--tuning-db", "", "-o", "{d}/art"],
+                                  ["bench", "{m}", "--tuning-db", ""]])
+def test_an_empty_optional_path_is_refused(argv, mha, tmp_path):
+    """An empty --inputs once meant random inputs, an empty --tuning-db the default database."""
+    args = [a.format(m=mha, d=tmp_path) for a in argv]
+    assert_user_error(run_cli(*args, cwd=tmp_path), argv[argv.index("") - 1], "the path is empty")
+
+
+@pytest.mark.parametrize("argv", [["compile", "x.onnx"], ["frobnicate"], ["verify", "m.onnx", "--shape"],
+                                  ["export", "ffn", "--d-model", "many"]])
+def test_a_usage_mistake_is_one_error_line(argv, tmp_path):
+    """argparse's own errors (before: a usage block, then `blockforge compile: error:`)."""
+    r = run_cli(*argv, cwd=tmp_path)
+    assert_user_error(r, "--help")
+    assert r.err.count("\n") == 1 and not r.out, r.text

@@ -36,10 +36,20 @@ def _verbs():
     return [importlib.import_module(f"{__name__}.{name}") for name in VERB_NAMES]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line, as every other user error: `blockforge: error: ...`
+    naming where the usage is, instead of argparse's usage block and `prog verb: error:`."""
+
+    def error(self, message: str):
+        from blockforge.errors import printable
+
+        self.exit(2, f"blockforge: error: {printable(message, None)} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import blockforge
 
-    parser = argparse.ArgumentParser(prog="blockforge", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="blockforge", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"blockforge {blockforge.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for verb in _verbs():

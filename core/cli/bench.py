@@ -48,7 +48,7 @@ def run(a) -> int:
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
                              repeat=a.repeat, dims=dims(a), default_dims=default_dims(a),
-                             tuning_db=path_or_none(a.tuning_db), profile=a.profile))
+                             tuning_db=path_or_none(a.tuning_db, "--tuning-db"), profile=a.profile))
     print(rep.markdown())
     for n in rep.notes:
         print(f"note: {n}")

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from blockforge.errors import BlockforgeError
+
 
 def print_table(headers: list[str], rows: list[list], out=None) -> None:
     out = out or sys.stdout
@@ -19,8 +21,12 @@ def print_table(headers: list[str], rows: list[list], out=None) -> None:
         print(line(r), file=out)
 
 
-def path_or_none(v: str | None) -> Path | None:
-    return Path(v) if v else None
+def path_or_none(v: str | None, flag: str) -> Path | None:
+    """An optional path flag: absent is None; given but empty is the user's mistake (an empty
+    --tuning-db once meant the default database, an empty --inputs random inputs)."""
+    if v == "":
+        raise BlockforgeError(f"{flag}: the path is empty")
+    return None if v is None else Path(v)
 
 
 def dims(a: argparse.Namespace) -> dict:

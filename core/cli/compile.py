@@ -24,7 +24,7 @@ def run(a) -> int:
 
     res = compile_model(CompileOptions(
         model=a.model, target=a.target, dims=dims(a), output=a.output,
-        dump_ir=a.dump_ir, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning,
+        dump_ir=a.dump_ir, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
         force=a.force))
     m = res.manifest
     size = (res.artifact / m["module"]).stat().st_size

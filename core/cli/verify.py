@@ -23,8 +23,8 @@ def run(a) -> int:
     from blockforge.compile.verify import VerifyOptions, verify
     from blockforge.errors import printable
 
-    report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs), dims=dims(a), seed=a.seed,
-                                  target=a.target, tuning_db=path_or_none(a.tuning_db), use_tuning=not a.no_tuning))
+    report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs, "--inputs"), dims=dims(a), seed=a.seed,
+                                  target=a.target, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning))
     for note in report.notes:
         print(f"note: {printable(note, limit=None)}")
     for issue in report.input_issues:
