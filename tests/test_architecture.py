@@ -101,9 +101,12 @@ def test_every_environment_variable_is_owned_by_settings():
     readme = (REPO / "README.md").read_text()
     from blockforge import settings
 
-    for name in (settings.CACHE_DIR, settings.LOG, settings.ISOLATE, settings.ISOLATE_TIMEOUT, settings.PREPACK,
-                 settings.FUSE_ATTENTION):
+    # every module-level BLOCKFORGE_* name settings defines (a new one cannot be missed)
+    names = [v for k, v in vars(settings).items() if k.isupper() and isinstance(v, str) and v.startswith("BLOCKFORGE_")]
+    assert len(names) >= 8, names
+    for name in names:
         assert f"`{name}`" in readme, f"{name} is not documented in README"
+        assert f"`{name}`" in settings.__doc__, f"{name} is not in settings' own table"
     offenders = []
     for folder in (*LAYERS, "core"):
         for path in (REPO / folder).rglob("*.py"):
