@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.errors import BlockforgeError, error_line
+from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
 from blockforge.fsutil import dir_lock
 from blockforge.targets import ResolvedTarget
 from blockforge.targets.toolchain import cpu_id
@@ -145,9 +145,10 @@ def _lines(path: Path, data: bytes, *, tolerate_torn_tail: bool) -> list[tuple[i
 
 @dataclass(frozen=True)
 class Refusal:
-    """A record that failed record_policy: kept in the files, never applied nor given to TVM."""
+    """A record that failed record_policy (or that MetaSchedule cannot replay): kept in the
+    files, never applied nor given to TVM's search."""
     line: int  # its line in database_tuning_record.json
-    workload: int  # its workload index
+    workload: str  # its workload's shash
     text: str  # the line as it was
     reason: str
 
@@ -160,6 +161,7 @@ class Contents:
     sha256: str = ""  # of the workload and record files these contents were read from
     ledger: dict = field(default_factory=dict)  # ledger.json as of the same instant
     path: Path | None = None
+    linenos: list[int] = field(default_factory=list)  # each record's line in the file
 
     def by_workload(self) -> dict[str, list[list]]:
         """shash -> list of run_secs lists."""
@@ -170,19 +172,19 @@ class Contents:
         return out
 
     def _task(self, r: Refusal) -> str | None:
-        entry = self.ledger.get(self.workloads[r.workload][0])
+        entry = self.ledger.get(r.workload)
         return entry.get("task") if isinstance(entry, dict) and isinstance(entry.get("task"), str) else None
 
     def refused_tasks(self) -> list[str]:
         """Tasks (by the ledger's names) that have refused records and no applicable one."""
-        ok = {i for i, _ in self.records}
+        ok = {self.workloads[i][0] for i, _ in self.records}
         return sorted({t for r in self.refused if r.workload not in ok and (t := self._task(r))})
 
     def warnings(self) -> list[str]:
         """One line per refused record, naming it (file, line, task)."""
         out = []
         for r in self.refused:
-            sh, task = self.workloads[r.workload][0], self._task(r)
+            sh, task = r.workload, self._task(r)
             out.append(f"tuning record {self.path / RECORDS if self.path else RECORDS} line {r.line} "
                        f"({f'task {task}' if task else f'workload {sh}'}) refused: {r.reason}; not applied")
         return out
@@ -197,7 +199,7 @@ def _parse(directory: Path, data: dict[str, bytes], tolerate_torn_tail: bool) ->
             raise BlockforgeError(f"{directory / WORKLOADS}: line {n} is not a MetaSchedule workload "
                                   "(foreign or corrupt database)")
         workloads.append((obj[0], line))
-    records, refused = [], []
+    records, refused, linenos = [], [], []
     for n, (lineno, line, obj) in enumerate(rec_lines, 1):
         if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], list)):
             raise BlockforgeError(f"{directory / RECORDS}: line {n} is not a MetaSchedule tuning record "
@@ -209,9 +211,10 @@ def _parse(directory: Path, data: dict[str, bytes], tolerate_torn_tail: bool) ->
                             f"but there are {len(workloads)} (corrupt database)")
         problem = record_problem(obj[1])
         if problem:
-            refused.append(Refusal(lineno, obj[0], line, problem))
+            refused.append(Refusal(lineno, workloads[obj[0]][0], line, problem))
         else:
             records.append((obj[0], line))
+            linenos.append(lineno)
     ledger = {}
     if data[LEDGER]:
         try:
@@ -219,7 +222,7 @@ def _parse(directory: Path, data: dict[str, bytes], tolerate_torn_tail: bool) ->
         except ValueError:
             pass  # derived data: records still count (see DeviceDB.spent)
     return Contents(workloads, records, refused, _digest(data), ledger if isinstance(ledger, dict) else {},
-                    Path(directory))
+                    Path(directory), linenos)
 
 
 def read_contents(directory: Path, *, tolerate_torn_tail: bool) -> Contents:
@@ -342,34 +345,64 @@ def load_database(directory: Path, *, only: set[str] | None = None, exclude: set
     only/exclude select workloads (shash). By default the workloads plan_apply(cpu) leaves
     out are excluded: records that lost to blockforge's default schedule inside the whole
     model, and (for a build that runs on `cpu`) records no verdict of that CPU vouches for.
-    Refused records (record_policy) never reach TVM."""
-    from tvm.s_tir import meta_schedule as ms
-
+    Refused records (record_policy) never reach TVM; records MetaSchedule cannot replay
+    are refused too (in the returned contents' `refused`)."""
     c = contents or read_contents(directory, tolerate_torn_tail=True)
     if exclude is None:
         exclude = plan_apply(directory, cpu, c).exclude
-    with_records = {i for i, _ in c.records}
-    keep = [i for i, (sh, _) in enumerate(c.workloads)
-            if i in with_records and sh not in exclude and (only is None or sh in only)]
-    # Left-out workloads go entirely (not just their records), and so do workloads whose
-    # records were all refused: MetaSchedule's has_workload is what compile's coverage
-    # report counts as "applied".
+    picked = [k for k, (i, _) in enumerate(c.records)
+              if c.workloads[i][0] not in exclude and (only is None or c.workloads[i][0] in only)]
+    c = _subset(c, picked)
+    try:
+        return _ms_database(c), c
+    except Exception as e:
+        first = error_line(e, last=True)
+    # MetaSchedule replays every trace as it loads and fails the whole database on one it
+    # cannot replay (policy-valid, but not a schedule of its workload): find those one by
+    # one, refuse them like any other, and load the rest.
+    unreplayable = []
+    for k, (i, line) in enumerate(c.records):
+        try:
+            _ms_database(_subset(c, [k]))
+        except Exception as e:
+            raise_if_stopped()  # TVM turns a Ctrl-C inside it into a RuntimeError
+            unreplayable.append(Refusal(c.linenos[k] if c.linenos else 0, c.workloads[i][0], line,
+                                        f"MetaSchedule cannot replay it ({error_line(e, last=True, limit=120)})"))
+    if not unreplayable:
+        raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {first}") from None
+    bad = {r.text for r in unreplayable}
+    c = _subset(c, [k for k, (_, line) in enumerate(c.records) if line not in bad])
+    c.refused = c.refused + unreplayable
+    try:
+        return _ms_database(c), c
+    except Exception as e:
+        raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {error_line(e, last=True)}") from None
+
+
+def _subset(c: Contents, picked: list[int]) -> Contents:
+    """Contents with only the records at positions `picked` and the workloads they name,
+    renumbered (the refused records, digest and ledger stay). Workloads without a record go:
+    MetaSchedule's has_workload is what compile's coverage report counts as "applied"."""
+    keep = sorted({c.records[k][0] for k in picked})
     index = {old: new for new, old in enumerate(keep)}
     records = []
-    for i, line in c.records:
-        if i in index:
-            obj = json.loads(line)
-            obj[0] = index[i]
-            records.append((index[i], json.dumps(obj, separators=(",", ":"))))
-    c = Contents([c.workloads[i] for i in keep], records, sha256=c.sha256, ledger=c.ledger, path=c.path)
+    for k in picked:
+        obj = json.loads(c.records[k][1])
+        obj[0] = index[obj[0]]
+        records.append((obj[0], json.dumps(obj, separators=(",", ":"))))
+    return Contents([c.workloads[i] for i in keep], records, list(c.refused), c.sha256, c.ledger, c.path,
+                    [c.linenos[k] for k in picked] if c.linenos else [])
+
+
+def _ms_database(c: Contents):
+    """A MetaSchedule JSONDatabase of exactly `c` (loaded from a private temporary copy)."""
+    from tvm.s_tir import meta_schedule as ms
+
     tmp = Path(tempfile.mkdtemp(prefix="bf-db-"))
     try:
         (tmp / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))
         (tmp / RECORDS).write_text("".join(line + "\n" for _, line in c.records))
-        try:
-            return ms.database.JSONDatabase(work_dir=str(tmp), allow_missing=False), c
-        except Exception as e:
-            raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {error_line(e, last=True)}") from None
+        return ms.database.JSONDatabase(work_dir=str(tmp), allow_missing=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -402,11 +435,11 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
                                   "first, or drop --tuning-db)")
         return None, None
     plan = plan_apply(directory, apply_cpu(target), contents)
-    db_obj, _ = load_database(directory, exclude=plan.exclude, contents=contents)  # what is applied
+    db_obj, applied = load_database(directory, exclude=plan.exclude, contents=contents)  # what is applied
     return db_obj, {"path": str(directory), "sha256": contents.sha256, "records": len(contents.records),
                     "kept_default": plan.kept_default, "unvalidated": plan.unvalidated, "cpu": plan.cpu,
-                    "verdict_cpus": plan.verdict_cpus, "refused": contents.warnings(),
-                    "refused_tasks": contents.refused_tasks()}
+                    "verdict_cpus": plan.verdict_cpus, "refused": applied.warnings(),
+                    "refused_tasks": applied.refused_tasks()}
 
 
 def unvalidated_warning(info: dict, tasks: list[str], target_name: str) -> str | None:

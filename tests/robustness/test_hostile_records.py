@@ -51,6 +51,31 @@ GOOD = {"int": 16, "int or sampled variable": "v_sampled", "flag": True, "name":
         "list of ints": [0, 0, 1]}
 
 
+JUNK = [None, 0, -1, 1.5, float("nan"), "x", '"pragma_import_llvm"', "pragma_import_llvm", [], {}, [[]],
+        {"type": "tirx.Call"}, True, 10 ** 30]
+
+
+def _mutate(rng: random.Random, node, depth: int = 0):
+    """One random structural change somewhere in a JSON tree (replace, delete, duplicate, swap)."""
+    if isinstance(node, list) and node and (depth < 3 or rng.random() < 0.5):
+        node = list(node)
+        i = rng.randrange(len(node))
+        op = rng.random()
+        if op < 0.5:
+            node[i] = _mutate(rng, node[i], depth + 1)
+        elif op < 0.65:
+            node[i] = rng.choice(JUNK)
+        elif op < 0.8:
+            del node[i]
+        elif op < 0.9:
+            node.insert(i, node[i])
+        else:
+            j = rng.randrange(len(node))
+            node[i], node[j] = node[j], node[i]
+        return node
+    return rng.choice(JUNK)
+
+
 def _real_records() -> list[list]:
     return [json.loads(line)[1] for line in (SHIPPED / RECORDS).read_text().splitlines()]
 
@@ -123,31 +148,9 @@ def test_fuzz_instruction_kinds_and_structure():
                 elif kind == base[0][0][n][0]:
                     assert record_problem(rec) is None
     rng = random.Random(17)
-    junk = [None, 0, -1, 1.5, float("nan"), "x", '"pragma_import_llvm"', "pragma_import_llvm", [], {}, [[]],
-            {"type": "tirx.Call"}, True, 10 ** 30]
-
-    def mutate(node, depth=0):
-        if isinstance(node, list) and node and (depth < 3 or rng.random() < 0.5):
-            node = list(node)
-            i = rng.randrange(len(node))
-            op = rng.random()
-            if op < 0.5:
-                node[i] = mutate(node[i], depth + 1)
-            elif op < 0.65:
-                node[i] = rng.choice(junk)
-            elif op < 0.8:
-                del node[i]
-            elif op < 0.9:
-                node.insert(i, node[i])
-            else:
-                j = rng.randrange(len(node))
-                node[i], node[j] = node[j], node[i]
-            return node
-        return rng.choice(junk)
-
     outcomes = {"accepted": 0, "refused": 0}
     for _ in range(3000):
-        rec = mutate(rng.choice(recs))
+        rec = _mutate(rng, rng.choice(recs))
         problem = record_problem(rec)  # must not raise
         assert problem is None or isinstance(problem, str)
         if problem is None:
@@ -193,8 +196,9 @@ def test_read_contents_refuses_each_bad_record_once(tmp_path):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the planted constructor is x86-64 assembly")
 def test_planted_constructor_never_runs(tmp_path):
     """A database whose records replay real traces plus pragma_import_llvm: inline IR with
-    a constructor and a fake 1e-9 s latency (it would win), and a .ll file on disk. compile
-    succeeds with each refused and named once; the artifact and `run` never execute it."""
+    a constructor and a fake 1e-9 s latency (it would win), and a .ll file on disk; plus
+    pragma_import_c and a trace MetaSchedule cannot replay. compile succeeds with each
+    refused and named once and the good record applied; `run` never executes the payload."""
     model = export(FFNSpec(d_model=16, d_ff=32), tmp_path / "ffn.onnx").model_path
     db = tmp_path / "db"
     (w0, t0, r0), (w1, t1, r1) = default_schedule_db(model, db, {"batch": 1, "seq": 4}, cpu_id())
@@ -205,18 +209,21 @@ def test_planted_constructor_never_runs(tmp_path):
     inline[1] = [1e-9]
     by_path = with_annotation(r1, "pragma_import_llvm", f'"{ll}"')
     c_source = with_annotation(r1, "pragma_import_c", '"__attribute__((constructor)) static void f(void) {}"')
-    write_records(db, [(0, r0), (0, inline), (1, by_path), (1, c_source)])
+    broken = json.loads(json.dumps(r0))  # allowed instructions, but no schedule of its workload
+    next(i for i in broken[0][0] if i[0] == "GetSBlock")[2][0] = "no_such_block"
+    write_records(db, [(0, r0), (0, inline), (1, by_path), (1, c_source), (0, broken)])
 
     r = run_cli("compile", model, "--target", "host", "--shape", "batch=1,seq=4", "--tuning-db", db,
                 "-o", tmp_path / "art", cwd=tmp_path)
     assert r.rc == 0, r.text
     warned = [ln for ln in r.err.splitlines() if ln.startswith("warning: ") and "refused" in ln]
-    assert len(warned) == 3, r.err
+    assert len(warned) == 4, r.err
     assert f"line 2 (task {t0}) refused: Annotate key 'pragma_import_llvm'" in warned[0]
     assert f"line 3 (task {t1})" in warned[1] and f"line 4 (task {t1})" in warned[2]
+    assert f"line 5 (task {t0}) refused: MetaSchedule cannot replay it" in warned[3]
     assert f"no tuning record for task {t1}" not in r.err  # its refusal said so already
     t = json.loads((tmp_path / "art" / "manifest.json").read_text())["tuning"]
-    assert t["applied"] == 1 and len(t["refused"]) == 3 and t["refused_tasks"] == [t1]
+    assert t["applied"] == 1 and len(t["refused"]) == 4 and t["refused_tasks"] == [t1]
 
     np.savez(tmp_path / "in.npz", x=np.random.default_rng(0).standard_normal((1, 4, 16)).astype(np.float32))
     r = run_cli("run", tmp_path / "art", "--inputs", tmp_path / "in.npz", "--output", tmp_path / "out.npz",
@@ -247,3 +254,27 @@ def test_tune_rounds_never_see_refused_records(tmp_path):
     c = read_contents(d, tolerate_torn_tail=False)
     assert len(c.records) == len(recs) + 1 and len(c.refused) == 1
     assert len(db.refused) == 2 and all("pragma_import_llvm" in w for w in db.refused)
+
+
+def test_fuzzed_records_the_policy_accepts_load_or_are_refused(tmp_path):
+    """Mutants the policy lets through may still not be schedules of their workload:
+    MetaSchedule (which replays every trace as it loads) must not fail the database for
+    them; each is refused by name and the rest load."""
+    from blockforge.compile.records import load_database
+
+    rng, recs, mutants = random.Random(5), list(enumerate(_real_records())), []
+    while len(mutants) < 30:
+        i, r = rng.choice(recs)
+        m = _mutate(rng, r)
+        if m != r and record_problem(m) is None:
+            mutants.append((i, m))
+    d = tmp_path / "db"
+    d.mkdir()
+    for name in ("database_workload.json", "device.json", "ledger.json"):
+        (d / name).write_bytes((SHIPPED / name).read_bytes())
+    write_records(d, recs + mutants)
+    db, c = load_database(d, exclude=set())
+    replayed = [r for r in c.refused if "cannot replay" in r.reason]
+    assert len(c.records) + len(replayed) == len(recs) + len(mutants) and len(c.records) >= len(recs)
+    assert all(r.line > len(recs) for r in replayed)  # the real records all load
+    assert len(db.get_all_tuning_records()) == len(c.records)
