@@ -1,9 +1,9 @@
 """Hostile tuning records: a real trace plus a payload, for the record-policy tests.
 
 The payload is the one TVM honours: a loop annotated `pragma_import_llvm` with LLVM IR
-(or the path of a .ll file) whose global constructor creates a marker file. Linked into
-module.so, the constructor runs wherever the module is loaded (`blockforge run`, the
-edge app). The tests assert the marker never appears.
+(or the path of a .ll file) of module-level assembly whose constructor creates a marker
+file. Linked into module.so, the constructor runs wherever the module is loaded
+(`blockforge run`, the edge app). The tests assert the marker never appears.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from blockforge.compile.records import DEVICE, FORMAT, LEDGER, RECORDS, WORKLOADS
+from blockforge.compile.records import DEVICE, FORMAT, LEDGER, RECORDS
 
 
 def constructor_ir(marker: Path) -> str:
@@ -82,7 +82,3 @@ def default_schedule_db(model: Path, d: Path, shape: dict, cpu: str, run_secs=(1
 
 def write_records(d: Path, records: list[tuple[int, list]]) -> None:
     (d / RECORDS).write_text("".join(json.dumps([i, r]) + "\n" for i, r in records))
-
-
-def workload_count(d: Path) -> int:
-    return len((d / WORKLOADS).read_text().splitlines())
