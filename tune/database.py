@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockforge.compile.records import (DEVICE, FAILED_RUN_SECS, FORMAT, LEDGER, RECORDS, WORKLOADS, Contents,
-                                        check_device, digest, is_database, read_contents, read_ledger)
+                                        check_device, digest, is_database, load_database, read_contents,
+                                        read_ledger)
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_write_group, atomic_write_json, dir_lock, json_bytes
 from blockforge.targets import ResolvedTarget
@@ -64,6 +65,7 @@ class DeviceDB:
         self.path = Path(path)
         self.cpu = cpu
         self.refused: dict[str, None] = {}  # warnings for refused records seen (ordered set)
+        self._replayable: set[str] = set()  # record lines MetaSchedule is known to load
         if self.path.exists() and not self.path.is_dir():
             raise BlockforgeError(f"{self.path}: tuning database must be a directory")
         if create:
@@ -150,6 +152,7 @@ class DeviceDB:
         if not new_records:
             return {}
         kept = [line for _, line in cur.records] + [r.text for r in cur.refused]
+        self._replayable.update(new_records)  # TVM wrote them from schedules it built
         try:
             self._replace({WORKLOADS: "".join(line + "\n" for _, line in workloads).encode(),
                            RECORDS: "".join(line + "\n" for line in kept + new_records).encode()})
@@ -187,12 +190,29 @@ class DeviceDB:
         if d.exists():
             shutil.rmtree(d)
         d.mkdir()
-        c = self.contents()  # TVM's search replays these: only records the policy accepts
+        c = self._replayable_contents()  # TVM's search replays these
         (d / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))
         (d / RECORDS).write_text("".join(line + "\n" for _, line in c.records))
         copied = len(c.records)
         (d / _COPIED).write_text(str(copied))
         return Round(d, copied)
+
+    def _replayable_contents(self) -> Contents:
+        """The records a round may start from: those the policy accepts, less any that
+        MetaSchedule cannot replay (its JSONDatabase, which the round's search opens, fails
+        as a whole on one). Checked with one load the first time a job sees a record; the
+        records a job merges are TVM's own and known good."""
+        c = self.contents()
+        if all(line in self._replayable for _, line in c.records):
+            return c
+        _, loaded = load_database(self.path, exclude=set(), contents=c)
+        bad = {r.line for r in loaded.refused} - {r.line for r in c.refused}
+        self.refused.update(dict.fromkeys(w for r, w in zip(loaded.refused, loaded.warnings()) if r.line in bad))
+        keep = [k for k, n in enumerate(c.linenos) if n not in bad]
+        c = Contents(c.workloads, [c.records[k] for k in keep], c.refused, c.sha256, c.ledger, c.path,
+                     [c.linenos[k] for k in keep])
+        self._replayable.update(line for _, line in c.records)
+        return c
 
     def commit_round(self, rnd: Round) -> dict[str, int]:
         """Merge a finished round's new records, then drop its scratch directory."""

@@ -278,3 +278,30 @@ def test_fuzzed_records_the_policy_accepts_load_or_are_refused(tmp_path):
     assert len(c.records) + len(replayed) == len(recs) + len(mutants) and len(c.records) >= len(recs)
     assert all(r.line > len(recs) for r in replayed)  # the real records all load
     assert len(db.get_all_tuning_records()) == len(c.records)
+
+
+def test_tune_rounds_leave_out_records_metaschedule_cannot_replay(tmp_path):
+    """One policy-valid record that is no schedule of its workload must not fail every
+    round's search (MetaSchedule's JSONDatabase gives up on the whole file): the round
+    starts without it, and it is named once."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from blockforge.tune.database import DeviceDB
+
+    d = tmp_path / "db"
+    d.mkdir()
+    for name in ("database_workload.json", "device.json", "ledger.json"):
+        (d / name).write_bytes((SHIPPED / name).read_bytes())
+    recs = list(enumerate(_real_records()))
+    broken = json.loads(json.dumps(recs[0][1]))
+    next(i for i in broken[0][0] if i[0] == "GetSBlock")[2][0] = "no_such_block"
+    assert record_problem(broken) is None
+    write_records(d, recs + [(0, broken)])
+    db = DeviceDB(d)
+    for n in (1, 2):  # the second round needs no second check
+        rnd = db.begin_round("job", n)
+        assert rnd.copied == len(recs)
+        assert len(ms.database.JSONDatabase(work_dir=str(rnd.path)).get_all_tuning_records()) == len(recs)
+        db.commit_round(rnd)
+    assert [w for w in db.refused if f"line {len(recs) + 1} " in w and "cannot replay" in w] == list(db.refused)
+    assert len(read_contents(d, tolerate_torn_tail=False).records) == len(recs) + 1  # the file keeps it
