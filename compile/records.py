@@ -185,8 +185,9 @@ class Contents:
         out = []
         for r in self.refused:
             sh, task = r.workload, self._task(r)
-            out.append(f"tuning record {self.path / RECORDS if self.path else RECORDS} line {r.line} "
-                       f"({f'task {task}' if task else f'workload {sh}'}) refused: {r.reason}; not applied")
+            line = (f"tuning record {self.path / RECORDS if self.path else RECORDS} line {r.line} "
+                    f"({f'task {task[:80]}' if task else f'workload {sh[:40]}'}) refused: {r.reason}; not applied")
+            out.append(re.sub(r"[\x00-\x1f\x7f]", "?", line))  # the names come from the file: one line each
         return out
 
 

@@ -190,6 +190,11 @@ def test_read_contents_refuses_each_bad_record_once(tmp_path):
     for n, line in zip(range(len(recs) + 1, len(lines) + 1), warned):
         assert f"line {n} (task " in line and "refused" in line, line
     assert "pragma_import_llvm" in warned[0] and "latency 1e-09" in warned[-1]
+    # names in a warning come from the files: a task name cannot add lines to the terminal
+    ledger = json.loads((d / "ledger.json").read_text())
+    ledger[c.refused[0].workload]["task"] = "x\nwarning: all good\r"
+    (d / "ledger.json").write_text(json.dumps(ledger))
+    assert all("\n" not in w and "\r" not in w for w in read_contents(d, tolerate_torn_tail=False).warnings())
 
 
 @pytest.mark.slow
