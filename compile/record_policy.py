@@ -168,11 +168,18 @@ def _trace_problem(trace) -> str | None:
         defined.update(outputs)
         if kind in SAMPLING:
             sampled.update(outputs)
+    decided = set()
     for d in decisions:
         if not (isinstance(d, list) and len(d) == 2 and _is_int(d[0]) and 0 <= d[0] < len(insts)
                 and insts[d[0]][0] in SAMPLING and (_is_int(d[1]) or (isinstance(d[1], list)
                                                                        and all(_is_int(x) for x in d[1])))):
             return f"decision {json.dumps(d)[:60]} does not belong to a sampling instruction"
+        decided.add(d[0])
+    # A traced schedule records every sample it drew; without one, a replay draws anew, so
+    # the build (and whether the trace applies at all) would change from run to run.
+    undecided = [n for n, inst in enumerate(insts) if inst[0] in SAMPLING and n not in decided]
+    if undecided:
+        return f"sampling instruction {undecided[0]} has no decision (its replay would be random)"
     return None
 
 

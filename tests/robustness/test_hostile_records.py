@@ -310,3 +310,13 @@ def test_tune_rounds_leave_out_records_metaschedule_cannot_replay(tmp_path):
         db.commit_round(rnd)
     assert [w for w in db.refused if f"line {len(recs) + 1} " in w and "cannot replay" in w] == list(db.refused)
     assert len(read_contents(d, tolerate_torn_tail=False).records) == len(recs) + 1  # the file keeps it
+
+
+def test_every_sample_needs_its_decision():
+    """A trace whose sampling instruction lost its decision would replay with a fresh random
+    draw: a different build each time, applying or not (seen as an intermittent database
+    failure in the load fuzz above)."""
+    rec = _real_records()[0]
+    assert rec[0][1] and record_problem(rec) is None
+    rec[0][1] = rec[0][1][1:]
+    assert "has no decision" in record_problem(rec)
