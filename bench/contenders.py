@@ -177,6 +177,7 @@ class Tuned(Contender):
     def make_runner(self, model, inputs, threads):
         s = model.session
         db, info = open_for_apply(s.target, model.tuning_db)
+        model.notes.extend(f"tuned: {line}" for line in (info or {}).get("refused", []))
         if db is None:
             raise Unavailable("no tuning records for this device (run `blockforge tune`)")
         res = s.build(database=db)

@@ -148,7 +148,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "tuning": None if db_info is None else {
                 **db_info, "tasks": res.tasks, "applied": res.tasks - len(res.untuned_tasks),
                 "missing": [t for t in res.untuned_tasks
-                            if t not in db_info["kept_default"] and t not in db_info["unvalidated"]],
+                            if t not in db_info["kept_default"] and t not in db_info["unvalidated"]
+                            and t not in db_info["refused_tasks"]],  # warned about as refused
                 # records judged only on another CPU: left out until `tune --check-only` here
                 "unvalidated": [t for t in res.untuned_tasks if t in db_info["unvalidated"]]},
             "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/prepare.py)

@@ -780,7 +780,9 @@ def tile_record(database, spec: AttentionSpec, target) -> tuple[int, int] | None
     if not database.has_workload(mod):
         return None
     rec = database.query_tuning_record(mod, target, "main")
-    return tiles_from_trace(rec.trace) if rec is not None else None
+    tiles = tiles_from_trace(rec.trace) if rec is not None else None
+    # a database (untrusted input) picks among the tiles tune times, nothing else
+    return tiles if tiles in tile_candidates(_lanes(target)) else None
 
 
 def _reshape(bb, x, shape):

@@ -33,13 +33,17 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.errors import BlockforgeError, error_line
+from blockforge.errors import BlockforgeError, error_line, printable, raise_if_stopped
+from blockforge.fsutil import dir_lock
 from blockforge.targets import ResolvedTarget
 from blockforge.targets.toolchain import cpu_id
+
+from .record_policy import record_problem
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -71,32 +75,93 @@ def default_db_dir(target: ResolvedTarget, rpc_key: str | None = None) -> Path:
     return settings.tuning_root() / key
 
 
-def _read_lines(path: Path, *, tolerate_torn_tail: bool) -> list[str]:
-    """Complete JSON lines of `path`; a torn final line is dropped when tolerated."""
-    if not path.exists():
-        return []
+SNAPSHOT_TRIES = 50  # reads of a database being replaced without a lock (no flock): retries
+
+
+class _Dangling(BlockforgeError):
+    """A record names a workload the workload file does not have (a read between two renames)."""
+
+
+class _Changed(Exception):
+    """The files changed while they were read without the lock."""
+
+
+def _stamp(directory: Path) -> tuple:
+    out = []
+    for name in (WORKLOADS, RECORDS, LEDGER):
+        try:
+            st = (directory / name).stat()
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _read_bytes(path: Path) -> bytes:
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
+    except OSError as e:
+        raise BlockforgeError(f"{path}: unreadable tuning database file ({e.strerror or e})") from None
+
+
+def _snapshot(directory: Path) -> tuple[dict[str, bytes], bool]:
+    """The workload, record and ledger files as of one instant: read under a shared lock on
+    the directory (writers rename under it exclusively: tune.database), or, where there is
+    no lock, read twice-stamped and refused (_Changed) if a file was replaced meanwhile.
+    Returns (bytes by file name, whether the lock was held)."""
+    with dir_lock(directory, exclusive=False) as held:
+        before = None if held else _stamp(directory)
+        data = {name: _read_bytes(directory / name) for name in (WORKLOADS, RECORDS, LEDGER)}
+        if not held and _stamp(directory) != before:
+            raise _Changed
+    return data, held
+
+
+def _digest(data: dict[str, bytes]) -> str:
+    return hashlib.sha256(data[WORKLOADS] + data[RECORDS]).hexdigest()
+
+
+def _lines(path: Path, data: bytes, *, tolerate_torn_tail: bool) -> list[tuple[int, str, object]]:
+    """(line number, line, parsed JSON) of the complete lines; a torn final line is dropped when tolerated."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise BlockforgeError(f"{path}: unreadable tuning database file ({e})") from None
     lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
     out = []
     for k, (n, line) in enumerate(lines):
         try:
-            json.loads(line)
+            obj = json.loads(line)
         except ValueError:
             if tolerate_torn_tail and k == len(lines) - 1:
                 break  # the write a kill interrupted
             raise BlockforgeError(f"{path}: corrupt tuning database (line {n} is not JSON); "
-                                  "move it aside or pass another --db") from None
-        out.append(line)
+                                  "move it aside or use another tuning database") from None
+        out.append((n, line, obj))
     return out
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A record that failed record_policy (or that MetaSchedule cannot replay): kept in the
+    files, never applied nor given to TVM's search."""
+    line: int  # its line in database_tuning_record.json
+    workload: str  # its workload's shash
+    text: str  # the line as it was
+    reason: str
 
 
 @dataclass
 class Contents:
     workloads: list[tuple[str, str]]  # (shash, line)
-    records: list[tuple[int, str]]  # (workload index, line)
+    records: list[tuple[int, str]]  # (workload index, line): the records that may be applied
+    refused: list[Refusal] = field(default_factory=list)
+    sha256: str = ""  # of the workload and record files these contents were read from
+    ledger: dict = field(default_factory=dict)  # ledger.json as of the same instant
+    path: Path | None = None
+    linenos: list[int] = field(default_factory=list)  # each record's line in the file
 
     def by_workload(self) -> dict[str, list[list]]:
         """shash -> list of run_secs lists."""
@@ -106,30 +171,77 @@ class Contents:
             out.setdefault(self.workloads[idx][0], []).append(rec[1] if len(rec) > 1 else None)
         return out
 
+    def _task(self, r: Refusal) -> str | None:
+        entry = self.ledger.get(r.workload)
+        return entry.get("task") if isinstance(entry, dict) and isinstance(entry.get("task"), str) else None
 
-def read_contents(directory: Path, *, tolerate_torn_tail: bool) -> Contents:
-    wl_lines = _read_lines(directory / WORKLOADS, tolerate_torn_tail=tolerate_torn_tail)
-    rec_lines = _read_lines(directory / RECORDS, tolerate_torn_tail=tolerate_torn_tail)
+    def refused_tasks(self) -> list[str]:
+        """Tasks (by the ledger's names) that have refused records and no applicable one."""
+        ok = {self.workloads[i][0] for i, _ in self.records}
+        return sorted({t for r in self.refused if r.workload not in ok and (t := self._task(r))})
+
+    def warnings(self) -> list[str]:
+        """One line per refused record, naming it (file, line, task)."""
+        out = []
+        for r in self.refused:
+            sh, task = r.workload, self._task(r)
+            line = (f"tuning record {self.path / RECORDS if self.path else RECORDS} line {r.line} "
+                    f"({f'task {task[:80]}' if task else f'workload {sh[:40]}'}) refused: {r.reason}; not applied")
+            out.append(printable(line, None))  # the names come from the file: one line each
+        return out
+
+
+def _parse(directory: Path, data: dict[str, bytes], tolerate_torn_tail: bool) -> Contents:
+    wl_lines = _lines(directory / WORKLOADS, data[WORKLOADS], tolerate_torn_tail=tolerate_torn_tail)
+    rec_lines = _lines(directory / RECORDS, data[RECORDS], tolerate_torn_tail=tolerate_torn_tail)
     workloads = []
-    for n, line in enumerate(wl_lines, 1):
-        obj = json.loads(line)
+    for n, (_, line, obj) in enumerate(wl_lines, 1):
         if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str)):
             raise BlockforgeError(f"{directory / WORKLOADS}: line {n} is not a MetaSchedule workload "
                                   "(foreign or corrupt database)")
         workloads.append((obj[0], line))
-    records = []
-    for n, line in enumerate(rec_lines, 1):
-        obj = json.loads(line)
+    records, refused, linenos = [], [], []
+    for n, (lineno, line, obj) in enumerate(rec_lines, 1):
         if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], list)):
             raise BlockforgeError(f"{directory / RECORDS}: line {n} is not a MetaSchedule tuning record "
                                   "(foreign or corrupt database)")
         if not 0 <= obj[0] < len(workloads):
             if tolerate_torn_tail and n == len(rec_lines):
                 break  # its workload line was the torn one
-            raise BlockforgeError(f"{directory / RECORDS}: line {n} refers to workload {obj[0]}, "
-                                  f"but there are {len(workloads)} (corrupt database)")
-        records.append((obj[0], line))
-    return Contents(workloads, records)
+            raise _Dangling(f"{directory / RECORDS}: line {n} refers to workload {obj[0]}, "
+                            f"but there are {len(workloads)} (corrupt database)")
+        problem = record_problem(obj[1])
+        if problem:
+            refused.append(Refusal(lineno, workloads[obj[0]][0], line, problem))
+        else:
+            records.append((obj[0], line))
+            linenos.append(lineno)
+    ledger = {}
+    if data[LEDGER]:
+        try:
+            ledger = json.loads(data[LEDGER])
+        except ValueError:
+            pass  # derived data: records still count (see DeviceDB.spent)
+    return Contents(workloads, records, refused, _digest(data), ledger if isinstance(ledger, dict) else {},
+                    Path(directory), linenos)
+
+
+def read_contents(directory: Path, *, tolerate_torn_tail: bool) -> Contents:
+    """The database as of one instant (every reader comes through here): its records
+    checked against record_policy, the refused ones set apart, and the digest and ledger
+    of the same files."""
+    directory = Path(directory)
+    for attempt in range(SNAPSHOT_TRIES):
+        try:
+            data, held = _snapshot(directory)
+            return _parse(directory, data, tolerate_torn_tail)
+        except _Changed:
+            pass
+        except _Dangling:
+            if held or attempt == SNAPSHOT_TRIES - 1:
+                raise  # under the lock a dangling index is real damage
+        time.sleep(0.005)
+    raise BlockforgeError(f"{directory}: the tuning database kept changing while it was read; try again")
 
 
 def check_device(directory: Path, target: ResolvedTarget | None) -> dict | None:
@@ -157,11 +269,13 @@ def is_database(directory: Path) -> bool:
 
 
 def digest(directory: Path) -> str:
-    h = hashlib.sha256()
-    for name in (WORKLOADS, RECORDS):
-        p = Path(directory) / name
-        h.update(p.read_bytes() if p.exists() else b"")
-    return h.hexdigest()
+    """sha256 of the workload and record files as of one instant (what compile's manifest names)."""
+    for _ in range(SNAPSHOT_TRIES):
+        try:
+            return _digest(_snapshot(Path(directory))[0])
+        except _Changed:
+            time.sleep(0.005)
+    raise BlockforgeError(f"{directory}: the tuning database kept changing while it was read; try again")
 
 
 UNKNOWN_CPU = "unknown CPU"
@@ -204,8 +318,8 @@ def plan_apply(directory: Path, cpu: str | None, contents: Contents | None = Non
     build runs on `cpu`) records no verdict of this CPU vouches for: those judged on another
     CPU, and unjudged ones (tune --no-measure) unless this CPU tuned the database."""
     db_cpu = read_device(directory).get("cpu_model")
-    ledger = read_ledger(directory)
     c = contents or read_contents(Path(directory), tolerate_torn_tail=True)
+    ledger = c.ledger  # as of the same instant as the records
     with_records = {c.workloads[i][0] for i, _ in c.records}
     exclude, kept, unvalidated, others = set(), [], [], set()
     for sh in sorted(with_records):
@@ -225,64 +339,78 @@ def plan_apply(directory: Path, cpu: str | None, contents: Contents | None = Non
 
 
 def load_database(directory: Path, *, only: set[str] | None = None, exclude: set[str] | None = None,
-                  cpu: str | None = None):
-    """A MetaSchedule database with the complete records of `directory` (read-only use).
+                  cpu: str | None = None, contents: Contents | None = None):
+    """A MetaSchedule database with the complete, policy-checked records of `directory`
+    (read-only use; `contents`: a snapshot already read, so what is applied is what was read).
 
     only/exclude select workloads (shash). By default the workloads plan_apply(cpu) leaves
     out are excluded: records that lost to blockforge's default schedule inside the whole
-    model, and (for a build that runs on `cpu`) records no verdict of that CPU vouches for."""
-    from tvm.s_tir import meta_schedule as ms
-
-    c = read_contents(directory, tolerate_torn_tail=True)
+    model, and (for a build that runs on `cpu`) records no verdict of that CPU vouches for.
+    Refused records (record_policy) never reach TVM; records MetaSchedule cannot replay
+    are refused too (in the returned contents' `refused`)."""
+    c = contents or read_contents(directory, tolerate_torn_tail=True)
     if exclude is None:
         exclude = plan_apply(directory, cpu, c).exclude
-    keep = [i for i, (sh, _) in enumerate(c.workloads) if sh not in exclude and (only is None or sh in only)]
-    # Left-out workloads go entirely (not just their records): MetaSchedule's has_workload
-    # is what compile's coverage report counts as "applied".
+    picked = [k for k, (i, _) in enumerate(c.records)
+              if c.workloads[i][0] not in exclude and (only is None or c.workloads[i][0] in only)]
+    c = _subset(c, picked)
+    try:
+        return _ms_database(c), c
+    except Exception as e:
+        first = error_line(e, last=True)
+    # MetaSchedule replays every trace as it loads and fails the whole database on one it
+    # cannot replay (policy-valid, but not a schedule of its workload): find those one by
+    # one, refuse them like any other, and load the rest.
+    unreplayable = []
+    for k, (i, line) in enumerate(c.records):
+        try:
+            _ms_database(_subset(c, [k]))
+        except Exception as e:
+            raise_if_stopped()  # TVM turns a Ctrl-C inside it into a RuntimeError
+            cause = error_line(e, last=True, limit=120)
+            # TVM's own error for a schedule step that does not apply says only
+            # "parallel_for_dynamic error with (not rendered)"
+            cause = type(e).__name__ if "not rendered" in cause else cause
+            unreplayable.append(Refusal(c.linenos[k] if c.linenos else 0, c.workloads[i][0], line,
+                                        f"MetaSchedule cannot replay it on its workload ({cause}: its schedule "
+                                        "does not apply there)"))
+    if not unreplayable:
+        raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {first}") from None
+    bad = {r.text for r in unreplayable}
+    c = _subset(c, [k for k, (_, line) in enumerate(c.records) if line not in bad])
+    c.refused = c.refused + unreplayable
+    try:
+        return _ms_database(c), c
+    except Exception as e:
+        raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {error_line(e, last=True)}") from None
+
+
+def _subset(c: Contents, picked: list[int]) -> Contents:
+    """Contents with only the records at positions `picked` and the workloads they name,
+    renumbered (the refused records, digest and ledger stay). Workloads without a record go:
+    MetaSchedule's has_workload is what compile's coverage report counts as "applied"."""
+    keep = sorted({c.records[k][0] for k in picked})
     index = {old: new for new, old in enumerate(keep)}
     records = []
-    for i, line in c.records:
-        if i in index:
-            obj = json.loads(line)
-            obj[0] = index[i]
-            records.append((index[i], json.dumps(obj, separators=(",", ":"))))
-    c = Contents([c.workloads[i] for i in keep], records)
+    for k in picked:
+        obj = json.loads(c.records[k][1])
+        obj[0] = index[obj[0]]
+        records.append((obj[0], json.dumps(obj, separators=(",", ":"))))
+    return Contents([c.workloads[i] for i in keep], records, list(c.refused), c.sha256, c.ledger, c.path,
+                    [c.linenos[k] for k in picked] if c.linenos else [])
+
+
+def _ms_database(c: Contents):
+    """A MetaSchedule JSONDatabase of exactly `c` (loaded from a private temporary copy)."""
+    from tvm.s_tir import meta_schedule as ms
+
     tmp = Path(tempfile.mkdtemp(prefix="bf-db-"))
     try:
         (tmp / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))
         (tmp / RECORDS).write_text("".join(line + "\n" for _, line in c.records))
-        try:
-            return ms.database.JSONDatabase(work_dir=str(tmp), allow_missing=False), c
-        except Exception as e:
-            why = _unreplayable(directory, c) or error_line(e, last=True)
-            raise BlockforgeError(f"{directory}: MetaSchedule cannot load this database: {why}") from None
+        return ms.database.JSONDatabase(work_dir=str(tmp), allow_missing=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _unreplayable(directory: Path, c: Contents) -> str | None:
-    """The first record whose trace does not replay on its workload, named by task: loading
-    replays every trace, and MetaSchedule's own error names none ("parallel_for_dynamic
-    error with (not rendered)"). Only asked after a load failed: one replay per record."""
-    from tvm.s_tir import meta_schedule as ms
-
-    ledger = read_ledger(directory)
-    workloads: dict[int, object] = {}
-    for k, (i, line) in enumerate(c.records, start=1):
-        sh = c.workloads[i][0]
-        try:
-            if i not in workloads:
-                workloads[i] = ms.database.Workload.from_json(json.loads(c.workloads[i][1]))
-            ms.database.TuningRecord.from_json(json.loads(line)[1], workloads[i])
-        except Exception as e:
-            entry = ledger.get(sh)
-            task = entry.get("task") if isinstance(entry, dict) else None
-            cause = error_line(e, last=True)
-            cause = type(e).__name__ if "not rendered" in cause else cause
-            return (f"record {k} (task {task or 'unknown'}, workload {sh}) does not replay on its workload "
-                    f"({cause}: its schedule does not apply to that workload); remove that "
-                    "record or re-tune the task")
-    return None
 
 
 def apply_cpu(target: ResolvedTarget) -> str | None:
@@ -294,7 +422,9 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
     """(database, info) for a build, or (None, None) when there is nothing to apply.
 
     info["unvalidated"] names the tasks whose records were left out because only another
-    CPU judged them (callers warn: see unvalidated_warning)."""
+    CPU judged them (callers warn: see unvalidated_warning); info["refused"] has one line
+    per record record_policy refused (callers warn with each). Everything (records, ledger,
+    the sha256 the manifest records) comes from one snapshot of the files."""
     explicit = path is not None
     directory = Path(path) if explicit else default_db_dir(target)
     if not directory.exists():
@@ -304,17 +434,18 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
     if not directory.is_dir():
         raise BlockforgeError(f"{directory}: tuning database must be a directory")
     check_device(directory, target)
-    _, contents = load_database(directory, exclude=set())  # coverage: every record counts
-    if not contents.records:
+    contents = read_contents(directory, tolerate_torn_tail=True)
+    if not contents.records and not contents.refused:
         if explicit:
             raise BlockforgeError(f"{directory}: tuning database holds no records (run `blockforge tune` "
                                   "first, or drop --tuning-db)")
         return None, None
     plan = plan_apply(directory, apply_cpu(target), contents)
-    db_obj, _ = load_database(directory, exclude=plan.exclude)  # what is applied
-    return db_obj, {"path": str(directory), "sha256": digest(directory), "records": len(contents.records),
+    db_obj, applied = load_database(directory, exclude=plan.exclude, contents=contents)  # what is applied
+    return db_obj, {"path": str(directory), "sha256": contents.sha256, "records": len(contents.records),
                     "kept_default": plan.kept_default, "unvalidated": plan.unvalidated, "cpu": plan.cpu,
-                    "verdict_cpus": plan.verdict_cpus}
+                    "verdict_cpus": plan.verdict_cpus, "refused": applied.warnings(),
+                    "refused_tasks": applied.refused_tasks()}
 
 
 def unvalidated_warning(info: dict, tasks: list[str], target_name: str) -> str | None:

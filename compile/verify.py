@@ -52,6 +52,7 @@ def verify(opts: VerifyOptions) -> ParityReport:
         ex = res.executable
         if info:
             notes.append(f"tuning records applied from {info['path']}")
+            notes.extend(info["refused"])
             from .records import unvalidated_warning
 
             line = unvalidated_warning(info, [t for t in res.untuned_tasks if t in info["unvalidated"]], target.name)

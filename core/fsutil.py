@@ -77,11 +77,49 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def atomic_write_group(files: dict[str | os.PathLike, bytes]) -> list[Path]:
+DIR_LOCK_WAIT_S = 10.0
+
+
+@contextlib.contextmanager
+def dir_lock(path: str | os.PathLike, *, exclusive: bool, wait_s: float = DIR_LOCK_WAIT_S) -> Iterator[bool]:
+    """flock(2) on the directory itself: writers that replace several of its files hold it
+    exclusively while they rename, readers hold it shared while they read, so a reader
+    sees all of one write or none of it. Locking the directory (not a lock file in it)
+    works where readers cannot write (a shipped, read-only database) and leaves nothing
+    behind. Yields whether the lock is held: False where the file system has no flock or
+    the wait ran out (callers that need consistency then check what they read)."""
+    import fcntl
+    import time
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield False
+        return
+    try:
+        deadline, held = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)  # the holder renames two files or reads them: milliseconds
+            except OSError:
+                break  # no flock here (some network file systems)
+        yield held
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def atomic_write_group(files: dict[str | os.PathLike, bytes], hold=None) -> list[Path]:
     """Write several files that belong together (a model and its manifest): all of them
     or none. Each is staged (written, fsynced) beside its destination first; only then are
     they renamed into place, with stop signals deferred, and a failed rename puts back
-    what the earlier ones replaced."""
+    what the earlier ones replaced. `hold`: a context manager held around the renames
+    only (dir_lock: readers never see some files new and others old)."""
     from blockforge.errors import stop_deferred
 
     staged: list[tuple[Path, str]] = []
@@ -96,7 +134,7 @@ def atomic_write_group(files: dict[str | os.PathLike, bytes]) -> list[Path]:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        with stop_deferred():
+        with stop_deferred(), (hold if hold is not None else contextlib.nullcontext()):
             done: list[tuple[Path, str | None]] = []  # (dest, backup of what it replaced)
             try:
                 for dest, tmp in staged:

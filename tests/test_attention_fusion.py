@@ -261,6 +261,10 @@ def test_tile_choice_round_trips_through_a_tuning_database(tmp_path):
     reread = ms.database.JSONDatabase(work_dir=str(tmp_path))
     assert attention.tile_record(reread, spec, TARGET) == cands[0], "the fastest record wins"
     assert attention.tile_record(reread, attention.replace(spec, causal=True), TARGET) is None
+    # a record of tiles tune never times (here 1x9999, recorded fastest) picks nothing
+    db.commit_tuning_record(ms.database.TuningRecord(
+        attention.tile_trace(spec, LANES, (1, 9999), [(1, 9999), *cands]), wl, [1e-6], TARGET, None))
+    assert attention.tile_record(db, spec, TARGET) is None
     # the fuse pass applies it: the emitted kernel carries the recorded tiles
     with TARGET:
         fused = attention.fuse_attention(TARGET, reread)(mod)

@@ -23,11 +23,11 @@ def _verdict(prefer: bool) -> dict:
 
 
 def _fake_db(d: Path, ledger: dict, db_cpu: str | None) -> Path:
-    """A database whose files have the right structure (plan_apply reads no trace)."""
+    """A database whose files have the right structure (an empty trace: plan_apply replays none)."""
     d.mkdir()
     names = sorted(ledger)
     (d / WORKLOADS).write_text("".join(json.dumps([sh, {}]) + "\n" for sh in names))
-    (d / RECORDS).write_text("".join(json.dumps([i, [[], [1e-5]]]) + "\n" for i in range(len(names))))
+    (d / RECORDS).write_text("".join(json.dumps([i, [[[], []], [1e-5]]]) + "\n" for i in range(len(names))))
     dev = {"format": FORMAT, "key": "llvm-x", "target": {"kind": "llvm"}}
     if db_cpu:
         dev["cpu_model"] = db_cpu

@@ -8,11 +8,15 @@ owns writing: rounds, merges, the ledger, salvage and the lock.
     <db>/tune.log                 TVM's logs of the jobs
 
 MetaSchedule's JSONDatabase appends lines without fsync and refuses to load a torn line.
-blockforge never lets TVM write the device files: each round tunes into a scratch copy,
-then the new records are merged into fresh files that replace the old ones atomically
-(workloads first: they are append-only, so record indices stay valid at every instant).
-A torn last line of a scratch file (the kill landed mid-write) is dropped; every complete
-line is kept.
+blockforge never lets TVM write the device files: each round tunes into a scratch copy
+(of the records record_policy accepts: TVM never sees a refused one), then the new
+records are merged into fresh files that are staged and renamed into place together
+under an exclusive flock of the directory. Readers (compile.records.read_contents) hold
+it shared, so a compile reading during a merge sees the old database or the new one,
+never new workloads with old records (or the reverse), and the digest it records is of
+what it applied. A torn last line of a scratch file (the kill landed mid-write) is
+dropped; every complete line is kept. Refused records of the device files stay in them
+(they are the user's; they are reported, never applied).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockforge.compile.records import (DEVICE, FAILED_RUN_SECS, FORMAT, LEDGER, RECORDS, WORKLOADS, Contents,
-                                        check_device, digest, is_database, read_contents, read_ledger)
+                                        check_device, digest, is_database, load_database, read_contents,
+                                        read_ledger)
 from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_write_json, atomic_write_text
+from blockforge.fsutil import atomic_write_group, atomic_write_json, dir_lock, json_bytes
 from blockforge.targets import ResolvedTarget
 
 SCRATCH = "scratch"
@@ -59,6 +64,8 @@ class DeviceDB:
         device.json; None where the measurements happen elsewhere (RPC)."""
         self.path = Path(path)
         self.cpu = cpu
+        self.refused: dict[str, None] = {}  # warnings for refused records seen (ordered set)
+        self._replayable: set[str] = set()  # record lines MetaSchedule is known to load
         if self.path.exists() and not self.path.is_dir():
             raise BlockforgeError(f"{self.path}: tuning database must be a directory")
         if create:
@@ -80,7 +87,15 @@ class DeviceDB:
 
     # -- reading ----------------------------------------------------------------
     def contents(self) -> Contents:
-        return read_contents(self.path, tolerate_torn_tail=False)
+        c = read_contents(self.path, tolerate_torn_tail=False)
+        self.refused.update(dict.fromkeys(c.warnings()))
+        return c
+
+    def _replace(self, files: dict[str, bytes]) -> None:
+        """Replace files of the database together, renamed under the directory's exclusive
+        lock (what read_contents' shared lock waits for)."""
+        atomic_write_group({self.path / name: data for name, data in files.items()},
+                           hold=dir_lock(self.path, exclusive=True))
 
     def ledger(self) -> dict[str, dict]:
         return read_ledger(self.path)
@@ -89,7 +104,7 @@ class DeviceDB:
         led = self.ledger()
         led.setdefault(shash, {"trials": 0})[key] = value
         try:
-            atomic_write_json(self.path / LEDGER, led)
+            self._replace({LEDGER: json_bytes(led)})
         except OSError as e:
             raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
 
@@ -119,6 +134,7 @@ class DeviceDB:
         """Merge complete records of a scratch database (after its first `skip_records`,
         which were copied from here) into the device files. Returns records added per workload."""
         new = read_contents(scratch, tolerate_torn_tail=True)
+        self.refused.update(dict.fromkeys(new.warnings()))  # TVM's own output: an allow-list gap
         cur = self.contents()
         index = {sh: i for i, (sh, _) in enumerate(cur.workloads)}
         workloads = list(cur.workloads)
@@ -135,10 +151,11 @@ class DeviceDB:
             added[sh] = added.get(sh, 0) + 1
         if not new_records:
             return {}
+        kept = [line for _, line in cur.records] + [r.text for r in cur.refused]
+        self._replayable.update(new_records)  # TVM wrote them from schedules it built
         try:
-            atomic_write_text(self.path / WORKLOADS, "".join(line + "\n" for _, line in workloads))
-            atomic_write_text(self.path / RECORDS, "".join(line + "\n" for _, line in cur.records)
-                              + "".join(line + "\n" for line in new_records))
+            self._replace({WORKLOADS: "".join(line + "\n" for _, line in workloads).encode(),
+                           RECORDS: "".join(line + "\n" for line in kept + new_records).encode()})
         except OSError as e:
             raise BlockforgeError(f"cannot write tuning database {self.path}: {e.strerror or e}; "
                                   "its previous contents are intact") from None
@@ -154,7 +171,7 @@ class DeviceDB:
             if sh in names:
                 entry["task"] = names[sh]
         try:
-            atomic_write_json(self.path / LEDGER, led)
+            self._replace({LEDGER: json_bytes(led)})
         except OSError as e:
             raise BlockforgeError(f"cannot write tuning ledger {self.path / LEDGER}: {e.strerror or e}") from None
 
@@ -173,12 +190,29 @@ class DeviceDB:
         if d.exists():
             shutil.rmtree(d)
         d.mkdir()
-        for f in (WORKLOADS, RECORDS):
-            if (self.path / f).exists():
-                shutil.copyfile(self.path / f, d / f)
-        copied = len(self.contents().records)
+        c = self._replayable_contents()  # TVM's search replays these
+        (d / WORKLOADS).write_text("".join(line + "\n" for _, line in c.workloads))
+        (d / RECORDS).write_text("".join(line + "\n" for _, line in c.records))
+        copied = len(c.records)
         (d / _COPIED).write_text(str(copied))
         return Round(d, copied)
+
+    def _replayable_contents(self) -> Contents:
+        """The records a round may start from: those the policy accepts, less any that
+        MetaSchedule cannot replay (its JSONDatabase, which the round's search opens, fails
+        as a whole on one). Checked with one load the first time a job sees a record; the
+        records a job merges are TVM's own and known good."""
+        c = self.contents()
+        if all(line in self._replayable for _, line in c.records):
+            return c
+        _, loaded = load_database(self.path, exclude=set(), contents=c)
+        bad = {r.line for r in loaded.refused} - {r.line for r in c.refused}
+        self.refused.update(dict.fromkeys(w for r, w in zip(loaded.refused, loaded.warnings()) if r.line in bad))
+        keep = [k for k, n in enumerate(c.linenos) if n not in bad]
+        c = Contents(c.workloads, [c.records[k] for k in keep], c.refused, c.sha256, c.ledger, c.path,
+                     [c.linenos[k] for k in keep])
+        self._replayable.update(line for _, line in c.records)
+        return c
 
     def commit_round(self, rnd: Round) -> dict[str, int]:
         """Merge a finished round's new records, then drop its scratch directory."""
@@ -235,8 +269,9 @@ class DeviceDB:
         for name in (DEVICE, LEDGER):
             if (self.path / name).exists():
                 shutil.copyfile(self.path / name, dest / name)
-        atomic_write_text(dest / WORKLOADS, "".join(c.workloads[i][1] + "\n" for i in keep))
-        atomic_write_text(dest / RECORDS, "".join(r + "\n" for r in records))
+        atomic_write_group({dest / WORKLOADS: "".join(c.workloads[i][1] + "\n" for i in keep).encode(),
+                            dest / RECORDS: "".join(r + "\n" for r in records).encode()},
+                           hold=dir_lock(dest, exclusive=True))
         return len(records)
 
 
@@ -262,7 +297,7 @@ class _Lock:
             except (OSError, ValueError, KeyError):
                 desc = "another process"
             raise BlockforgeError(f"tuning database {self.path} is in use by {desc}; "
-                                  "wait for it to finish or use another --db") from None
+                                  "wait for it to finish or use another tuning database") from None
         atomic_write_json(self.owner, {"pid": os.getpid(), "host": socket.gethostname(),
                                        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                                        "command": " ".join(os.sys.argv)[:200]})

@@ -110,6 +110,7 @@ class TuneSummary:
     untuned_ms: float | None = None  # blockforge's default schedules, no records
     tuned_ms: float | None = None
     cpu: str | None = None  # the CPU the in-model verdicts were made on
+    refused: list[str] = field(default_factory=list)  # one line per record record_policy refused
     rpc: str | None = None
     wall_s: float = 0.0
 
@@ -500,7 +501,8 @@ def _summarize(job: _Job, salvaged: dict) -> TuneSummary:
                                  best * 1e6 if best else None, fl / best / 1e9 if best else None))
     t = job.session.target
     return TuneSummary(str(job.opts.model), t.name, t.key(), str(job.db.path), job.budget, tasks,
-                       salvaged=sum(salvaged.values()), seeded=job.seeded, rpc=job.opts.rpc_key)
+                       salvaged=sum(salvaged.values()), seeded=job.seeded, rpc=job.opts.rpc_key,
+                       refused=list(job.db.refused))
 
 
 def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:

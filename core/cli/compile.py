@@ -35,6 +35,8 @@ def run(a) -> int:
         kept = [k for k in t["kept_default"] if k not in t["missing"]]
         print(f"tuning records: {t['applied']} of {t['tasks']} tasks from {t['path']}"
               + (f"; default schedule kept (faster in the model) for {len(kept)}" if kept else ""))
+        for line in t.get("refused", []):
+            print(f"warning: {line}", file=sys.stderr)
         for name in t.get("missing", []):
             print(f"warning: no tuning record for task {name}", file=sys.stderr)
         from blockforge.compile.records import unvalidated_warning

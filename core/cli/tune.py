@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from .common import add_force, add_shape, check_outputs, dims, print_table, write_json
 
 
@@ -59,5 +61,7 @@ def run(a) -> int:
     if s.untuned_ms is not None:
         naive = f"TVM naive {s.naive_ms:.3f} ms, " if s.naive_ms is not None else ""
         print(f"whole model on this device: {naive}blockforge untuned {s.untuned_ms:.3f} ms, tuned {s.tuned_ms:.3f} ms")
+    for line in s.refused:
+        print(f"warning: {line}", file=sys.stderr)
     write_json(a.json, s.to_dict())
     return 0

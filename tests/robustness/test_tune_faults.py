@@ -75,24 +75,24 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
 
     model = export(FFNSpec(d_model=32, d_ff=64), tmp_path / "f.onnx").model_path
     db = tmp_path / "db"
-    real = tuning_db.atomic_write_text
+    real = tuning_db.atomic_write_group  # a merge stages and renames both files as one group
     calls = {"n": 0}
 
-    def flaky(path, text):
-        if path.name == RECORDS:
+    def flaky(files, hold=None):
+        if any(p.name == RECORDS for p in files):
             calls["n"] += 1
             if calls["n"] >= 3:
                 raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, text)
+        return real(files, hold)
 
-    monkeypatch.setattr(tuning_db, "atomic_write_text", flaky)
+    monkeypatch.setattr(tuning_db, "atomic_write_group", flaky)
     with pytest.raises(BlockforgeError, match="No space left on device.*intact"):
         tune(TuneOptions(model=model, target="host", dims=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
                          measure=False, progress=False))
     before = (db / RECORDS).read_text().splitlines()
     assert len(before) >= 2
     load_database(db)
-    monkeypatch.setattr(tuning_db, "atomic_write_text", real)
+    monkeypatch.setattr(tuning_db, "atomic_write_group", real)
     tmpdir = tmp_path / "tmpdir"  # the library call, too, leaves nothing in TMPDIR (workers' exports)
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
