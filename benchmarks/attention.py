@@ -52,8 +52,8 @@ def main(argv=None) -> int:
         runners = {"ort": lambda sess=sess: sess.run(None, inputs)}
         for name, fuse in (("unfused", False), ("fused", True)):
             ex = build(s.relax(), s.target, fuse_attention=fuse).executable
-            runners[name] = TvmRunner(ex, s.target.device, s.inputs, inputs)
-        outs = {k: (r.vm["main"](*r.args).numpy() if k != "ort" else sess.run(None, inputs)[0])
+            runners[name] = TvmRunner(ex, s.target.device, s.inputs, s.outputs, inputs)
+        outs = {k: (r.outputs()[0] if k != "ort" else sess.run(None, inputs)[0])
                 for k, r in runners.items()}
         samples = measure_interleaved(runners, args.repeat, warmup=2)
         ort_ms = float(np.median(samples["ort"]))

@@ -51,15 +51,15 @@ def main(argv=None) -> int:
     for seq in args.seq:
         static = open_model(args.model, "host", {"batch": args.batch, "seq": seq})
         inputs = random_inputs(static.inputs, {}, seed=0)
-        runners = {"static": TvmRunner(build(static.relax(), static.target).executable, "cpu", static.inputs, inputs),
-                   "dynamic": TvmRunner(dynamic, "cpu", static.inputs, inputs)}
+        runners = {"static": TvmRunner(build(static.relax(), static.target).executable, "cpu", static.inputs, static.outputs, inputs),
+                   "dynamic": TvmRunner(dynamic, "cpu", static.inputs, static.outputs, inputs)}
         if unfused is not None:
-            runners["dynamic-unfused"] = TvmRunner(unfused, "cpu", static.inputs, inputs)
-        ref = runners["static"].vm["main"](*runners["static"].args).numpy()
+            runners["dynamic-unfused"] = TvmRunner(unfused, "cpu", static.inputs, static.outputs, inputs)
+        ref = runners["static"].outputs()[0]
         samples = measure_interleaved(runners, args.repeat, warmup=2)
         base = float(np.median(samples["static"]))
         for k, v in samples.items():
-            out = runners[k].vm["main"](*runners[k].args).numpy()
+            out = runners[k].outputs()[0]
             rows.append({"seq": seq, "build": k, "median_ms": round(float(np.median(v)), 3),
                          "p90_ms": round(float(np.percentile(v, 90)), 3),
                          "vs_static": round(float(np.median(v)) / base, 2),

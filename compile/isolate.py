@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import signal
@@ -35,6 +36,9 @@ from pathlib import Path
 
 from blockforge import settings
 from blockforge.errors import BlockforgeError, raise_if_stopped
+
+_log = logging.getLogger("blockforge.isolate")
+LOGGED_TAIL = 64 * 1024  # of a child's native output (ORT's, TVM's) kept in the log file
 
 # A child ended by one of these was stopped from outside (a terminal's Ctrl-C reaches the
 # whole process group), not crashed by the model.
@@ -74,6 +78,8 @@ def _run_child(cmd: list[str], timeout: float) -> _Child:
         out.seek(0)
         err.seek(0)
         text = [f.read().decode(errors="replace") for f in (out, err)]
+    if text[1].strip():  # native logs (ORT's [E:onnxruntime:...], TVM's) go where the parent's go
+        _log.info("child %s wrote:\n%s", " ".join(cmd[3:5]), text[1][-LOGGED_TAIL:].rstrip())
     return _Child(rc, *text, ru.ru_maxrss * 1024,
                   rc == -signal.SIGKILL and settings.cgroup_oom_kills() > ooms)
 

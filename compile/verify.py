@@ -72,11 +72,11 @@ def verify(opts: VerifyOptions) -> ParityReport:
         # the child refuses what ORT's session setup would fold above the size cap
         model = load_untrusted(opts.model, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
         inputs = prepare_inputs(model, npz, bind_request(model, opts.dims, shapes), opts.seed)
-        if model_spec(model) is None:  # no oracle: ONNX Runtime would be compared with nothing
-            raise BlockforgeError(f"{opts.model}: not a blockforge model (no spec in its metadata), so there is no "
-                                  "oracle to check ONNX Runtime against; give a target to compare TVM with "
-                                  "ONNX Runtime")
         ort = run_ort(opts.model, model, inputs, ort_device)  # the untrusted model runs in the bounded child
+        if model_spec(model) is None:  # no oracle: ONNX Runtime's run would be compared with nothing
+            raise BlockforgeError(f"{opts.model}: ONNX Runtime runs it, but it is not a blockforge model (no spec in "
+                                  "its metadata), so there is no oracle to check ONNX Runtime against; give a "
+                                  "target to compare TVM with ONNX Runtime")
     report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort)
     report.notes[:0] = notes
     return report
