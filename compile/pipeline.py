@@ -1,7 +1,8 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
     [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)] -> optimize
-    -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+    -> [fp32-accumulate (GPU, float16 models)] -> [int8-gemm (CPU with AVX-512 VNNI)]
+    -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
 so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
@@ -34,6 +35,7 @@ ABLATIONS = {
     "fp32-compute": "CPU float16 models computed in float32 (left out: float16 storage, float32 sums)",
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
+    "int8-gemm": "quantized (MatMulInteger) matmuls on the VNNI int8 kernel (left out: int32 GEMM loops)",
 }
 
 
@@ -67,6 +69,20 @@ def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database)]
     return passes
+
+
+def _has_vnni(target: ResolvedTarget) -> bool:
+    from .quant.intrin import has_vnni
+
+    return has_vnni(target.tvm_target())
+
+
+def _int8_gemm() -> list:
+    from .quant.rewrite import int8_gemm
+
+    # After optimize (its FoldConstant leaves the importer's int32 weight casts as they are:
+    # the pass reads them), before prepack and legalize: the int32 matmul is still one op.
+    return [int8_gemm()]
 
 
 def _optimize(without: frozenset[str]) -> Callable[[], list]:
@@ -180,6 +196,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
+    if cpu and default_schedules and "int8-gemm" not in without and _has_vnni(target):
+        out.append(Phase("int8-gemm", _int8_gemm))
     if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))
     out.append(Phase("legalize", _legalize))
@@ -229,9 +247,10 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
     from tvm.s_tir import meta_schedule as ms
 
     from .attention import is_kernel
+    from .quant.gemm import is_kernel as is_int8_kernel
 
     return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
-            if not is_kernel(t.dispatched[0]["main"])]
+            if not is_kernel(t.dispatched[0]["main"]) and not is_int8_kernel(t.dispatched[0]["main"])]
 
 
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:

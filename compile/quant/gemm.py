@@ -177,3 +177,7 @@ def kernel_specs(mod) -> list[Int8GemmSpec]:
         if isinstance(func, tirx.PrimFunc) and func.attrs is not None and KERNEL_ATTR in func.attrs:
             out.append(Int8GemmSpec(**json.loads(str(func.attrs[KERNEL_ATTR]))))
     return out
+
+
+def is_kernel(func) -> bool:
+    return func.attrs is not None and KERNEL_ATTR in func.attrs
