@@ -1,0 +1,207 @@
+"""The int8 GEMM (compile/quant): the VNNI kernel's IR under a fixed target, its exact int32
+results against numpy (static and ragged/symbolic M), the int8-gemm pass on hand-built
+Relax (s8 activations, a weight zero point) and end to end on ONNX Runtime's
+quantize_dynamic model of a blockforge FFN, against ORT running the same file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+from blockforge.compile.quant import gemm  # noqa: E402
+from blockforge.compile.quant.intrin import has_vnni  # noqa: E402
+
+ZNVER4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2})
+SKYLAKE = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+
+
+def _host():
+    from blockforge.targets import resolve
+
+    return resolve("host").tvm_target()
+
+
+def _need_vnni_host():
+    if not has_vnni(_host()):
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni): the int8 kernel cannot run here")
+
+
+def test_vnni_is_read_from_the_target_not_the_build_machine():
+    assert has_vnni(ZNVER4) and not has_vnni(SKYLAKE)
+    assert has_vnni(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                       "mcpu": "skylake-avx512", "mattr": ["+avx512vnni"]}))
+
+
+@pytest.mark.parametrize("m", [12, 13, None])
+def test_kernel_is_tensorized_and_the_ragged_tile_guarded(m):
+    f = gemm.kernel(gemm.Int8GemmSpec(k=64, n=128, m=m, scale="scalar", bias=True))
+    text = f.script()
+    assert text.count("llvm.x86.avx512.vpdpbusd.512") == 1, "the update is not on the VNNI intrinsic"
+    assert "T.parallel" in text and "T.vectorized" in text
+    ragged = m is None or m % gemm.MR
+    # Past M the accumulator re-reads row M-1 (clamped) and the write-back is guarded.
+    assert ("T.min(v_i_o" in text) == bool(ragged), text
+    assert ("T.where" in text) == bool(ragged), text
+    # and it builds (cross, no VNNI needed here) into code that uses the instruction
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=ZNVER4)
+    assert "vpdpbusd" in lib.mod.inspect_source("asm")
+
+
+def test_spec_refuses_what_the_intrinsic_cannot_tile():
+    with pytest.raises(ValueError, match="K % 4"):
+        gemm.Int8GemmSpec(k=30, n=64)
+    with pytest.raises(ValueError, match="N % 16"):
+        gemm.Int8GemmSpec(k=32, n=40)
+
+
+def _run_kernel(spec, a, w, zp_a, scale=None, bias=None, rowcorr=None):
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=_host())
+    args = [a, gemm.pack_weights(w), gemm.column_sums(w), np.array(zp_a, np.int32)]
+    args += [x for x in (rowcorr, scale, bias) if x is not None]
+    out = tvm.runtime.tensor(np.zeros((a.shape[0], spec.n), spec.out_dtype))
+    lib["main"](*[tvm.runtime.tensor(np.asarray(x)) for x in args], out)
+    return out.numpy(), lib
+
+
+@pytest.mark.parametrize("m", [12, 13])
+def test_static_m_exact_int32(m):
+    _need_vnni_host()
+    rng = np.random.default_rng(m)
+    spec = gemm.Int8GemmSpec(k=96, n=64, m=m)
+    a = rng.integers(0, 256, (m, 96), dtype=np.uint8)  # the u8 extremes included
+    a[0] = 255
+    w = rng.integers(-128, 128, (96, 64), dtype=np.int8)
+    w[:, 0] = -128
+    got, _ = _run_kernel(spec, a, w, zp_a=131)
+    np.testing.assert_array_equal(got, gemm.reference(spec, a, w, 131))
+
+
+def test_symbolic_m_exact_int32_on_ragged_rows():
+    _need_vnni_host()
+    spec = gemm.Int8GemmSpec(k=64, n=128, m=None)
+    lib = None
+    rng = np.random.default_rng(0)
+    w = rng.integers(-128, 128, (64, 128), dtype=np.int8)
+    for m in (1, 5, 6, 7, 20):  # below, at and past one 6-row tile
+        a = rng.integers(0, 256, (m, 64), dtype=np.uint8)
+        if lib is None:
+            got, lib = _run_kernel(spec, a, w, zp_a=7)
+        else:
+            out = tvm.runtime.tensor(np.zeros((m, 128), np.int32))
+            lib["main"](*[tvm.runtime.tensor(x) for x in (a, gemm.pack_weights(w), gemm.column_sums(w),
+                                                           np.array(7, np.int32))], out)
+            got = out.numpy()
+        np.testing.assert_array_equal(got, gemm.reference(spec, a, w, 7), err_msg=f"M={m}")
+
+
+def _matmul_integer_module(act_dtype: str, w: np.ndarray, zp_w: int, seq):
+    """What TVM's importer makes of MatMulInteger: int32 casts, zero points subtracted."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, seq, w.shape[0]], act_dtype))
+    zp = relax.Var("zp", relax.TensorType([], act_dtype))
+    with bb.function("main", [x, zp]):
+        with bb.dataflow():
+            a32 = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), relax.op.astype(zp, "int32")))
+            w32 = bb.emit(relax.op.subtract(relax.const(w.astype(np.int32)), relax.op.astype(relax.const(zp_w, "int8"), "int32")))
+            y = bb.emit_output(relax.op.matmul(a32, w32, out_dtype="int32"))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+@pytest.mark.parametrize("act_dtype, zp_w", [("uint8", 0), ("int8", 0), ("uint8", 5), ("int8", -3)])
+def test_pass_folds_zero_points_and_the_s8_shift_exactly(act_dtype, zp_w):
+    """s8 activations take the +128 shift; a weight zero point the row-sum correction."""
+    _need_vnni_host()
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    rng = np.random.default_rng(1)
+    lo, hi = (0, 256) if act_dtype == "uint8" else (-128, 128)
+    w = rng.integers(-128, 128, (32, 48), dtype=np.int8)
+    mod = _matmul_integer_module(act_dtype, w, zp_w, tvm.tirx.Var("seq", "int64"))
+    with ZNVER4:
+        new = int8_gemm()(mod)
+    assert len(gemm.kernel_specs(new)) == 1 and gemm.kernel_specs(new)[0].rowcorr == (zp_w != 0)
+    vm = relax.VirtualMachine(tvm.compile(new, target=_host()), tvm.cpu())
+    for seq in (7, 12):
+        x = rng.integers(lo, hi, (1, seq, 32)).astype(act_dtype)
+        zp = np.array(hi - 1 if act_dtype == "uint8" else lo, act_dtype)  # extreme zero points
+        got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(zp)).numpy()
+        ref = (x.astype(np.int64) - int(zp)) @ (w.astype(np.int64) - zp_w)
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_pass_leaves_float_matmuls_alone():
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 8, 32], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, relax.const(np.ones((32, 48), np.float32))))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    with ZNVER4:
+        tvm.ir.assert_structural_equal(int8_gemm()(mod), mod)
+
+
+def test_phase_only_on_vnni_targets_and_ablatable():
+    from blockforge.compile.pipeline import phases
+    from blockforge.targets import resolve
+
+    names = lambda t, **kw: [p.name for p in phases(resolve(t), **kw)]  # noqa: E731
+    assert "int8-gemm" in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
+    assert "int8-gemm" not in names("x86-64-avx512")  # Skylake: no VNNI
+    assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
+                                    without={"int8-gemm"})
+    ps = names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
+    assert ps.index("optimize") < ps.index("int8-gemm") < ps.index("legalize")
+
+
+@pytest.fixture(scope="module")
+def quantized_ffn(tmp_path_factory):
+    pytest.importorskip("onnxruntime.quantization")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from blockforge.graph import FFNSpec, export
+
+    d = tmp_path_factory.mktemp("qffn")
+    fp32 = export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
+    quantize_dynamic(str(fp32), str(d / "ffn_q.onnx"), weight_type=QuantType.QInt8)
+    return d / "ffn_q.onnx"
+
+
+@pytest.mark.parametrize("seq", [16, None])
+def test_quantize_dynamic_ffn_matches_ort_on_the_int8_kernel(quantized_ffn, seq, tmp_path, monkeypatch):
+    """Both MatMulIntegers run on the int8 kernel (scale and bias in its epilogue), and the
+    output matches ORT on the same file within one quantization step of the output range."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+
+    s = open_model(quantized_ffn, "host", {"batch": 1, **({"seq": seq} if seq else {})})
+    res = s.build(dump_ir=tmp_path / "dump")
+    assert "int8-gemm" in res.phases
+    after = next((tmp_path / "dump").glob("*-int8-gemm.py")).read_text()
+    assert after.count("R.call_tir(cls.int8_gemm_") == 2, after
+    assert "out_dtype=\"int32\"" not in after.split("def main")[-1], "an int32 matmul is left"
+    vm = relax.VirtualMachine(res.executable, tvm.cpu())
+    for n in ([seq] if seq else [1, 13, 16]):
+        x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+        step = float(np.abs(ref).max()) / 255
+        assert np.abs(got - ref).max() <= step, (n, np.abs(got - ref).max(), step)
