@@ -1,0 +1,138 @@
+"""int8 on the VNNI kernel (compile/quant) against float32, interleaved in one process:
+
+1. the int8 GEMM kernel alone vs numpy's SGEMM at the same shape (GOP/s; % of that SGEMM
+   ceiling, the rate fp32 can reach here at best);
+2. the BERT-base FFN (d_model 768, d_ff 3072, gelu, seq 128) quantized with ORT's
+   quantize_dynamic (QInt8 weights): blockforge before (the int8-gemm phase left out: TVM's
+   int32 GEMM loops) / after / ONNX Runtime on the same quantized file / blockforge on the
+   float32 model.
+
+Every line carries the load average and the SGEMM ceiling measured in the same run: on a
+shared machine the absolute numbers are not quotable, the ratios within one run are.
+
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
+
+from blockforge import configure  # noqa: E402
+from blockforge.compile.session import open_model  # noqa: E402
+from blockforge.graph import FFNSpec, export  # noqa: E402
+from blockforge.graph import ort as ort_runner  # noqa: E402
+from blockforge.graph.model_io import random_inputs  # noqa: E402
+
+FULL = dict(gemm=(128, 768, 3072), ffn=FFNSpec(d_model=768, d_ff=3072, activation="gelu"), seq=128)
+SMOKE = dict(gemm=(16, 64, 128), ffn=FFNSpec(d_model=64, d_ff=128, activation="gelu"), seq=8)
+
+
+def _load() -> str:
+    return "load %.1f/%.1f/%.1f" % os.getloadavg()
+
+
+def _interleaved(calls: dict, repeat: int) -> dict[str, float]:
+    """Median ms of each call, the calls taking turns (drift hits all alike)."""
+    samples = {k: [] for k in calls}
+    for _ in range(repeat):
+        for k, call in calls.items():
+            call()  # warm: caches and thread pools as the next call finds them
+            t0 = time.perf_counter()
+            call()
+            samples[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def _gemm(shape, repeat: int) -> float:
+    import tvm
+
+    from blockforge.compile.quant import gemm
+    from blockforge.targets import resolve
+
+    m, k, n = shape
+    spec = gemm.Int8GemmSpec(k=k, n=n, m=m)
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=resolve("host").tvm_target())
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    w = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    args = [tvm.runtime.tensor(x) for x in (a, gemm.pack_weights(w), gemm.column_sums(w), np.array(3, np.int32))]
+    out = tvm.runtime.tensor(np.zeros((m, n), np.int32))
+    lib["main"](*args, out)
+    exact = np.array_equal(out.numpy(), gemm.reference(spec, a, w, 3))
+    af, wf = a.astype(np.float32), w.astype(np.float32)
+    med = _interleaved({"int8": lambda: lib["main"](*args, out), "sgemm": lambda: af @ wf}, repeat)
+    ops = 2 * m * n * k
+    rate = {key: ops / (ms * 1e-3) / 1e9 for key, ms in med.items()}
+    print(f"GEMM {m}x{k}x{n} (exact int32 vs numpy: {exact}; {_load()}): int8 kernel {med['int8']:.3f} ms "
+          f"= {rate['int8']:.0f} GOP/s; numpy SGEMM {med['sgemm']:.3f} ms = {rate['sgemm']:.0f} GFLOP/s "
+          f"(the SGEMM ceiling in this run); int8 = {100 * rate['int8'] / rate['sgemm']:.0f}% of it")
+    return rate["sgemm"]
+
+
+def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path) -> None:
+    import tvm
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from tvm import relax
+
+    fp32 = export(spec, tmp / "ffn.onnx").model_path
+    quant = tmp / "ffn_int8.onnx"
+    quantize_dynamic(str(fp32), str(quant), weight_type=QuantType.QInt8)
+    dims = {"batch": 1, "seq": seq}
+    sq, sf = open_model(quant, "host", dims), open_model(fp32, "host", dims)
+    inputs = random_inputs(sq.inputs, dims, seed=0)
+
+    def tvm_call(session, without=frozenset()):
+        res = session.build(without=without)
+        vm = relax.VirtualMachine(res.executable, tvm.cpu())
+        args = [tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]
+        return (lambda: vm["main"](*args)), res
+
+    before, _ = tvm_call(sq, {"int8-gemm"})
+    after, res = tvm_call(sq)
+    ours_fp32, _ = tvm_call(sf)
+    ort = ort_runner.session(sq.model, threads=2, spin=False)
+    ref = next(iter(ort_runner.run(ort, inputs).values()))
+    err = float(np.abs(after().numpy() - ref).max())
+    calls = {"blockforge int8 (before: int8-gemm off)": before, "blockforge int8 (after)": after,
+             "ORT int8 dynamic (same file)": lambda: ort.run(None, inputs), "blockforge fp32": ours_fp32}
+    med = _interleaved(calls, repeat)
+    print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq}, quantize_dynamic QInt8 "
+          f"({_load()}; SGEMM ceiling {sgemm:.0f} GFLOP/s; phases {' > '.join(res.phases)}; "
+          f"max |after - ORT| {err:.2e}):")
+    base = med["blockforge fp32"]
+    for k, ms in med.items():
+        print(f"  {k}: {ms:.3f} ms ({ms / base:.2f}x blockforge fp32, {ms / med['ORT int8 dynamic (same file)']:.2f}x ORT)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
+    a = ap.parse_args()
+    configure(redirect_native_output=False)
+    from blockforge.compile.quant.intrin import has_vnni
+    from blockforge.targets import resolve
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    print(f"CPU: {cpu}, {os.cpu_count()} logical cores; shared machine: read ratios, not digits")
+    if not has_vnni(resolve("host").tvm_target()):
+        print("this CPU has no AVX-512 VNNI: the int8 kernel cannot run here; nothing to measure")
+        return 0
+    cfg = SMOKE if a.smoke else FULL
+    sgemm = _gemm(cfg["gemm"], a.repeat)
+    _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
