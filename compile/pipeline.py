@@ -175,10 +175,29 @@ def has_fp16(mod) -> bool:
     return False
 
 
+def has_int8_matmul(mod) -> bool:
+    """A matmul computed in int32 (TVM's import of MatMulInteger): a quantized model."""
+    from tvm import relax
+
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and getattr(e.op, "name", None) == "relax.matmul" and \
+                str(getattr(e.ty, "dtype", "")) == "int32":
+            found.append(e)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function) and not found:
+            relax.analysis.post_order_visit(func.body, visit)
+    return bool(found)
+
+
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
-           fuse_attention: bool | None = None, without=frozenset()) -> list[Phase]:
+           fuse_attention: bool | None = None, without=frozenset(), int8: bool = False) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
-    False/True to A/B both builds in one process. without: names from ABLATIONS to leave out."""
+    False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
+    int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
+    so float models keep their phase list (manifests, dumps) as before."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -196,7 +215,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
-    if cpu and default_schedules and "int8-gemm" not in without and _has_vnni(target):
+    if int8 and cpu and default_schedules and "int8-gemm" not in without and _has_vnni(target):
         out.append(Phase("int8-gemm", _int8_gemm))
     if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))
@@ -225,7 +244,8 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         dump_ir.mkdir(parents=True, exist_ok=True)
         (dump_ir / "00-import.py").write_text(mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
-        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without), start=1):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
+                                         has_int8_matmul(mod)), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)

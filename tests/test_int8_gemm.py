@@ -159,7 +159,9 @@ def test_phase_only_on_vnni_targets_and_ablatable():
     from blockforge.compile.pipeline import phases
     from blockforge.targets import resolve
 
-    names = lambda t, **kw: [p.name for p in phases(resolve(t), **kw)]  # noqa: E731
+    names = lambda t, int8=True, **kw: [p.name for p in phases(resolve(t), int8=int8, **kw)]  # noqa: E731
+    # float models: no phase (their phase list, manifests and dumps stay as they were)
+    assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}', int8=False)
     assert "int8-gemm" in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
     assert "int8-gemm" not in names("x86-64-avx512")  # Skylake: no VNNI
     assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
