@@ -99,6 +99,23 @@ def test_symbolic_m_exact_int32_on_ragged_rows():
         np.testing.assert_array_equal(got, gemm.reference(spec, a, w, 7), err_msg=f"M={m}")
 
 
+@pytest.mark.parametrize("rows", [13, None])
+def test_range_kernel_is_exact(rows):
+    """DynamicQuantizeLinear's max(x) / min(x), parallel and vectorised, on ragged row counts."""
+    _need_vnni_host()
+    from blockforge.compile.quant import minmax
+
+    f = minmax.kernel(minmax.MinMaxSpec(cols=48, rows=rows))
+    assert "T.parallel" in f.script() and "T.vectorized" in f.script()
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=_host())
+    for m in ([rows] if rows else [1, 7, 20]):
+        x = np.random.default_rng(m).standard_normal((m, 48)).astype(np.float32)
+        x[m - 1, 47], x[0, 0] = 9.5, -7.25  # the extremes in the last and first lanes
+        mx, mn = tvm.runtime.tensor(np.zeros((), np.float32)), tvm.runtime.tensor(np.zeros((), np.float32))
+        lib["main"](tvm.runtime.tensor(x), mx, mn)
+        assert (float(mx.numpy()), float(mn.numpy())) == (9.5, -7.25), m
+
+
 def _matmul_integer_module(act_dtype: str, w: np.ndarray, zp_w: int, seq):
     """What TVM's importer makes of MatMulInteger: int32 casts, zero points subtracted."""
     from tvm import relax
@@ -199,6 +216,8 @@ def test_quantize_dynamic_ffn_matches_ort_on_the_int8_kernel(quantized_ffn, seq,
     assert "int8-gemm" in res.phases
     after = next((tmp_path / "dump").glob("*-int8-gemm.py")).read_text()
     assert after.count("R.call_tir(cls.int8_gemm_") == 2, after
+    assert after.count("R.call_tir(cls.int8_range_") == 2, after  # both activations' ranges
+    assert "R.max(" not in after.split("def main")[-1], "a serial whole-tensor max is left"
     assert "out_dtype=\"int32\"" not in after.split("def main")[-1], "an int32 matmul is left"
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     for n in ([seq] if seq else [1, 13, 16]):

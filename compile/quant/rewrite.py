@@ -12,7 +12,9 @@ This pass replaces y (and the cast/scale/bias after it, when each step has that 
 with one call of compile/quant/gemm.kernel on the u8 activations and the prepacked s8
 weights; the zero points fold into the kernel's column-sum term and, for a weight zero point
 other than 0, a row-sum correction computed beside it. int8 activations are shifted to u8
-(+128) and the shift is folded into the zero point.
+(+128) and the shift is folded into the zero point. In a module this rewrites, the whole-
+tensor max(x) and min(x) pairs (DynamicQuantizeLinear's range) go to compile/quant/minmax's
+parallel kernel instead of two serial scalar loops.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import gemm
+from . import gemm, minmax
 
 _log = logging.getLogger("blockforge.quant")
 
@@ -59,6 +61,22 @@ class _Match:
     bias: object | None
     out_shape: list
     spec: gemm.Int8GemmSpec
+
+
+@dataclass
+class _Range:
+    """max(x) and min(x) over the whole tensor (DynamicQuantizeLinear's range): one kernel."""
+    x: object
+    max_var: object
+    min_var: object
+    spec: minmax.MinMaxSpec
+    emitted: object = None  # the kernel's (max, min) tuple, once emitted
+
+
+def _whole_reduction(value, op: str):
+    if not _call(value, op) or _dtype(value) != "float32" or value.attrs.axis is not None:
+        return None
+    return value.args[0]
 
 
 class _Finder:
@@ -129,6 +147,21 @@ class _Finder:
             return None
         c = -128 - lo  # W + c fits int8; W = (W + c) - c
         return (w + c).astype(np.int8), c
+
+    def ranges(self) -> list[_Range]:
+        out = []
+        maxes = [(v, x) for v, val in self.values.items() if (x := _whole_reduction(val, "relax.max")) is not None]
+        for v, val in self.values.items():
+            x = _whole_reduction(val, "relax.min")
+            mx = next((m for m, mxx in maxes if x is not None and mxx.same_as(x)), None)
+            shape = _shape(x) if x is not None else None
+            if mx is None or shape is None or len(shape) < 2 or not minmax.supported(_static(shape[-1])):
+                continue
+            rows = 1
+            for d in shape[:-1]:
+                rows = rows * d
+            out.append(_Range(x, mx, v, minmax.MinMaxSpec(cols=_static(shape[-1]), rows=_static(rows))))
+        return out
 
     def match(self, var, value) -> _Match | None:
         if not _call(value, "relax.matmul") or _dtype(value) != "int32" or len(value.args) != 2:
@@ -211,11 +244,27 @@ def int8_gemm():
             self.applied.append(sp.describe())
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
+        def emit_range(self, r: _Range, var):
+            bb = self.builder_
+            if r.emitted is None:
+                x = self.visit_expr(r.x)
+                rows = 1
+                for d in _shape(x)[:-1]:
+                    rows = rows * d
+                x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([rows, r.spec.cols])))
+                if r.spec not in self.funcs:
+                    gv = bb.add_func(minmax.kernel(r.spec), f"int8_range_{len(self.funcs)}")
+                    bb.update_func(gv, bb.get()[gv].with_attr("global_symbol", gv.name_hint))
+                    self.funcs[r.spec] = gv
+                scalar = relax.TensorType([], "float32")
+                r.emitted = bb.emit(relax.call_tir(self.funcs[r.spec], [x2], out_ty=[scalar, scalar]))
+            return relax.TupleGetItem(r.emitted, 0 if var.same_as(r.max_var) else 1)
+
         def visit_var_binding_(self, binding):
             mt = self.plan.get(binding.var)
             if mt is None:
                 return super().visit_var_binding_(binding)
-            value = self.emit_call(mt)
+            value = self.emit_range(mt, binding.var) if isinstance(mt, _Range) else self.emit_call(mt)
             self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeInt8Gemm")
@@ -229,6 +278,9 @@ def int8_gemm():
             if not matches:
                 continue
             m.plan = {mt.out: mt for mt in matches}
+            # The activations' range for their dynamic quantization, next to the int8 GEMMs.
+            for r in f.ranges():
+                m.plan[r.max_var] = m.plan[r.min_var] = r
             m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
         out = m.builder_.get()
         for line in m.applied:
