@@ -263,14 +263,18 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
 
 def extract_tasks(mod, target: ResolvedTarget) -> list:
     """MetaSchedule tasks of a legalized, fused module. The fused attention kernels are not
-    among them: hand-written loop nests, not a search space; tune times their tiles instead."""
+    among them: hand-written loop nests, not a search space; tune times their tiles instead.
+    Nor are the int8 GEMM and range kernels (compile/quant): their tiles are fixed for now."""
     from tvm.s_tir import meta_schedule as ms
 
     from .attention import is_kernel
-    from .quant.gemm import is_kernel as is_int8_kernel
+    from .quant import gemm, minmax
+
+    def hand_written(f) -> bool:
+        return is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f)
 
     return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
-            if not is_kernel(t.dispatched[0]["main"]) and not is_int8_kernel(t.dispatched[0]["main"])]
+            if not hand_written(t.dispatched[0]["main"])]
 
 
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:

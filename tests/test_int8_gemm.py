@@ -226,3 +226,18 @@ def test_quantize_dynamic_ffn_matches_ort_on_the_int8_kernel(quantized_ffn, seq,
         ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
         step = float(np.abs(ref).max()) / 255
         assert np.abs(got - ref).max() <= step, (n, np.abs(got - ref).max(), step)
+
+
+def test_int8_kernels_are_not_tuning_tasks(quantized_ffn, monkeypatch):
+    """tune extracts MetaSchedule tasks from the legalized module: the hand-written int8
+    kernels are not a search space (as the fused attention kernels), the rest still is."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from blockforge.compile.pipeline import extract_tasks, run_phases
+    from blockforge.compile.session import open_model
+
+    s = open_model(quantized_ffn, "host", {"batch": 1, "seq": 16})
+    mod, names = run_phases(s.relax(), s.target, stop_after="legalize")
+    assert "int8-gemm" in names
+    tasks = [t.task_name for t in extract_tasks(mod, s.target)]
+    assert tasks and not any("int8_gemm" in t or "int8_range" in t for t in tasks), tasks
