@@ -71,7 +71,7 @@ def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
     return passes
 
 
-def _has_vnni(target: ResolvedTarget) -> bool:
+def target_has_vnni(target: ResolvedTarget) -> bool:
     from .quant.intrin import has_vnni
 
     return has_vnni(target.tvm_target())
@@ -215,7 +215,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
-    if int8 and cpu and default_schedules and "int8-gemm" not in without and _has_vnni(target):
+    if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
         out.append(Phase("int8-gemm", _int8_gemm))
     if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))

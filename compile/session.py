@@ -24,7 +24,7 @@ from blockforge.targets import ResolvedTarget, resolve
 
 from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
-from .pipeline import BuildResult, build
+from .pipeline import BuildResult, build, target_has_vnni
 from .prepare import PrepareReport, prepare
 
 
@@ -38,14 +38,23 @@ class Session:
     outputs: list[TensorSig]
     prepared: onnx.ModelProto | None = field(default=None, repr=False)  # what TVM imports
     prepare_report: PrepareReport | None = None
-    _relax: object = field(default=None, repr=False)
+    _relax: dict = field(default_factory=dict, repr=False)
 
-    def relax(self):
-        """The imported Relax module (weights embedded), imported once."""
-        if self._relax is None:
+    def relax(self, int8: bool = True):
+        """The imported Relax module (weights embedded), imported once. On a target with
+        AVX-512 VNNI the QDQ matmuls are imported as MatMulInteger (compile/quant/qdq.py),
+        for the int8-gemm phase; int8=False imports them as written (dequantize + float
+        GEMM: what a build without int8-gemm compiles)."""
+        int8 = int8 and self.target.kind == "llvm" and target_has_vnni(self.target)
+        if int8 not in self._relax:
+            model = self.prepared
+            if int8:
+                from .quant.qdq import qdq_matmuls_as_integer
+
+                model, _ = qdq_matmuls_as_integer(model)
             with native_output_to_log():
-                self._relax = import_prepared(self.prepared, self.inputs)
-        return self._relax
+                self._relax[int8] = import_prepared(model, self.inputs)
+        return self._relax[int8]
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
               without=frozenset()) -> BuildResult:
@@ -53,7 +62,7 @@ class Session:
             atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared.SerializeToString())
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
-            res = build(self.relax(), self.target, database=database, dump_ir=dump_ir,
+            res = build(self.relax(int8="int8-gemm" not in without), self.target, database=database, dump_ir=dump_ir,
                         default_schedules=default_schedules, without=without)
         res.phases.insert(0, "prepare")
         return res

@@ -241,3 +241,77 @@ def test_int8_kernels_are_not_tuning_tasks(quantized_ffn, monkeypatch):
     assert "int8-gemm" in names
     tasks = [t.task_name for t in extract_tasks(mod, s.target)]
     assert tasks and not any("int8_gemm" in t or "int8_range" in t for t in tasks), tasks
+
+
+@pytest.fixture(scope="module")
+def qdq_ffn(tmp_path_factory):
+    """ORT quantize_static, QDQ S8S8 per-channel, after quant_pre_process (as issue #19)."""
+    pytest.importorskip("onnxruntime.quantization")
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from blockforge.graph import FFNSpec, export
+
+    class Batches(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": np.random.default_rng(i).standard_normal((1, 16, 64)).astype(np.float32)}
+                            for i in range(4)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    d = tmp_path_factory.mktemp("qdq")
+    fp32 = export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
+    quant_pre_process(str(fp32), str(d / "pre.onnx"))
+    quantize_static(str(d / "pre.onnx"), str(d / "ffn_qdq.onnx"), Batches(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True)
+    return d / "ffn_qdq.onnx"
+
+
+def test_qdq_rewrite_is_the_same_model_in_ort(qdq_ffn):
+    import onnx
+
+    from blockforge.compile.quant.qdq import qdq_matmuls_as_integer
+    from blockforge.graph import ort as ort_runner
+
+    m = onnx.load(str(qdq_ffn))
+    m2, n = qdq_matmuls_as_integer(m)
+    assert n == 2 and sum(x.op_type == "MatMulInteger" for x in m2.graph.node) == 2
+    assert not any(x.op_type == "MatMulInteger" for x in m.graph.node), "the input was modified"
+    onnx.checker.check_model(m2)
+    x = {"x": np.random.default_rng(3).standard_normal((1, 16, 64)).astype(np.float32)}
+    a, b = (next(iter(ort_runner.run(mm, x).values())) for mm in (m, m2))
+    step = float(np.abs(a).max()) / 255
+    assert np.abs(a - b).max() <= step
+
+
+def test_qdq_ffn_matches_ort_on_the_int8_kernel(qdq_ffn, monkeypatch):
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.quant.gemm import kernel_specs
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+
+    s = open_model(qdq_ffn, "host", {"batch": 1})  # seq symbolic
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    specs = kernel_specs(mod)
+    assert len(specs) == 2 and all(sp.scale == "column" for sp in specs), specs  # per-channel scales
+    vm = relax.VirtualMachine(s.build().executable, tvm.cpu())
+    for n in (1, 16):
+        x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+        assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+def test_qdq_imported_as_written_where_no_vnni(qdq_ffn, monkeypatch):
+    """x86-64-avx512 (Skylake) has no VNNI: the QDQ model imports as before (no int32
+    matmul, which would run as a scalar int32 loop there)."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from blockforge.compile.pipeline import has_int8_matmul
+    from blockforge.compile.session import open_model
+
+    assert not has_int8_matmul(open_model(qdq_ffn, "x86-64-avx512", {"batch": 1, "seq": 16}).relax())
