@@ -3,8 +3,9 @@
 1. the int8 GEMM kernel alone vs numpy's SGEMM and blockforge's fp32 GEMM at the same shape
    (GOP/s; % of the SGEMM ceiling, the faster of the two: the rate fp32 reaches here);
 2. the BERT-base FFN (d_model 768, d_ff 3072, gelu, seq 128) quantized with ORT's
-   quantize_dynamic (QInt8 weights): blockforge before (the int8-gemm phase left out: TVM's
-   int32 GEMM loops) / after / ONNX Runtime on the same quantized file / blockforge on the
+   quantize_dynamic (QInt8 weights) and quantize_static (QDQ S8S8 per-channel): blockforge
+   before (the int8-gemm phase left out: TVM's int32 GEMM loops, or dequantize + float32
+   GEMM for QDQ) / after / ONNX Runtime on the same quantized file / blockforge on the
    float32 model.
 
 Every line carries the load average and the SGEMM ceiling measured in the same run: on a
@@ -102,14 +103,38 @@ def _fp32_gemm(af: np.ndarray, wf: np.ndarray):
     return lambda: vm["main"](xt)
 
 
-def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path) -> None:
+def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path) -> Path:
+    """ORT's quantizers as issue #19 ran them: dynamic QInt8 weights; static QDQ S8S8
+    per-channel, calibrated on 8 random batches after quant_pre_process."""
+    from onnxruntime import quantization as q
+
+    out = tmp / f"ffn_{mode}.onnx"
+    if mode == "dynamic":
+        q.quantize_dynamic(str(fp32), str(out), weight_type=q.QuantType.QInt8)
+        return out
+
+    class Batches(q.CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": np.random.default_rng(i).standard_normal((1, seq, d_model)).astype(np.float32)}
+                            for i in range(8)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    quant_pre_process(str(fp32), str(tmp / "pre.onnx"))
+    q.quantize_static(str(tmp / "pre.onnx"), str(out), Batches(), quant_format=q.QuantFormat.QDQ,
+                      activation_type=q.QuantType.QInt8, weight_type=q.QuantType.QInt8, per_channel=True)
+    return out
+
+
+def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: str) -> None:
     import tvm
-    from onnxruntime.quantization import QuantType, quantize_dynamic
     from tvm import relax
 
     fp32 = export(spec, tmp / "ffn.onnx").model_path
-    quant = tmp / "ffn_int8.onnx"
-    quantize_dynamic(str(fp32), str(quant), weight_type=QuantType.QInt8)
+    quant = _quantize(fp32, mode, seq, spec.d_model, tmp)
     dims = {"batch": 1, "seq": seq}
     sq, sf = open_model(quant, "host", dims), open_model(fp32, "host", dims)
     inputs = random_inputs(sq.inputs, dims, seed=0)
@@ -126,15 +151,17 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path) -> None:
     ort = ort_runner.session(sq.model, threads=2, spin=False)
     ref = next(iter(ort_runner.run(ort, inputs).values()))
     err = float(np.abs(after().numpy() - ref).max())
+    peer = f"ORT int8 {mode} (same file)"
     calls = {"blockforge int8 (before: int8-gemm off)": before, "blockforge int8 (after)": after,
-             "ORT int8 dynamic (same file)": lambda: ort.run(None, inputs), "blockforge fp32": ours_fp32}
+             peer: lambda: ort.run(None, inputs), "blockforge fp32": ours_fp32}
     med = _interleaved(calls, repeat)
-    print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq}, quantize_dynamic QInt8 "
+    what = "quantize_dynamic QInt8" if mode == "dynamic" else "quantize_static QDQ S8S8 per-channel"
+    print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq}, {what} "
           f"({_load()}; SGEMM ceiling {sgemm:.0f} GFLOP/s; phases {' > '.join(res.phases)}; "
           f"max |after - ORT| {err:.2e}):")
     base = med["blockforge fp32"]
     for k, ms in med.items():
-        print(f"  {k}: {ms:.3f} ms ({ms / base:.2f}x blockforge fp32, {ms / med['ORT int8 dynamic (same file)']:.2f}x ORT)")
+        print(f"  {k}: {ms:.3f} ms ({ms / base:.2f}x blockforge fp32, {ms / med[peer]:.2f}x ORT)")
 
 
 def main() -> int:
@@ -154,7 +181,8 @@ def main() -> int:
         return 0
     cfg = SMOKE if a.smoke else FULL
     sgemm = _gemm(cfg["gemm"], a.repeat)
-    _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()))
+    for mode in ("dynamic", "static"):
+        _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()), mode)
     return 0
 
 
