@@ -108,22 +108,24 @@ def _legalize() -> list:
             relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
 
 
-def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset()) -> list:
-    """The schedule rules an untuned build applies (and tune seeds each task with), in order."""
+def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(), int8: bool = False) -> list:
+    """The schedule rules an untuned build applies (and tune seeds each task with), in order.
+    int8: a module the int8-gemm phase rewrote; its elementwise chains get CPUElementwise."""
     from tvm.s_tir import dlight as dl
 
     if target.is_gpu:
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    from .cpu_schedule import CPUMatmulRaggedN, default_cpu_rules
+    from .cpu_schedule import CPUElementwise, CPUMatmulRaggedN, default_cpu_rules
 
-    return [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
+    rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
+    return rules + ([CPUElementwise()] if int8 else [])
 
 
-def _schedule(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], list]:
+def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Callable[[], list]:
     def passes() -> list:
         from tvm.s_tir import dlight as dl
 
-        return [dl.ApplyDefaultSchedule(*default_rules(target, without))]
+        return [dl.ApplyDefaultSchedule(*default_rules(target, without, int8))]
     return passes
 
 
@@ -227,7 +229,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
             return [relax.transform.MetaScheduleApplyDatabase(enable_warning=False)]
         out.append(Phase("apply-tuning", apply))
     if target.is_gpu or (target.kind == "llvm" and default_schedules):
-        out.append(Phase("schedule", _schedule(target, without)))
+        int8_gemm = any(p.name == "int8-gemm" for p in out)
+        out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
     out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
     return out
 

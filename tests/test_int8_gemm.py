@@ -315,3 +315,25 @@ def test_qdq_imported_as_written_where_no_vnni(qdq_ffn, monkeypatch):
     from blockforge.compile.session import open_model
 
     assert not has_int8_matmul(open_model(qdq_ffn, "x86-64-avx512", {"batch": 1, "seq": 16}).relax())
+
+
+def test_elementwise_chains_scheduled_in_int8_modules_only():
+    """CPUElementwise joins the rules only where int8-gemm ran: float builds keep theirs."""
+    from tvm import te
+
+    from blockforge.compile.cpu_schedule import CPUElementwise
+    from blockforge.compile.pipeline import default_rules
+    from blockforge.targets import resolve
+
+    host = resolve('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}')
+    assert not any(isinstance(r, CPUElementwise) for r in default_rules(host))
+    assert isinstance(default_rules(host, int8=True)[-1], CPUElementwise)
+    x = te.placeholder((tvm.tirx.Var("m", "int64"), 64), "float32", name="x")
+    q = te.compute(x.shape, lambda i, j: te.round(x[i, j] * 3.0).astype("int8"), name="q")
+    y = te.compute(x.shape, lambda i, j: q[i, j].astype("float32") * 0.5, name="y")
+    func = te.create_prim_func([x, y]).with_attr("global_symbol", "main")
+    with ZNVER4:
+        sch = CPUElementwise().apply(func, ZNVER4, False)
+    text = sch.mod["main"].script()
+    assert "T.parallel" in text and "T.vectorized(16)" in text.replace("T.int64(16)", "16"), text
+    assert 'sblock("q")' not in text, "the chain was not inlined into one pass"
