@@ -37,9 +37,9 @@ def test_vnni_is_read_from_the_target_not_the_build_machine():
                                        "mcpu": "skylake-avx512", "mattr": ["+avx512vnni"]}))
 
 
-@pytest.mark.parametrize("m", [12, 13, None])
+@pytest.mark.parametrize("m", [192, 200, None])  # whole 6-row tiles, a ragged last tile, symbolic
 def test_kernel_is_tensorized_and_the_ragged_tile_guarded(m):
-    f = gemm.kernel(gemm.Int8GemmSpec(k=64, n=128, m=m, scale="scalar", bias=True))
+    f = gemm.kernel(gemm.Int8GemmSpec(k=256, n=128, m=m, scale="scalar", bias=True))
     text = f.script()
     assert text.count("llvm.x86.avx512.vpdpbusd.512") == 1, "the update is not on the VNNI intrinsic"
     assert "T.parallel" in text and "T.vectorized" in text
@@ -50,6 +50,15 @@ def test_kernel_is_tensorized_and_the_ragged_tile_guarded(m):
     # and it builds (cross, no VNNI needed here) into code that uses the instruction
     lib = tvm.compile(tvm.IRModule({"main": f}), target=ZNVER4)
     assert "vpdpbusd" in lib.mod.inspect_source("asm")
+
+
+def test_small_static_kernels_run_on_one_thread():
+    """Waking the thread pool cost more than a toy GEMM's work (PARALLEL_MACS)."""
+    from blockforge.compile.quant import minmax
+
+    assert "T.parallel" not in gemm.kernel(gemm.Int8GemmSpec(k=64, n=128, m=16)).script()
+    assert "T.parallel" in gemm.kernel(gemm.Int8GemmSpec(k=64, n=128, m=None)).script()
+    assert "T.parallel" not in minmax.kernel(minmax.MinMaxSpec(cols=64, rows=16)).script()
 
 
 def test_spec_refuses_what_the_intrinsic_cannot_tile():
@@ -106,7 +115,7 @@ def test_range_kernel_is_exact(rows):
     from blockforge.compile.quant import minmax
 
     f = minmax.kernel(minmax.MinMaxSpec(cols=48, rows=rows))
-    assert "T.parallel" in f.script() and "T.vectorized" in f.script()
+    assert ("T.parallel" in f.script()) == (rows is None) and "T.vectorized" in f.script()  # 13x48: one thread
     lib = tvm.compile(tvm.IRModule({"main": f}), target=_host())
     for m in ([rows] if rows else [1, 7, 20]):
         x = np.random.default_rng(m).standard_normal((m, 48)).astype(np.float32)

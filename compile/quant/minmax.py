@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 LANES = 16
 KERNEL_ATTR = "blockforge.int8_minmax"
+PARALLEL_ELEMS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ def kernel(spec: MinMaxSpec):
         b = sch.get_sblock(name)
         i, lane, k = sch.get_loops(b)
         sch.reorder(i, k, lane)
-        sch.parallel(i)
+        if spec.rows is None or spec.rows * spec.cols >= PARALLEL_ELEMS:
+            sch.parallel(i)  # (a small static tensor: one thread, cheaper than waking the pool)
         sch.vectorize(lane)  # while still a complete reduction block; then the init out
         init = sch.decompose_reduction(b, k)
         sch.vectorize(sch.get_loops(init)[-1])
