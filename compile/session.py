@@ -11,6 +11,8 @@ Relax passes are functional (they return new modules), so reuse is safe.
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
 from .pipeline import BuildResult, build, target_has_vnni
 from .prepare import PrepareReport, prepare
+
+_log = logging.getLogger("blockforge.compile")
 
 
 @dataclass
@@ -47,14 +51,27 @@ class Session:
         GEMM: what a build without int8-gemm compiles)."""
         int8 = int8 and self.target.kind == "llvm" and target_has_vnni(self.target)
         if int8 not in self._relax:
-            model = self.prepared
+            rewritten = 0
             if int8:
                 from .quant.qdq import qdq_matmuls_as_integer
 
-                model, _ = qdq_matmuls_as_integer(model)
-            with native_output_to_log():
-                self._relax[int8] = import_prepared(model, self.inputs)
+                model, rewritten = qdq_matmuls_as_integer(self.prepared)
+            if rewritten:
+                try:
+                    with native_output_to_log():
+                        self._relax[int8] = import_prepared(model, self.inputs)
+                except BlockforgeError as e:
+                    # The model as written imported in the isolated probe; the rewrite must
+                    # not make a model uncompilable: fall back to it (dequantize + fp32 GEMM).
+                    _log.warning("QDQ matmuls kept as written (their MatMulInteger form did not import: %s)", e)
+                    rewritten = 0
+            if not rewritten:
+                self._relax[int8] = self.relax(int8=False) if int8 else self._import_as_written()
         return self._relax[int8]
+
+    def _import_as_written(self):
+        with native_output_to_log():
+            return import_prepared(self.prepared, self.inputs)
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
               without=frozenset()) -> BuildResult:

@@ -346,3 +346,26 @@ def test_elementwise_chains_scheduled_in_int8_modules_only():
     text = sch.mod["main"].script()
     assert "T.parallel" in text and "T.vectorized(16)" in text.replace("T.int64(16)", "16"), text
     assert 'sblock("q")' not in text, "the chain was not inlined into one pass"
+
+
+def test_qdq_rewrite_that_does_not_import_falls_back(qdq_ffn, monkeypatch):
+    """The rewrite must never make a model uncompilable: a MatMulInteger form TVM refuses
+    is dropped for the model as written (which the isolated probe already imported)."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    import onnx
+
+    import blockforge.compile.quant.qdq as qdq
+    from blockforge.compile.pipeline import has_int8_matmul
+    from blockforge.compile.session import open_model
+
+    def broken(model):
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        m.graph.node[0].op_type = "NoSuchOp"
+        return m, 1
+
+    monkeypatch.setattr(qdq, "qdq_matmuls_as_integer", broken)
+    s = open_model(qdq_ffn, '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
+                   {"batch": 1, "seq": 16})
+    mod = s.relax()
+    assert not has_int8_matmul(mod) and mod is s.relax(int8=False)
