@@ -369,3 +369,30 @@ def test_qdq_rewrite_that_does_not_import_falls_back(qdq_ffn, monkeypatch):
                    {"batch": 1, "seq": 16})
     mod = s.relax()
     assert not has_int8_matmul(mod) and mod is s.relax(int8=False)
+
+
+def test_quantize_dynamic_encoder_block_matches_ort(tmp_path, monkeypatch):
+    """An encoder block (attention fused as before, LayerNorm, gelu) with its quantized
+    projections and FFN on the int8 kernel, against ORT on the same file."""
+    _need_vnni_host()
+    pytest.importorskip("onnxruntime.quantization")
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import BlockSpec, export
+    from blockforge.graph import ort as ort_runner
+    from blockforge.graph.model_io import random_inputs
+
+    fp32 = export(BlockSpec(d_model=64, heads=4), tmp_path / "block.onnx").model_path
+    quantize_dynamic(str(fp32), str(tmp_path / "block_q.onnx"), weight_type=QuantType.QInt8)
+    s = open_model(tmp_path / "block_q.onnx", "host", {"batch": 1, "seq": 16})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    assert len(gemm.kernel_specs(mod)) >= 3  # projections + both FFN matmuls (measured 4)
+    vm = relax.VirtualMachine(s.build().executable, tvm.cpu())
+    inputs = random_inputs(s.inputs, s.dims, seed=0)
+    got = vm["main"](*[tvm.runtime.tensor(inputs[x.name]) for x in s.inputs]).numpy()
+    ref = next(iter(ort_runner.run(s.model, inputs).values()))
+    assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
