@@ -44,6 +44,15 @@ def _shape(e) -> list | None:
     return list(s) if s is not None else None
 
 
+def _same_shape(a, b) -> bool:
+    """Shapes as the same dims (structurally: symbolic dims are PrimExprs, whose == builds an
+    expression rather than comparing)."""
+    from ..attention import _same_dim
+
+    sa, sb = _shape(a), _shape(b)
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(_same_dim(x, y) for x, y in zip(sa, sb))
+
+
 def _static(d) -> int | None:
     from tvm import tirx
 
@@ -187,11 +196,11 @@ class _Finder:
                 other = mv.args[1] if mv.args[0].same_as(cast) else mv.args[0]
                 oshape = _shape(other)
                 kind = None if oshape is None else {(): "scalar", (n,): "column"}.get(tuple(_static(d) for d in oshape))
-                if kind is not None and _shape(mv) == _shape(self.values[cast]):
+                if kind is not None and _same_shape(mv, self.values[cast]):
                     out, scale, scale_kind = mul, other, kind
                     add = self.only_user(mul)
                     av = self.values.get(add)
-                    if av is not None and _call(av, "relax.add") and _shape(av) == _shape(mv):
+                    if av is not None and _call(av, "relax.add") and _same_shape(av, mv):
                         b = av.args[1] if av.args[0].same_as(mul) else av.args[0]
                         if _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
                             out, bias = add, b
