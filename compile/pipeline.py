@@ -1,8 +1,8 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
-    [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)] -> optimize
-    -> [fp32-accumulate (GPU, float16 models)] -> [int8-gemm (CPU with AVX-512 VNNI)]
-    -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+    [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
+    -> [int8-gemm (CPU with AVX-512 VNNI, quantized models)] -> optimize
+    -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
 so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
@@ -80,8 +80,8 @@ def target_has_vnni(target: ResolvedTarget) -> bool:
 def _int8_gemm() -> list:
     from .quant.rewrite import int8_gemm
 
-    # After optimize (its FoldConstant leaves the importer's int32 weight casts as they are:
-    # the pass reads them), before prepack and legalize: the int32 matmul is still one op.
+    # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would no
+    # longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
     return [int8_gemm()]
 
 
@@ -213,12 +213,12 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
+    if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
+        out.append(Phase("int8-gemm", _int8_gemm))
     out.append(Phase("optimize", _optimize(without)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
-    if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
-        out.append(Phase("int8-gemm", _int8_gemm))
     if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))
     out.append(Phase("legalize", _legalize))

@@ -61,6 +61,24 @@ def test_small_static_kernels_run_on_one_thread():
     assert "T.parallel" not in minmax.kernel(minmax.MinMaxSpec(cols=64, rows=16)).script()
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_activation_in_the_epilogue(activation):
+    """relu, and gelu as the float build computes it (fast_math's fast_erf polynomial)."""
+    _need_vnni_host()
+    from scipy.special import erf
+
+    rng = np.random.default_rng(5)
+    spec = gemm.Int8GemmSpec(k=64, n=64, m=None, scale="column", bias=True, activation=activation)
+    a = rng.integers(0, 256, (9, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 64), dtype=np.int8)
+    scale = rng.uniform(1e-5, 4e-5, 64).astype(np.float32)  # pre-activations of about +-3
+    bias = rng.standard_normal(64).astype(np.float32)
+    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias)
+    z = gemm.reference(gemm.Int8GemmSpec(k=64, n=64, scale="column", bias=True), a, w, 128, 0, scale, bias)
+    ref = np.maximum(z, 0) if activation == "relu" else 0.5 * z * (1 + erf(z / np.sqrt(2)))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_spec_refuses_what_the_intrinsic_cannot_tile():
     with pytest.raises(ValueError, match="K % 4"):
         gemm.Int8GemmSpec(k=30, n=64)
@@ -193,7 +211,7 @@ def test_phase_only_on_vnni_targets_and_ablatable():
     assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
                                     without={"int8-gemm"})
     ps = names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
-    assert ps.index("optimize") < ps.index("int8-gemm") < ps.index("legalize")
+    assert ps.index("fuse-attention") < ps.index("int8-gemm") < ps.index("optimize")  # gelu still an op
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +238,12 @@ def test_quantize_dynamic_ffn_matches_ort_on_the_int8_kernel(quantized_ffn, seq,
     from blockforge.compile.session import open_model
     from blockforge.graph import ort as ort_runner
 
+    from blockforge.compile.pipeline import run_phases
+
     s = open_model(quantized_ffn, "host", {"batch": 1, **({"seq": seq} if seq else {})})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    # fc1's relu is fused into its kernel's epilogue; fc2 ends at its bias
+    assert sorted(sp.activation for sp in gemm.kernel_specs(mod)) == ["none", "relu"]
     res = s.build(dump_ir=tmp_path / "dump")
     assert "int8-gemm" in res.phases
     after = next((tmp_path / "dump").glob("*-int8-gemm.py")).read_text()

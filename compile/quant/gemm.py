@@ -33,6 +33,7 @@ NV = 4  # 16-lane int32 vectors per row of the micro-tile
 # whole d_model 64 FFN took 0.034 ms on int8 vs 0.020 ms on TVM's int32 loops).
 PARALLEL_MACS = 1 << 22
 KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
+ACTIVATIONS = ("none", "relu", "gelu")
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,17 @@ class Int8GemmSpec:
     scale: str = "none"  # "none" (int32 out), "scalar", "column"
     bias: bool = False
     rowcorr: bool = False  # weights' zero point != 0: a per-row int32 correction input
+    activation: str = "none"  # after the bias, in the epilogue: "none", "relu", "gelu" (fast_math's)
 
     def __post_init__(self):
         if self.k % 4 or self.n % 16 or self.k <= 0 or self.n <= 0:
             raise ValueError(f"int8 GEMM needs K % 4 == 0 and N % 16 == 0, got K={self.k} N={self.n}")
         if self.scale not in ("none", "scalar", "column"):
             raise ValueError(f"scale: {self.scale!r}")
-        if self.bias and self.scale == "none":
-            raise ValueError("a bias needs a float epilogue (scale)")
+        if (self.bias or self.activation != "none") and self.scale == "none":
+            raise ValueError("a bias or an activation needs a float epilogue (scale)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {self.activation!r}")
 
     @property
     def out_dtype(self) -> str:
@@ -61,7 +65,8 @@ class Int8GemmSpec:
 
     def describe(self) -> str:
         m = "M" if self.m is None else str(self.m)
-        return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}"
+        return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
+            (f" +{self.activation}" if self.activation != "none" else "")
 
 
 def supported(k: int, n: int) -> bool:
@@ -120,6 +125,14 @@ def compute(spec: Int8GemmSpec):
         return v + bias[j] if bias is not None else v
 
     out = te.compute((m, i64(N)), epilogue, name="out")
+    if spec.activation == "relu":
+        from tvm import topi
+
+        out = topi.nn.relu(out)
+    elif spec.activation == "gelu":
+        from ..fast_math import gelu
+
+        out = gelu(out)  # the same polynomial the float build's gelu uses
     return ins, out
 
 
@@ -133,7 +146,12 @@ def kernel(spec: Int8GemmSpec):
     ins, out = compute(spec)
     func = te.create_prim_func([*ins, out])
     sch = s_tir.Schedule(func)
-    mm, ep = sch.get_sblock("acc"), sch.get_sblock("out")
+    mm = sch.get_sblock("acc")
+    # The epilogue's elementwise steps (scale/bias, then the activation's) into its last block.
+    steps = [b for b in sch.get_child_blocks(sch.get_sblock("root", "main")) if sch.get(b).name_hint != "acc"]
+    for b in steps[:-1]:
+        sch.compute_inline(b)
+    ep = steps[-1]
     i, j, k = sch.get_loops(mm)
     nv = _nv(spec.n)
     io, ii = sch.split(i, [None, MR])

@@ -8,7 +8,8 @@ Mul by the scales, Add of the bias) into
     y = matmul(a32, w32, out_dtype=int32)                                 # an int32 GEMM loop
     z = astype(y, float32) * (s_x * s_w) [+ bias]
 
-This pass replaces y (and the cast/scale/bias after it, when each step has that one user)
+This pass replaces y (and the cast/scale/bias and a relu/gelu after it, when each step has
+that one user)
 with one call of compile/quant/gemm.kernel on the u8 activations and the prepacked s8
 weights; the zero points fold into the kernel's column-sum term and, for a weight zero point
 other than 0, a row-sum correction computed beside it. int8 activations are shifted to u8
@@ -204,8 +205,15 @@ class _Finder:
                         b = av.args[1] if av.args[0].same_as(mul) else av.args[0]
                         if _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
                             out, bias = add, b
+        activation = "none"
+        if scale is not None:
+            user = self.only_user(out)
+            uv = self.values.get(user)
+            kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
+            if kind is not None and _same_shape(uv, self.values[out]):
+                out, activation = user, kind
         spec = gemm.Int8GemmSpec(k=k, n=n, m=m_static, scale=scale_kind, bias=bias is not None,
-                                 rowcorr=wz[1] != 0)
+                                 rowcorr=wz[1] != 0, activation=activation)
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
