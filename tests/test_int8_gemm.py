@@ -275,9 +275,9 @@ def test_int8_kernels_are_not_tuning_tasks(quantized_ffn, monkeypatch):
     assert tasks and not any("int8_gemm" in t or "int8_range" in t for t in tasks), tasks
 
 
-@pytest.fixture(scope="module")
-def qdq_ffn(tmp_path_factory):
-    """ORT quantize_static, QDQ S8S8 per-channel, after quant_pre_process (as issue #19)."""
+@pytest.fixture(scope="module", params=["QInt8", "QUInt8"])
+def qdq_ffn(tmp_path_factory, request):
+    """ORT quantize_static, QDQ S8S8 (as issue #19) and U8S8, per-channel, after quant_pre_process."""
     pytest.importorskip("onnxruntime.quantization")
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -296,7 +296,8 @@ def qdq_ffn(tmp_path_factory):
     fp32 = export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
     quant_pre_process(str(fp32), str(d / "pre.onnx"))
     quantize_static(str(d / "pre.onnx"), str(d / "ffn_qdq.onnx"), Batches(), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True)
+                    activation_type=getattr(QuantType, request.param), weight_type=QuantType.QInt8,
+                    per_channel=True)
     return d / "ffn_qdq.onnx"
 
 
