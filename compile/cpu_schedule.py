@@ -471,9 +471,11 @@ class CPUElementwise(ScheduleRule):
     0.52 ms). Float modules keep their schedules as they were."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm" or not _has_root(func_sch := s_tir.Schedule(func)):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
             return None
-        sch = func_sch
+        sch = s_tir.Schedule(func)
+        if not _has_root(sch):
+            return None
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         if not blocks or any(_is_reduction(sch.get(b)) for b in blocks):
             return None

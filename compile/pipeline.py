@@ -35,7 +35,8 @@ ABLATIONS = {
     "fp32-compute": "CPU float16 models computed in float32 (left out: float16 storage, float32 sums)",
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
-    "int8-gemm": "quantized (MatMulInteger) matmuls on the VNNI int8 kernel (left out: int32 GEMM loops)",
+    "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
+                 "GEMM loops, or dequantize + float32 GEMM for QDQ)",
 }
 
 

@@ -12,7 +12,6 @@ Relax passes are functional (they return new modules), so reuse is safe.
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
