@@ -28,7 +28,8 @@ from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 
-def _gelu(x):
+def gelu(x):
+    """gelu through topi.fast_erf (the float build's, and the int8 epilogue's)."""
     half = tvm.tirx.const(0.5, x.dtype)
     return topi.multiply(topi.multiply(x, half),
                          topi.add(topi.fast_erf(topi.multiply(x, tvm.tirx.const(1 / math.sqrt(2), x.dtype))),
@@ -113,7 +114,7 @@ class _FastActivations(PyExprMutator):
             # exp through a vectorisable polynomial (topi.fast_exp) instead of libm's expf.
             return self.builder_.call_te(topi.nn.fast_softmax, call.args[0], int(call.attrs.axis),
                                          primfunc_name_hint="softmax")
-        fn = {"relax.nn.gelu": _gelu, "relax.nn.gelu_tanh": _gelu_tanh,
+        fn = {"relax.nn.gelu": gelu, "relax.nn.gelu_tanh": _gelu_tanh,
               "relax.erf": topi.fast_erf, "relax.tanh": topi.fast_tanh}[op]
         return self.builder_.call_te(fn, call.args[0], primfunc_name_hint=op.split(".")[-1])
 

@@ -1,6 +1,7 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
-    [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)] -> optimize
+    [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
+    -> [int8-gemm (CPU with AVX-512 VNNI, quantized models)] -> optimize
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
@@ -35,6 +36,8 @@ ABLATIONS = {
     "fp32-compute": "CPU float16 models computed in float32 (left out: float16 storage, float32 sums)",
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
+    "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
+                 "GEMM loops, or dequantize + float32 GEMM for QDQ)",
 }
 
 
@@ -70,6 +73,20 @@ def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
     return passes
 
 
+def target_has_vnni(target: ResolvedTarget) -> bool:
+    from .quant.intrin import has_vnni
+
+    return has_vnni(target.tvm_target())
+
+
+def _int8_gemm() -> list:
+    from .quant.rewrite import int8_gemm
+
+    # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would no
+    # longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
+    return [int8_gemm()]
+
+
 def _optimize(without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from tvm import relax
@@ -96,22 +113,24 @@ def _legalize() -> list:
             ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
 
 
-def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset()) -> list:
-    """The schedule rules an untuned build applies (and tune seeds each task with), in order."""
+def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(), int8: bool = False) -> list:
+    """The schedule rules an untuned build applies (and tune seeds each task with), in order.
+    int8: a module the int8-gemm phase rewrote; its elementwise chains get CPUElementwise."""
     from tvm.s_tir import dlight as dl
 
     if target.is_gpu:
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    from .cpu_schedule import CPUMatmulRaggedN, default_cpu_rules
+    from .cpu_schedule import CPUElementwise, CPUMatmulRaggedN, default_cpu_rules
 
-    return [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
+    rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
+    return rules + ([CPUElementwise()] if int8 else [])
 
 
-def _schedule(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], list]:
+def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Callable[[], list]:
     def passes() -> list:
         from tvm.s_tir import dlight as dl
 
-        return [dl.ApplyDefaultSchedule(*default_rules(target, without))]
+        return [dl.ApplyDefaultSchedule(*default_rules(target, without, int8))]
     return passes
 
 
@@ -166,10 +185,29 @@ def has_fp16(mod) -> bool:
     return False
 
 
+def has_int8_matmul(mod) -> bool:
+    """A matmul computed in int32 (TVM's import of MatMulInteger): a quantized model."""
+    from tvm import relax
+
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and getattr(e.op, "name", None) == "relax.matmul" and \
+                str(getattr(e.ty, "dtype", "")) == "int32":
+            found.append(e)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function) and not found:
+            relax.analysis.post_order_visit(func.body, visit)
+    return bool(found)
+
+
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
-           fuse_attention: bool | None = None, without=frozenset()) -> list[Phase]:
+           fuse_attention: bool | None = None, without=frozenset(), int8: bool = False) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
-    False/True to A/B both builds in one process. without: names from ABLATIONS to leave out."""
+    False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
+    int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
+    so float models keep their phase list (manifests, dumps) as before."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -183,6 +221,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
+    if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
+        out.append(Phase("int8-gemm", _int8_gemm))
     out.append(Phase("optimize", _optimize(without)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
@@ -197,7 +237,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
             return [relax.transform.MetaScheduleApplyDatabase(enable_warning=False)]
         out.append(Phase("apply-tuning", apply))
     if target.is_gpu or (target.kind == "llvm" and default_schedules):
-        out.append(Phase("schedule", _schedule(target, without)))
+        int8_gemm = any(p.name == "int8-gemm" for p in out)
+        out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
     out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
     return out
 
@@ -216,7 +257,8 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         dump_ir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(dump_ir / "00-import.py", mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
-        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without), start=1):
+        for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
+                                         has_int8_matmul(mod)), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -235,13 +277,18 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
 
 def extract_tasks(mod, target: ResolvedTarget) -> list:
     """MetaSchedule tasks of a legalized, fused module. The fused attention kernels are not
-    among them: hand-written loop nests, not a search space; tune times their tiles instead."""
+    among them: hand-written loop nests, not a search space; tune times their tiles instead.
+    Nor are the int8 GEMM and range kernels (compile/quant): their tiles are fixed for now."""
     from tvm.s_tir import meta_schedule as ms
 
     from .attention import is_kernel
+    from .quant import gemm, minmax
+
+    def hand_written(f) -> bool:
+        return is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f)
 
     return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
-            if not is_kernel(t.dispatched[0]["main"])]
+            if not hand_written(t.dispatched[0]["main"])]
 
 
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:

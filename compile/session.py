@@ -11,6 +11,7 @@ Relax passes are functional (they return new modules), so reuse is safe.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,10 @@ from blockforge.targets import ResolvedTarget, resolve
 
 from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
-from .pipeline import BuildResult, build
+from .pipeline import BuildResult, build, target_has_vnni
 from .prepare import PrepareReport, prepare
+
+_log = logging.getLogger("blockforge.compile")
 
 
 @dataclass
@@ -38,14 +41,36 @@ class Session:
     outputs: list[TensorSig]
     prepared: onnx.ModelProto | None = field(default=None, repr=False)  # what TVM imports
     prepare_report: PrepareReport | None = None
-    _relax: object = field(default=None, repr=False)
+    _relax: dict = field(default_factory=dict, repr=False)
 
-    def relax(self):
-        """The imported Relax module (weights embedded), imported once."""
-        if self._relax is None:
-            with native_output_to_log():
-                self._relax = import_prepared(self.prepared, self.inputs)
-        return self._relax
+    def relax(self, int8: bool = True):
+        """The imported Relax module (weights embedded), imported once. On a target with
+        AVX-512 VNNI the QDQ matmuls are imported as MatMulInteger (compile/quant/qdq.py),
+        for the int8-gemm phase; int8=False imports them as written (dequantize + float
+        GEMM: what a build without int8-gemm compiles)."""
+        int8 = int8 and self.target.kind == "llvm" and target_has_vnni(self.target)
+        if int8 not in self._relax:
+            rewritten = 0
+            if int8:
+                from .quant.qdq import qdq_matmuls_as_integer
+
+                model, rewritten = qdq_matmuls_as_integer(self.prepared)
+            if rewritten:
+                try:
+                    with native_output_to_log():
+                        self._relax[int8] = import_prepared(model, self.inputs)
+                except BlockforgeError as e:
+                    # The model as written imported in the isolated probe; the rewrite must
+                    # not make a model uncompilable: fall back to it (dequantize + fp32 GEMM).
+                    _log.warning("QDQ matmuls kept as written (their MatMulInteger form did not import: %s)", e)
+                    rewritten = 0
+            if not rewritten:
+                self._relax[int8] = self.relax(int8=False) if int8 else self._import_as_written()
+        return self._relax[int8]
+
+    def _import_as_written(self):
+        with native_output_to_log():
+            return import_prepared(self.prepared, self.inputs)
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
               without=frozenset()) -> BuildResult:
@@ -53,7 +78,7 @@ class Session:
             atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared.SerializeToString())
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
-            res = build(self.relax(), self.target, database=database, dump_ir=dump_ir,
+            res = build(self.relax(int8="int8-gemm" not in without), self.target, database=database, dump_ir=dump_ir,
                         default_schedules=default_schedules, without=without)
         res.phases.insert(0, "prepare")
         return res

@@ -1,0 +1,207 @@
+"""The int8 GEMM kernel: u8 activations x s8 weights -> s32 on VPDPBUSD, zero points folded
+through column/row sums, dequantize scale and bias fused into the write-back.
+
+    C[i, j] = sum_k A[i, k] W[k, j]  - zp_a colsum(W)[j]  (+ rowcorr[i])
+    out[i, j] = float(C[i, j]) * scale (scalar or per column) + bias[j]       (or C itself)
+
+With A = u8 values and W = s8 values, (A - zp_a)(W - zp_w) = A W - zp_a colsum(W)
+- zp_w rowsum(A) + K zp_a zp_w: the colsum term is a constant per column (computed when the
+weights are packed), the rowsum term (only when zp_w != 0) is `rowcorr`, computed beside
+the kernel. s8 activations become u8 by the +128 shift: (a + 128) - (zp_a + 128).
+
+Weights are prepacked (N/16, K/4, 16, 4): for each group of 4 k, 16 columns' 4 bytes are
+the 64 contiguous bytes one VPDPBUSD reads. The micro-kernel keeps MR rows x NV vectors of
+16 int32 in zmm registers (6 x 4 = 24 of 32) and broadcasts 4 bytes of A per row and k-group:
+
+    for (column panel jo, row tile io) in parallel:     # symbolic M: panels parallel, rows
+        acc[MR][NV*16] = 0                              #   serial with a guarded tail
+        for ko < K/4: for ii < MR: for jv < NV: acc[ii][jv] = vpdpbusd(acc, bcast(A[i, 4ko:4ko+4]), Wp[jo*NV+jv, ko])
+        out[i, j] = epilogue(acc)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+MR = 6  # rows per micro-tile
+NV = 4  # 16-lane int32 vectors per row of the micro-tile
+# Below this many multiply-adds (static M) the kernel runs on one thread: waking the pool
+# cost more than the work (16x64x128: 0.026-0.05 ms parallel on the loaded machine; the
+# whole d_model 64 FFN took 0.034 ms on int8 vs 0.020 ms on TVM's int32 loops).
+PARALLEL_MACS = 1 << 22
+KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
+ACTIVATIONS = ("none", "relu", "gelu")
+
+
+@dataclass(frozen=True)
+class Int8GemmSpec:
+    k: int
+    n: int
+    m: int | None = None  # None: symbolic rows (a symbolic seq)
+    scale: str = "none"  # "none" (int32 out), "scalar", "column"
+    bias: bool = False
+    rowcorr: bool = False  # weights' zero point != 0: a per-row int32 correction input
+    activation: str = "none"  # after the bias, in the epilogue: "none", "relu", "gelu" (fast_math's)
+
+    def __post_init__(self):
+        if self.k % 4 or self.n % 16 or self.k <= 0 or self.n <= 0:
+            raise ValueError(f"int8 GEMM needs K % 4 == 0 and N % 16 == 0, got K={self.k} N={self.n}")
+        if self.scale not in ("none", "scalar", "column"):
+            raise ValueError(f"scale: {self.scale!r}")
+        if (self.bias or self.activation != "none") and self.scale == "none":
+            raise ValueError("a bias or an activation needs a float epilogue (scale)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {self.activation!r}")
+
+    @property
+    def out_dtype(self) -> str:
+        return "int32" if self.scale == "none" else "float32"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def describe(self) -> str:
+        m = "M" if self.m is None else str(self.m)
+        return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
+            (f" +{self.activation}" if self.activation != "none" else "")
+
+
+def supported(k: int, n: int) -> bool:
+    return k > 0 and n > 0 and k % 4 == 0 and n % 16 == 0
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """(K, N) int8 -> (N/16, K/4, 16, 4) int8, the layout the intrinsic reads."""
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k // 4, 4, n // 16, 16).transpose(2, 0, 3, 1))
+
+
+def column_sums(w: np.ndarray) -> np.ndarray:
+    return w.astype(np.int32).sum(axis=0, dtype=np.int32)
+
+
+def _nv(n: int) -> int:
+    return next(v for v in (NV, 2, 1) if (n // 16) % v == 0)
+
+
+def compute(spec: Int8GemmSpec):
+    """The TE definition: (inputs, output) tensors, in the kernel's argument order."""
+    from tvm import te, tirx
+
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
+    m = tirx.Var("m", "int64") if spec.m is None else i64(spec.m)
+    K, N = spec.k, spec.n
+    a = te.placeholder((m, i64(K)), "uint8", name="A")
+    wp = te.placeholder((i64(N // 16), i64(K // 4), i64(16), i64(4)), "int8", name="Wp")
+    colsum = te.placeholder((i64(N),), "int32", name="colsum")
+    zpa = te.placeholder((), "int32", name="zp_a")
+    ins = [a, wp, colsum, zpa]
+    rowcorr = te.placeholder((m,), "int32", name="rowcorr") if spec.rowcorr else None
+    scale = None
+    if spec.scale != "none":
+        scale = te.placeholder((i64(N),) if spec.scale == "column" else (), "float32", name="scale")
+    bias = te.placeholder((i64(N),), "float32", name="bias") if spec.bias else None
+    ins += [t for t in (rowcorr, scale, bias) if t is not None]
+    r = te.reduce_axis((i64(0), i64(K)), name="k")
+    # The accumulator has whole MR-row tiles; the rows past M (in the last tile of a ragged M)
+    # re-read row M-1 and are never written out. A guarded tile instead (the split's
+    # predicate on the update block) is what TVM's tensorize cannot match.
+    rows = (m + i64(MR - 1)) // i64(MR) * i64(MR)
+    ragged = spec.m is None or spec.m % MR != 0
+    row = (lambda i: tirx.min(i, m - i64(1))) if ragged else (lambda i: i)
+    acc = te.compute((rows, i64(N)), lambda i, j: te.sum(
+        a[row(i), r].astype("int32") * wp[j // 16, r // 4, j % 16, r % 4].astype("int32"), axis=r), name="acc")
+
+    def epilogue(i, j):
+        c = acc[i, j] - zpa[()] * colsum[j]
+        if rowcorr is not None:
+            c = c + rowcorr[i]
+        if scale is None:
+            return c
+        v = c.astype("float32") * (scale[j] if spec.scale == "column" else scale[()])
+        return v + bias[j] if bias is not None else v
+
+    out = te.compute((m, i64(N)), epilogue, name="out")
+    if spec.activation == "relu":
+        from tvm import topi
+
+        out = topi.nn.relu(out)
+    elif spec.activation == "gelu":
+        from ..fast_math import gelu
+
+        out = gelu(out)  # the same polynomial the float build's gelu uses
+    return ins, out
+
+
+def kernel(spec: Int8GemmSpec):
+    """The scheduled, tensorized PrimFunc (needs an AVX-512 VNNI target to build)."""
+    from tvm import s_tir, te
+
+    from ..cpu_schedule import PARTITION_HINT
+    from .intrin import vnni_16x4
+
+    ins, out = compute(spec)
+    func = te.create_prim_func([*ins, out])
+    sch = s_tir.Schedule(func)
+    mm = sch.get_sblock("acc")
+    # The epilogue's elementwise steps (scale/bias, then the activation's) into its last block.
+    steps = [b for b in sch.get_child_blocks(sch.get_sblock("root", "main")) if sch.get(b).name_hint != "acc"]
+    for b in steps[:-1]:
+        sch.compute_inline(b)
+    ep = steps[-1]
+    i, j, k = sch.get_loops(mm)
+    nv = _nv(spec.n)
+    io, ii = sch.split(i, [None, MR])
+    jo, jv, ji = sch.split(j, [None, nv, 16])
+    ko, ki = sch.split(k, [None, 4])
+    sch.reorder(jo, io, ko, ii, jv, ji, ki)
+    # acc stays "global" (the intrinsic's buffers are): compacted to the MR x NV*16 tile
+    # under the parallel loop, it lives in registers once the loops are unrolled.
+    sch.reverse_compute_at(ep, io, preserve_unit_loops=True)
+    *_, ei, ej = sch.get_loops(ep)
+    _, ejv = sch.split(ej, [None, 16])
+    sch.vectorize(ejv)
+    if spec.m is None:
+        # Symbolic rows: the column panels are the parallel work, the row tiles inside are
+        # serial so LoopPartition (the hint) splits the guarded last tile off the full ones.
+        sch.parallel(jo)
+        sch.annotate(io, PARTITION_HINT, 1)
+    else:
+        par = sch.fuse(jo, io)
+        if spec.m * spec.k * spec.n >= PARALLEL_MACS:
+            sch.parallel(par)
+    sch.unroll(ii)
+    sch.unroll(jv)
+    init = sch.decompose_reduction(mm, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.tensorize(ji, vnni_16x4())
+    f = sch.mod["main"]
+    return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json()})
+
+
+def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,
+              scale=None, bias=None) -> np.ndarray:
+    """numpy: what the kernel computes from the unpacked operands (tests, benchmarks)."""
+    c = (a.astype(np.int64) - zp_a) @ (w.astype(np.int64) - zp_w)
+    if spec.scale == "none":
+        return c.astype(np.int32)
+    v = c.astype(np.float32) * np.asarray(scale, np.float32)
+    return v + bias if bias is not None else v
+
+
+def kernel_specs(mod) -> list[Int8GemmSpec]:
+    """The specs of the int8 GEMM kernels in a module (after the int8-gemm phase)."""
+    from tvm import tirx
+
+    out = []
+    for _, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs is not None and KERNEL_ATTR in func.attrs:
+            out.append(Int8GemmSpec(**json.loads(str(func.attrs[KERNEL_ATTR]))))
+    return out
+
+
+def is_kernel(func) -> bool:
+    return func.attrs is not None and KERNEL_ATTR in func.attrs

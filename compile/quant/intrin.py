@@ -1,0 +1,63 @@
+"""The AVX-512 VNNI dot-product tensor intrinsic, in the form LLVM 22 accepts.
+
+TVM 0.27 ships `dot_16x4_vnni` (tvm.s_tir.tensor_intrin.x86), but with its bundled LLVM 22
+it does not compile: "Call parameter type does not match function signature" —
+llvm.x86.avx512.vpdpbusd.512 now takes <64 x i8> operands where TVM passes <16 x i32>.
+Here the broadcast 4 bytes of A and the 16x4 bytes of B are reinterpreted as int8x64.
+
+Semantics (VPDPBUSD): C[i] += sum_k u8(A[k]) * s8(B[i, k]), i < 16, k < 4.
+"""
+
+from __future__ import annotations
+
+VNNI_16X4 = "blockforge_vnni_16x4_u8s8s32"
+
+
+def _funcs():
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
+             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+            T.writes(C[0:16])
+            for i in T.serial(0, 16):
+                for k in T.serial(0, 4):
+                    with T.sblock("update"):
+                        vi, vk = T.axis.remap("SR", [i, k])
+                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
+             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+            T.writes(C[0:16])
+            a4 = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
+            a64 = T.reinterpret(T.broadcast(a4, 16), dtype="int8x64")
+            b64 = B.vload([0, 0], dtype="int8x64")
+            C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
+                C.vload([0], dtype="int32x16"), a64, b64, dtype="int32x16")
+
+    return desc, impl
+
+
+def vnni_16x4() -> str:
+    """Registers the intrinsic on first call (TVM's registry is process-global); its name."""
+    from tvm.s_tir import TensorIntrin
+
+    if TensorIntrin.get(VNNI_16X4, allow_missing=True) is None:
+        TensorIntrin.register(VNNI_16X4, *_funcs())
+    return VNNI_16X4
+
+
+def has_vnni(target) -> bool:
+    """The target (its mcpu/mattr, not the build machine) has AVX-512 VNNI."""
+    from tvm.target.codegen import target_has_features
+
+    try:
+        return bool(target_has_features("avx512vnni", target)) and bool(target_has_features("avx512bw", target))
+    except Exception:  # not an x86 LLVM target
+        return False

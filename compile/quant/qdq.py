@@ -1,0 +1,103 @@
+"""QDQ matmuls as MatMulInteger, before TVM's import (VNNI targets only).
+
+ONNX Runtime's `quantize_static` (QDQ format) writes MatMul(DequantizeLinear(x_q),
+DequantizeLinear(W_q)): TVM's importer folds the weights' DequantizeLinear into a float32
+constant and computes a dequantize + float32 GEMM, so the int8 weights are gone before any
+Relax pass could see them. Here, on the ONNX graph TVM imports (not the one ONNX Runtime
+runs), each such MatMul becomes
+
+    Cast(MatMulInteger(x_q, W_q, zp_x, zp_w), float) * (s_x * s_w)
+
+which is the same sum in integers ((x_q - zp_x)(W_q - zp_w), scaled once): what the
+int8-gemm pass then puts on the VNNI kernel. Only weights given as initializers, activation
+scale and zero point per tensor (8-bit zero point given), weight scale per tensor or per
+column (axis 1); anything else is left as written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+_INT8 = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+
+
+def _axis(node) -> int:
+    return next((a.i for a in node.attribute if a.name == "axis"), 1)
+
+
+def qdq_matmuls_as_integer(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """(model with the QDQ MatMuls rewritten, how many); the input is not modified."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+
+    def init(name):
+        return numpy_helper.to_array(inits[name]) if name in inits else None
+
+    def dq_parts(name):
+        n = producer.get(name)
+        if n is None or n.op_type != "DequantizeLinear" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:
+            return None
+        zp = n.input[2] if len(n.input) > 2 and n.input[2] else None
+        return n, n.input[0], n.input[1], zp
+
+    new_nodes, new_inits, count = [], [], 0
+    for node in g.node:
+        rewritten = None
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+            a, b = dq_parts(node.input[0]), dq_parts(node.input[1])
+            if a is not None and b is not None:
+                try:
+                    rewritten = _rewrite(node, a, b, init, inits, f"bf_qdq{count}")
+                except (ValueError, TypeError):  # an initializer numpy cannot read: leave the MatMul
+                    rewritten = None
+        if rewritten is None:
+            new_nodes.append(node)
+            continue
+        nodes, tensors = rewritten
+        new_nodes += nodes
+        new_inits += tensors
+        count += 1
+    if not count:
+        return model, 0
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(new_nodes)
+    out.graph.initializer.extend(new_inits)
+    return out, count
+
+
+def _rewrite(node, a, b, init, inits, tag):
+    (_, xq, sx_name, zx_name), (bnode, wq_name, sw_name, zw_name) = a, b
+    w, sx, sw = init(wq_name), init(sx_name), init(sw_name)
+    if w is None or sx is None or sw is None or w.ndim != 2 or inits[wq_name].data_type not in _INT8:
+        return None
+    k, n = w.shape
+    if sx.size != 1 or sw.dtype != np.float32 or sx.dtype != np.float32:
+        return None
+    if sw.size != 1 and not (sw.shape == (n,) and _axis(bnode) in (1, -1)):
+        return None
+    # The activations' zero point says their type (MatMulInteger takes 8-bit only; a
+    # DequantizeLinear without one may read int32): required, per tensor, 8-bit.
+    zx = init(zx_name) if zx_name else None
+    if zx is None or zx.size != 1 or inits[zx_name].data_type not in _INT8:
+        return None
+    zw = init(zw_name) if zw_name else None
+    if zw_name and (zw is None or zw.size not in (1, n)):
+        return None
+    scale = (sx.reshape(()) * sw).astype(np.float32)  # the one float scale per column
+    names = {s: f"{tag}_{s}" for s in ("scale", "acc", "accf")}
+    tensors = [numpy_helper.from_array(scale, names["scale"])]
+    mi_inputs = [xq, wq_name, zx_name, zw_name or ""]
+    if zw is not None and zw.size == 1 and zw.ndim:
+        tensors.append(numpy_helper.from_array(zw.reshape(()), f"{tag}_zw"))  # MatMulInteger: scalar or (N,)
+        mi_inputs[3] = f"{tag}_zw"
+    while mi_inputs and mi_inputs[-1] == "":
+        mi_inputs.pop()
+    nodes = [helper.make_node("MatMulInteger", mi_inputs, [names["acc"]], name=f"{tag}_matmul_integer"),
+             helper.make_node("Cast", [names["acc"]], [names["accf"]], to=onnx.TensorProto.FLOAT, name=f"{tag}_cast"),
+             helper.make_node("Mul", [names["accf"], names["scale"]], list(node.output), name=f"{tag}_scale")]
+    return nodes, tensors

@@ -1,0 +1,307 @@
+"""The `int8-gemm` phase: ONNX Runtime's dynamic-quantized matmuls onto the int8 kernel.
+
+TVM's importer turns `quantize_dynamic`'s DynamicQuantizeLinear + MatMulInteger (+ Cast,
+Mul by the scales, Add of the bias) into
+
+    a32 = astype(quantize(x, s_x, zp_x), int32) - astype(zp_x, int32)    # u8 activations
+    w32 = W_const(int32) - astype(zp_w, int32)                            # s8 weights
+    y = matmul(a32, w32, out_dtype=int32)                                 # an int32 GEMM loop
+    z = astype(y, float32) * (s_x * s_w) [+ bias]
+
+This pass replaces y (and the cast/scale/bias and a relu/gelu after it, when each step has
+that one user)
+with one call of compile/quant/gemm.kernel on the u8 activations and the prepacked s8
+weights; the zero points fold into the kernel's column-sum term and, for a weight zero point
+other than 0, a row-sum correction computed beside it. int8 activations are shifted to u8
+(+128) and the shift is folded into the zero point. In a module this rewrites, the whole-
+tensor max(x) and min(x) pairs (DynamicQuantizeLinear's range) go to compile/quant/minmax's
+parallel kernel instead of two serial scalar loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import gemm, minmax
+
+_log = logging.getLogger("blockforge.quant")
+
+
+def _call(e, *names):
+    op = getattr(e, "op", None)
+    return getattr(op, "name", None) in names
+
+
+def _dtype(e) -> str | None:
+    d = getattr(getattr(e, "ty", None), "dtype", None)
+    return str(d) if d is not None else None
+
+
+def _shape(e) -> list | None:
+    s = getattr(getattr(e, "ty", None), "shape", None)
+    return list(s) if s is not None else None
+
+
+def _same_shape(a, b) -> bool:
+    """Shapes as the same dims (structurally: symbolic dims are PrimExprs, whose == builds an
+    expression rather than comparing)."""
+    from ..attention import _same_dim
+
+    sa, sb = _shape(a), _shape(b)
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(_same_dim(x, y) for x, y in zip(sa, sb))
+
+
+def _static(d) -> int | None:
+    from tvm import tirx
+
+    return int(d.value) if isinstance(d, tirx.IntImm) else None
+
+
+@dataclass
+class _Match:
+    out: object  # the var whose binding the kernel call replaces
+    act: object  # u8/s8 activations (..., K)
+    zp_a: object | None  # their zero point (a scalar tensor), None = 0
+    w: np.ndarray  # (K, N) int8 values
+    zp_w: int  # the weights' (per-tensor) zero point after choosing an int8 form
+    scale: object | None  # (), (N,) float32, or None (int32 result)
+    bias: object | None
+    out_shape: list
+    spec: gemm.Int8GemmSpec
+
+
+@dataclass
+class _Range:
+    """max(x) and min(x) over the whole tensor (DynamicQuantizeLinear's range): one kernel."""
+    x: object
+    max_var: object
+    min_var: object
+    spec: minmax.MinMaxSpec
+    emitted: object = None  # the kernel's (max, min) tuple, once emitted
+
+
+def _whole_reduction(value, op: str):
+    if not _call(value, op) or _dtype(value) != "float32" or value.attrs.axis is not None:
+        return None
+    return value.args[0]
+
+
+class _Finder:
+    def __init__(self, func):
+        from tvm import relax
+
+        self.values, self.users = {}, {}  # var -> value; var -> the binding vars that read it
+        for block in func.body.blocks:
+            for b in block.bindings:
+                if isinstance(b, relax.VarBinding):
+                    self.values[b.var] = b.value
+                    seen = []
+                    relax.analysis.post_order_visit(
+                        b.value, lambda e, seen=seen: seen.append(e) if isinstance(e, relax.Var) else None)
+                    for v in dict.fromkeys(seen):
+                        self.users.setdefault(v, []).append(b.var)
+        self.dataflow = relax.DataflowVar
+
+    def value(self, e):
+        from tvm import relax
+
+        while isinstance(e, relax.Var) and e in self.values:
+            e = self.values[e]
+        return e
+
+    def const(self, e) -> np.ndarray | None:
+        """The value of a constant expression the importer leaves (const, astype, subtract)."""
+        import tvm
+
+        e = self.value(e)
+        if isinstance(e, tvm.ir.expr.GenericConst):
+            return e.value.numpy()
+        if _call(e, "relax.astype"):
+            v = self.const(e.args[0])
+            return None if v is None else v.astype(str(e.attrs.dtype))
+        if _call(e, "relax.subtract"):
+            a, b = self.const(e.args[0]), self.const(e.args[1])
+            return None if a is None or b is None else (a.astype(np.int64) - b.astype(np.int64))
+        return None
+
+    def only_user(self, var):
+        """The binding var that is var's one user (var local to the dataflow block), else None."""
+        users = self.users.get(var, [])
+        return users[0] if isinstance(var, self.dataflow) and len(users) == 1 else None
+
+    def activations(self, e):
+        """(a8, zp_a or None) from astype(a8, int32) [- zp_a], a8 u8 or s8."""
+        v = self.value(e)
+        zp = None
+        if _call(v, "relax.subtract"):
+            if _shape(v.args[1]) not in ([],) or _dtype(v.args[1]) != "int32":
+                return None
+            v, zp = self.value(v.args[0]), v.args[1]
+        if not _call(v, "relax.astype") or _dtype(v.args[0]) not in ("uint8", "int8"):
+            return None
+        return v.args[0], zp
+
+    def weights(self, e) -> tuple[np.ndarray, int] | None:
+        """(int8 W, zp_w) with W_effective = W - zp_w, zp_w one scalar; None if no such form."""
+        w = self.const(e)
+        if w is None or w.ndim != 2 or not np.issubdtype(w.dtype, np.integer):
+            return None
+        w = w.astype(np.int64)
+        lo, hi = int(w.min()), int(w.max())
+        if lo >= -128 and hi <= 127:
+            return w.astype(np.int8), 0
+        if hi - lo > 255:
+            return None
+        c = -128 - lo  # W + c fits int8; W = (W + c) - c
+        return (w + c).astype(np.int8), c
+
+    def ranges(self) -> list[_Range]:
+        out = []
+        maxes = [(v, x) for v, val in self.values.items() if (x := _whole_reduction(val, "relax.max")) is not None]
+        for v, val in self.values.items():
+            x = _whole_reduction(val, "relax.min")
+            mx = next((m for m, mxx in maxes if x is not None and mxx.same_as(x)), None)
+            shape = _shape(x) if x is not None else None
+            if mx is None or shape is None or len(shape) < 2 or not minmax.supported(_static(shape[-1])):
+                continue
+            rows = 1
+            for d in shape[:-1]:
+                rows = rows * d
+            out.append(_Range(x, mx, v, minmax.MinMaxSpec(cols=_static(shape[-1]), rows=_static(rows))))
+        return out
+
+    def match(self, var, value) -> _Match | None:
+        if not _call(value, "relax.matmul") or _dtype(value) != "int32" or len(value.args) != 2:
+            return None
+        act = self.activations(value.args[0])
+        wz = self.weights(value.args[1])
+        if act is None or wz is None:
+            return None
+        shape = _shape(value.args[0])
+        k, n = wz[0].shape
+        if shape is None or len(shape) < 2 or _static(shape[-1]) != k or not gemm.supported(k, n):
+            return None
+        m = 1
+        for d in shape[:-1]:
+            m = m * d
+        m_static = _static(m) if not isinstance(m, int) else m
+        out, scale, bias, scale_kind = var, None, None, "none"
+        cast = self.only_user(var)
+        if cast is not None and _call(self.values[cast], "relax.astype") and _dtype(self.values[cast]) == "float32":
+            mul = self.only_user(cast)
+            mv = self.values.get(mul)
+            if mv is not None and _call(mv, "relax.multiply") and _dtype(mv) == "float32":
+                other = mv.args[1] if mv.args[0].same_as(cast) else mv.args[0]
+                oshape = _shape(other)
+                kind = None if oshape is None else {(): "scalar", (n,): "column"}.get(tuple(_static(d) for d in oshape))
+                if kind is not None and _same_shape(mv, self.values[cast]):
+                    out, scale, scale_kind = mul, other, kind
+                    add = self.only_user(mul)
+                    av = self.values.get(add)
+                    if av is not None and _call(av, "relax.add") and _same_shape(av, mv):
+                        b = av.args[1] if av.args[0].same_as(mul) else av.args[0]
+                        if _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
+                            out, bias = add, b
+        activation = "none"
+        if scale is not None:
+            user = self.only_user(out)
+            uv = self.values.get(user)
+            kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
+            if kind is not None and _same_shape(uv, self.values[out]):
+                out, activation = user, kind
+        spec = gemm.Int8GemmSpec(k=k, n=n, m=m_static, scale=scale_kind, bias=bias is not None,
+                                 rowcorr=wz[1] != 0, activation=activation)
+        return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
+
+
+def int8_gemm():
+    """The `int8-gemm` pass (CPU targets with AVX-512 VNNI)."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.plan: dict = {}
+            self.funcs: dict = {}
+            self.applied: list[str] = []
+
+        def kernel_gv(self, spec):
+            if spec not in self.funcs:
+                gv = self.builder_.add_func(gemm.kernel(spec), f"int8_gemm_{len(self.funcs)}")
+                self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("global_symbol", gv.name_hint))
+                self.funcs[spec] = gv
+            return self.funcs[spec]
+
+        def emit_call(self, mt: _Match):
+            bb, sp = self.builder_, mt.spec
+            act = self.visit_expr(mt.act)
+            m = 1
+            for d in _shape(act)[:-1]:
+                m = m * d
+            a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([m, sp.k])))
+            zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
+            if _dtype(act) == "int8":
+                # s8 -> u8 by +128: (a + 128) - (zp + 128) = a - zp; VPDPBUSD's A is unsigned.
+                a2 = bb.emit(relax.op.astype(relax.op.add(relax.op.astype(a2, "int32"), relax.const(128, "int32")), "uint8"))
+                zp = bb.emit(relax.op.add(zp, relax.const(128, "int32")))
+            args = [a2, relax.const(gemm.pack_weights(mt.w)), relax.const(gemm.column_sums(mt.w)), zp]
+            if sp.rowcorr:
+                # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
+                rs = bb.emit(relax.op.sum(relax.op.astype(a2, "int32"), axis=[1]))
+                kz = bb.emit(relax.op.multiply(zp, relax.const(sp.k, "int32")))
+                args.append(bb.emit(relax.op.multiply(relax.op.subtract(kz, rs), relax.const(mt.zp_w, "int32"))))
+            args += [self.visit_expr(x) for x in (mt.scale, mt.bias) if x is not None]
+            y = bb.emit(relax.call_tir(self.kernel_gv(sp), args, out_ty=relax.TensorType([m, sp.n], sp.out_dtype)))
+            self.applied.append(sp.describe())
+            return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
+
+        def emit_range(self, r: _Range, var):
+            bb = self.builder_
+            if r.emitted is None:
+                x = self.visit_expr(r.x)
+                rows = 1
+                for d in _shape(x)[:-1]:
+                    rows = rows * d
+                x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([rows, r.spec.cols])))
+                if r.spec not in self.funcs:
+                    gv = bb.add_func(minmax.kernel(r.spec), f"int8_range_{len(self.funcs)}")
+                    bb.update_func(gv, bb.get()[gv].with_attr("global_symbol", gv.name_hint))
+                    self.funcs[r.spec] = gv
+                scalar = relax.TensorType([], "float32")
+                r.emitted = bb.emit(relax.call_tir(self.funcs[r.spec], [x2], out_ty=[scalar, scalar]))
+            return relax.TupleGetItem(r.emitted, 0 if var.same_as(r.max_var) else 1)
+
+        def visit_var_binding_(self, binding):
+            mt = self.plan.get(binding.var)
+            if mt is None:
+                return super().visit_var_binding_(binding)
+            value = self.emit_range(mt, binding.var) if isinstance(mt, _Range) else self.emit_call(mt)
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+
+    @tvm.transform.module_pass(opt_level=0, name="BlockforgeInt8Gemm")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        m = _Rewrite(mod)
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                continue
+            f = _Finder(func)
+            matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
+            if not matches:
+                continue
+            m.plan = {mt.out: mt for mt in matches}
+            # The activations' range for their dynamic quantization, next to the int8 GEMMs.
+            for r in f.ranges():
+                m.plan[r.max_var] = m.plan[r.min_var] = r
+            m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
+        out = m.builder_.get()
+        for line in m.applied:
+            _log.info("int8 gemm: %s", line)
+        return out
+
+    return _pass

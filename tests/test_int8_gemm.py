@@ -1,0 +1,422 @@
+"""The int8 GEMM (compile/quant): the VNNI kernel's IR under a fixed target, its exact int32
+results against numpy (static and ragged/symbolic M), the int8-gemm pass on hand-built
+Relax (s8 activations, a weight zero point) and end to end on ONNX Runtime's
+quantize_dynamic model of a blockforge FFN, against ORT running the same file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+from blockforge.compile.quant import gemm  # noqa: E402
+from blockforge.compile.quant.intrin import has_vnni  # noqa: E402
+
+ZNVER4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2})
+SKYLAKE = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+
+
+def _host():
+    from blockforge.targets import resolve
+
+    return resolve("host").tvm_target()
+
+
+def _need_vnni_host():
+    if not has_vnni(_host()):
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni): the int8 kernel cannot run here")
+
+
+def test_vnni_is_read_from_the_target_not_the_build_machine():
+    assert has_vnni(ZNVER4) and not has_vnni(SKYLAKE)
+    assert has_vnni(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                       "mcpu": "skylake-avx512", "mattr": ["+avx512vnni"]}))
+
+
+@pytest.mark.parametrize("m", [192, 200, None])  # whole 6-row tiles, a ragged last tile, symbolic
+def test_kernel_is_tensorized_and_the_ragged_tile_guarded(m):
+    f = gemm.kernel(gemm.Int8GemmSpec(k=256, n=128, m=m, scale="scalar", bias=True))
+    text = f.script()
+    assert text.count("llvm.x86.avx512.vpdpbusd.512") == 1, "the update is not on the VNNI intrinsic"
+    assert "T.parallel" in text and "T.vectorized" in text
+    ragged = m is None or m % gemm.MR
+    # Past M the accumulator re-reads row M-1 (clamped) and the write-back is guarded.
+    assert ("T.min(v_i_o" in text) == bool(ragged), text
+    assert ("T.where" in text) == bool(ragged), text
+    # and it builds (cross, no VNNI needed here) into code that uses the instruction
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=ZNVER4)
+    assert "vpdpbusd" in lib.mod.inspect_source("asm")
+
+
+def test_small_static_kernels_run_on_one_thread():
+    """Waking the thread pool cost more than a toy GEMM's work (PARALLEL_MACS)."""
+    from blockforge.compile.quant import minmax
+
+    assert "T.parallel" not in gemm.kernel(gemm.Int8GemmSpec(k=64, n=128, m=16)).script()
+    assert "T.parallel" in gemm.kernel(gemm.Int8GemmSpec(k=64, n=128, m=None)).script()
+    assert "T.parallel" not in minmax.kernel(minmax.MinMaxSpec(cols=64, rows=16)).script()
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_activation_in_the_epilogue(activation):
+    """relu, and gelu as the float build computes it (fast_math's fast_erf polynomial)."""
+    _need_vnni_host()
+    from scipy.special import erf
+
+    rng = np.random.default_rng(5)
+    spec = gemm.Int8GemmSpec(k=64, n=64, m=None, scale="column", bias=True, activation=activation)
+    a = rng.integers(0, 256, (9, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 64), dtype=np.int8)
+    scale = rng.uniform(1e-5, 4e-5, 64).astype(np.float32)  # pre-activations of about +-3
+    bias = rng.standard_normal(64).astype(np.float32)
+    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias)
+    z = gemm.reference(gemm.Int8GemmSpec(k=64, n=64, scale="column", bias=True), a, w, 128, 0, scale, bias)
+    ref = np.maximum(z, 0) if activation == "relu" else 0.5 * z * (1 + erf(z / np.sqrt(2)))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_spec_refuses_what_the_intrinsic_cannot_tile():
+    with pytest.raises(ValueError, match="K % 4"):
+        gemm.Int8GemmSpec(k=30, n=64)
+    with pytest.raises(ValueError, match="N % 16"):
+        gemm.Int8GemmSpec(k=32, n=40)
+
+
+def _run_kernel(spec, a, w, zp_a, scale=None, bias=None, rowcorr=None):
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=_host())
+    args = [a, gemm.pack_weights(w), gemm.column_sums(w), np.array(zp_a, np.int32)]
+    args += [x for x in (rowcorr, scale, bias) if x is not None]
+    out = tvm.runtime.tensor(np.zeros((a.shape[0], spec.n), spec.out_dtype))
+    lib["main"](*[tvm.runtime.tensor(np.asarray(x)) for x in args], out)
+    return out.numpy(), lib
+
+
+@pytest.mark.parametrize("m", [12, 13])
+def test_static_m_exact_int32(m):
+    _need_vnni_host()
+    rng = np.random.default_rng(m)
+    spec = gemm.Int8GemmSpec(k=96, n=64, m=m)
+    a = rng.integers(0, 256, (m, 96), dtype=np.uint8)  # the u8 extremes included
+    a[0] = 255
+    w = rng.integers(-128, 128, (96, 64), dtype=np.int8)
+    w[:, 0] = -128
+    got, _ = _run_kernel(spec, a, w, zp_a=131)
+    np.testing.assert_array_equal(got, gemm.reference(spec, a, w, 131))
+
+
+def test_symbolic_m_exact_int32_on_ragged_rows():
+    _need_vnni_host()
+    spec = gemm.Int8GemmSpec(k=64, n=128, m=None)
+    lib = None
+    rng = np.random.default_rng(0)
+    w = rng.integers(-128, 128, (64, 128), dtype=np.int8)
+    for m in (1, 5, 6, 7, 20):  # below, at and past one 6-row tile
+        a = rng.integers(0, 256, (m, 64), dtype=np.uint8)
+        if lib is None:
+            got, lib = _run_kernel(spec, a, w, zp_a=7)
+        else:
+            out = tvm.runtime.tensor(np.zeros((m, 128), np.int32))
+            lib["main"](*[tvm.runtime.tensor(x) for x in (a, gemm.pack_weights(w), gemm.column_sums(w),
+                                                           np.array(7, np.int32))], out)
+            got = out.numpy()
+        np.testing.assert_array_equal(got, gemm.reference(spec, a, w, 7), err_msg=f"M={m}")
+
+
+@pytest.mark.parametrize("rows", [13, None])
+def test_range_kernel_is_exact(rows):
+    """DynamicQuantizeLinear's max(x) / min(x), parallel and vectorised, on ragged row counts."""
+    _need_vnni_host()
+    from blockforge.compile.quant import minmax
+
+    f = minmax.kernel(minmax.MinMaxSpec(cols=48, rows=rows))
+    assert ("T.parallel" in f.script()) == (rows is None) and "T.vectorized" in f.script()  # 13x48: one thread
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=_host())
+    for m in ([rows] if rows else [1, 7, 20]):
+        x = np.random.default_rng(m).standard_normal((m, 48)).astype(np.float32)
+        x[m - 1, 47], x[0, 0] = 9.5, -7.25  # the extremes in the last and first lanes
+        mx, mn = tvm.runtime.tensor(np.zeros((), np.float32)), tvm.runtime.tensor(np.zeros((), np.float32))
+        lib["main"](tvm.runtime.tensor(x), mx, mn)
+        assert (float(mx.numpy()), float(mn.numpy())) == (9.5, -7.25), m
+
+
+def _matmul_integer_module(act_dtype: str, w: np.ndarray, zp_w: int, seq):
+    """What TVM's importer makes of MatMulInteger: int32 casts, zero points subtracted."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, seq, w.shape[0]], act_dtype))
+    zp = relax.Var("zp", relax.TensorType([], act_dtype))
+    with bb.function("main", [x, zp]):
+        with bb.dataflow():
+            a32 = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), relax.op.astype(zp, "int32")))
+            w32 = bb.emit(relax.op.subtract(relax.const(w.astype(np.int32)), relax.op.astype(relax.const(zp_w, "int8"), "int32")))
+            y = bb.emit_output(relax.op.matmul(a32, w32, out_dtype="int32"))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+@pytest.mark.parametrize("act_dtype, zp_w", [("uint8", 0), ("int8", 0), ("uint8", 5), ("int8", -3)])
+def test_pass_folds_zero_points_and_the_s8_shift_exactly(act_dtype, zp_w):
+    """s8 activations take the +128 shift; a weight zero point the row-sum correction."""
+    _need_vnni_host()
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    rng = np.random.default_rng(1)
+    lo, hi = (0, 256) if act_dtype == "uint8" else (-128, 128)
+    w = rng.integers(-128, 128, (32, 48), dtype=np.int8)
+    mod = _matmul_integer_module(act_dtype, w, zp_w, tvm.tirx.Var("seq", "int64"))
+    with ZNVER4:
+        new = int8_gemm()(mod)
+    assert len(gemm.kernel_specs(new)) == 1 and gemm.kernel_specs(new)[0].rowcorr == (zp_w != 0)
+    vm = relax.VirtualMachine(tvm.compile(new, target=_host()), tvm.cpu())
+    for seq in (7, 12):
+        x = rng.integers(lo, hi, (1, seq, 32)).astype(act_dtype)
+        zp = np.array(hi - 1 if act_dtype == "uint8" else lo, act_dtype)  # extreme zero points
+        got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(zp)).numpy()
+        ref = (x.astype(np.int64) - int(zp)) @ (w.astype(np.int64) - zp_w)
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_pass_leaves_float_matmuls_alone():
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 8, 32], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, relax.const(np.ones((32, 48), np.float32))))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    with ZNVER4:
+        tvm.ir.assert_structural_equal(int8_gemm()(mod), mod)
+
+
+def test_phase_only_on_vnni_targets_and_ablatable():
+    from blockforge.compile.pipeline import phases
+    from blockforge.targets import resolve
+
+    names = lambda t, int8=True, **kw: [p.name for p in phases(resolve(t), int8=int8, **kw)]  # noqa: E731
+    # float models: no phase (their phase list, manifests and dumps stay as they were)
+    assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}', int8=False)
+    assert "int8-gemm" in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
+    assert "int8-gemm" not in names("x86-64-avx512")  # Skylake: no VNNI
+    assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
+                                    without={"int8-gemm"})
+    ps = names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
+    assert ps.index("fuse-attention") < ps.index("int8-gemm") < ps.index("optimize")  # gelu still an op
+
+
+@pytest.fixture(scope="module")
+def quantized_ffn(tmp_path_factory):
+    pytest.importorskip("onnxruntime.quantization")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from blockforge.graph import FFNSpec, export
+
+    d = tmp_path_factory.mktemp("qffn")
+    fp32 = export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
+    quantize_dynamic(str(fp32), str(d / "ffn_q.onnx"), weight_type=QuantType.QInt8)
+    return d / "ffn_q.onnx"
+
+
+@pytest.mark.parametrize("seq", [16, None])
+def test_quantize_dynamic_ffn_matches_ort_on_the_int8_kernel(quantized_ffn, seq, tmp_path, monkeypatch):
+    """Both MatMulIntegers run on the int8 kernel (scale and bias in its epilogue), and the
+    output matches ORT on the same file within one quantization step of the output range."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+
+    from blockforge.compile.pipeline import run_phases
+
+    s = open_model(quantized_ffn, "host", {"batch": 1, **({"seq": seq} if seq else {})})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    # fc1's relu is fused into its kernel's epilogue; fc2 ends at its bias
+    assert sorted(sp.activation for sp in gemm.kernel_specs(mod)) == ["none", "relu"]
+    res = s.build(dump_ir=tmp_path / "dump")
+    assert "int8-gemm" in res.phases
+    after = next((tmp_path / "dump").glob("*-int8-gemm.py")).read_text()
+    assert after.count("R.call_tir(cls.int8_gemm_") == 2, after
+    assert after.count("R.call_tir(cls.int8_range_") == 2, after  # both activations' ranges
+    assert "R.max(" not in after.split("def main")[-1], "a serial whole-tensor max is left"
+    assert "out_dtype=\"int32\"" not in after.split("def main")[-1], "an int32 matmul is left"
+    vm = relax.VirtualMachine(res.executable, tvm.cpu())
+    for n in ([seq] if seq else [1, 13, 16]):
+        x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+        step = float(np.abs(ref).max()) / 255
+        assert np.abs(got - ref).max() <= step, (n, np.abs(got - ref).max(), step)
+
+
+def test_int8_kernels_are_not_tuning_tasks(quantized_ffn, monkeypatch):
+    """tune extracts MetaSchedule tasks from the legalized module: the hand-written int8
+    kernels are not a search space (as the fused attention kernels), the rest still is."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from blockforge.compile.pipeline import extract_tasks, run_phases
+    from blockforge.compile.session import open_model
+
+    s = open_model(quantized_ffn, "host", {"batch": 1, "seq": 16})
+    mod, names = run_phases(s.relax(), s.target, stop_after="legalize")
+    assert "int8-gemm" in names
+    tasks = [t.task_name for t in extract_tasks(mod, s.target)]
+    assert tasks and not any("int8_gemm" in t or "int8_range" in t for t in tasks), tasks
+
+
+@pytest.fixture(scope="module", params=["QInt8", "QUInt8"])
+def qdq_ffn(tmp_path_factory, request):
+    """ORT quantize_static, QDQ S8S8 (as issue #19) and U8S8, per-channel, after quant_pre_process."""
+    pytest.importorskip("onnxruntime.quantization")
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from blockforge.graph import FFNSpec, export
+
+    class Batches(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": np.random.default_rng(i).standard_normal((1, 16, 64)).astype(np.float32)}
+                            for i in range(4)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    d = tmp_path_factory.mktemp("qdq")
+    fp32 = export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
+    quant_pre_process(str(fp32), str(d / "pre.onnx"))
+    quantize_static(str(d / "pre.onnx"), str(d / "ffn_qdq.onnx"), Batches(), quant_format=QuantFormat.QDQ,
+                    activation_type=getattr(QuantType, request.param), weight_type=QuantType.QInt8,
+                    per_channel=True)
+    return d / "ffn_qdq.onnx"
+
+
+def test_qdq_rewrite_is_the_same_model_in_ort(qdq_ffn):
+    import onnx
+
+    from blockforge.compile.quant.qdq import qdq_matmuls_as_integer
+    from blockforge.graph import ort as ort_runner
+
+    m = onnx.load(str(qdq_ffn))
+    m2, n = qdq_matmuls_as_integer(m)
+    assert n == 2 and sum(x.op_type == "MatMulInteger" for x in m2.graph.node) == 2
+    assert not any(x.op_type == "MatMulInteger" for x in m.graph.node), "the input was modified"
+    onnx.checker.check_model(m2)
+    x = {"x": np.random.default_rng(3).standard_normal((1, 16, 64)).astype(np.float32)}
+    a, b = (next(iter(ort_runner.run(mm, x).values())) for mm in (m, m2))
+    step = float(np.abs(a).max()) / 255
+    assert np.abs(a - b).max() <= step
+
+
+def test_qdq_ffn_matches_ort_on_the_int8_kernel(qdq_ffn, monkeypatch):
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.quant.gemm import kernel_specs
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+
+    s = open_model(qdq_ffn, "host", {"batch": 1})  # seq symbolic
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    specs = kernel_specs(mod)
+    assert len(specs) == 2 and all(sp.scale == "column" for sp in specs), specs  # per-channel scales
+    vm = relax.VirtualMachine(s.build().executable, tvm.cpu())
+    for n in (1, 16):
+        x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+        assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+def test_qdq_imported_as_written_where_no_vnni(qdq_ffn, monkeypatch):
+    """x86-64-avx512 (Skylake) has no VNNI: the QDQ model imports as before (no int32
+    matmul, which would run as a scalar int32 loop there)."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from blockforge.compile.pipeline import has_int8_matmul
+    from blockforge.compile.session import open_model
+
+    assert not has_int8_matmul(open_model(qdq_ffn, "x86-64-avx512", {"batch": 1, "seq": 16}).relax())
+
+
+def test_elementwise_chains_scheduled_in_int8_modules_only():
+    """CPUElementwise joins the rules only where int8-gemm ran: float builds keep theirs."""
+    from tvm import te
+
+    from blockforge.compile.cpu_schedule import CPUElementwise
+    from blockforge.compile.pipeline import default_rules
+    from blockforge.targets import resolve
+
+    host = resolve('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}')
+    assert not any(isinstance(r, CPUElementwise) for r in default_rules(host))
+    assert isinstance(default_rules(host, int8=True)[-1], CPUElementwise)
+    x = te.placeholder((tvm.tirx.Var("m", "int64"), 64), "float32", name="x")
+    q = te.compute(x.shape, lambda i, j: te.round(x[i, j] * 3.0).astype("int8"), name="q")
+    y = te.compute(x.shape, lambda i, j: q[i, j].astype("float32") * 0.5, name="y")
+    func = te.create_prim_func([x, y]).with_attr("global_symbol", "main")
+    with ZNVER4:
+        sch = CPUElementwise().apply(func, ZNVER4, False)
+    text = sch.mod["main"].script()
+    assert "T.parallel" in text and "T.vectorized(16)" in text.replace("T.int64(16)", "16"), text
+    assert 'sblock("q")' not in text, "the chain was not inlined into one pass"
+
+
+def test_qdq_rewrite_that_does_not_import_falls_back(qdq_ffn, monkeypatch):
+    """The rewrite must never make a model uncompilable: a MatMulInteger form TVM refuses
+    is dropped for the model as written (which the isolated probe already imported)."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    import onnx
+
+    import blockforge.compile.quant.qdq as qdq
+    from blockforge.compile.pipeline import has_int8_matmul
+    from blockforge.compile.session import open_model
+
+    def broken(model):
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        m.graph.node[0].op_type = "NoSuchOp"
+        return m, 1
+
+    monkeypatch.setattr(qdq, "qdq_matmuls_as_integer", broken)
+    s = open_model(qdq_ffn, '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
+                   {"batch": 1, "seq": 16})
+    mod = s.relax()
+    assert not has_int8_matmul(mod) and mod is s.relax(int8=False)
+
+
+def test_quantize_dynamic_encoder_block_matches_ort(tmp_path, monkeypatch):
+    """An encoder block (attention fused as before, LayerNorm, gelu) with its quantized
+    projections and FFN on the int8 kernel, against ORT on the same file."""
+    _need_vnni_host()
+    pytest.importorskip("onnxruntime.quantization")
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import BlockSpec, export
+    from blockforge.graph import ort as ort_runner
+    from blockforge.graph.model_io import random_inputs
+
+    fp32 = export(BlockSpec(d_model=64, heads=4), tmp_path / "block.onnx").model_path
+    quantize_dynamic(str(fp32), str(tmp_path / "block_q.onnx"), weight_type=QuantType.QInt8)
+    s = open_model(tmp_path / "block_q.onnx", "host", {"batch": 1, "seq": 16})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    assert len(gemm.kernel_specs(mod)) >= 3  # projections + both FFN matmuls (measured 4)
+    vm = relax.VirtualMachine(s.build().executable, tvm.cpu())
+    inputs = random_inputs(s.inputs, s.dims, seed=0)
+    got = vm["main"](*[tvm.runtime.tensor(inputs[x.name]) for x in s.inputs]).numpy()
+    ref = next(iter(ort_runner.run(s.model, inputs).values()))
+    assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
