@@ -12,7 +12,17 @@ SHIPPED := artifacts/shipped/tuning/x86-64-avx512
 NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-long fuzz-edge install clean robustness bench onnx-backend bench-peers
+# The fast tier: unit and in-process tests (no tuning, no cross builds, no wheel, few TVM
+# builds), for the loop after an edit: `make check` reinstalls the package (~1 s, no deps) and
+# runs them. Picked by measured time per file (`pytest --durations=0` of the whole suite).
+CHECK_TESTS := tests/test_architecture.py tests/test_spec.py tests/test_targets.py \
+	tests/test_graph_structure.py tests/test_graph_parity.py tests/test_tolerance_report.py \
+	tests/test_skip_summary.py tests/test_schedules.py tests/test_schedule_ir.py tests/test_ablations.py \
+	tests/test_artifacts.py tests/test_bench.py tests/test_records_cpu.py tests/test_cli_graph.py \
+	tests/test_attention_fusion.py tests/robustness/test_outputs.py tests/robustness/test_fuzz.py \
+	tests/robustness/test_fp16_overflow.py
+
+.PHONY: demo test check test-long fuzz-edge install clean robustness bench onnx-backend bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +73,9 @@ test: install
 	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
 	if [ -s $(SKIP_SUMMARY) ]; then cat $(SKIP_SUMMARY); fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+check: install
+	$(BIN)/pytest -q $(CHECK_TESTS) $(PYTEST_ARGS)
 
 # Tests too long for `make test` (tuning a whole real export: ~11 min on 2 cores).
 # The edge app's parser fuzz and the .npz fuzz of `run`, longer than make test's 20 s.

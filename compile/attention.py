@@ -782,7 +782,7 @@ def tile_record(database, spec: AttentionSpec, target) -> tuple[int, int] | None
     rec = database.query_tuning_record(mod, target, "main")
     tiles = tiles_from_trace(rec.trace) if rec is not None else None
     # a database (untrusted input) picks among the tiles tune times, nothing else
-    return tiles if tiles in tile_candidates(_lanes(target)) else None
+    return tiles if tiles in tile_candidates(vector_lanes(target)) else None
 
 
 def _reshape(bb, x, shape):

@@ -229,14 +229,18 @@ def ffn(tmp_path_factory) -> Path:
     return export(FFNSpec(d_model=16, d_ff=32), tmp_path_factory.mktemp("ffn") / "ffn.onnx").model_path
 
 
-@pytest.mark.parametrize("verb, what", [(("verify",), "run in ONNX Runtime"), (("compile", "--target", "host"), "import")],
+@pytest.mark.parametrize("verb, what", [(("verify",), ("load", "run in ONNX Runtime")),
+                                       (("compile", "--target", "host"), ("load", "import"))],
                          ids=["verify", "compile"])
 def test_limit_too_small_for_a_normal_model(ffn, verb, what, tmp_path):
     """A limit far below what ONNX Runtime or TVM's import needs (~0.2 GiB of data): the
     child's allocations fail (or its libraries cannot be mapped), and the error says the
-    model needs more than the limit."""
+    model needs more than the limit. 0.1 GiB is near what the loading child itself needs, so
+    which child stops first (the load, or ORT's run / TVM's import) varies from run to run
+    (CI saw "to load" for verify)."""
     r = run_measured(verb[0], ffn, *verb[1:], cwd=tmp_path, env={"BLOCKFORGE_MEMORY_LIMIT_GB": "0.1"})
-    assert_user_error(r.res, f"the model needs more than 0.1 GiB to {what}", "BLOCKFORGE_MEMORY_LIMIT_GB")
+    assert_user_error(r.res, "the model needs more than 0.1 GiB to ", "BLOCKFORGE_MEMORY_LIMIT_GB")
+    assert any(f"0.1 GiB to {w} " in r.res.err for w in what), r.res.err
 
 
 def test_normal_model_under_the_default_limit(ffn, tmp_path):
