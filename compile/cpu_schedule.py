@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
 # Measured on a 2-core Zen 5 (AVX-512), BERT-base FFN at seq 128, ms (MR x NR/lanes, K block):
@@ -153,13 +153,23 @@ def _fold_into_writeback(sch, epilogue, rule: str, func) -> None:
                 _why(rule, func, f"epilogue {sch.get(b).name_hint} not folded into the write-back", e)
 
 
-class CPUMatmul(ScheduleRule):
-    """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile."""
+class CPURule(CPUScheduleRule):
+    """blockforge's CPU rules: `schedule` gets a fresh Schedule of a PrimFunc built for an
+    LLVM target (dlight's CPUScheduleRule says which targets), and returns it or None."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
+        return self.schedule(s_tir.Schedule(func), func, target)
+
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        raise NotImplementedError
+
+
+class CPUMatmul(CPURule):
+    """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile."""
+
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         mm, blocks = _single_reduction(sch)
         if mm is None:
             return None
@@ -277,7 +287,7 @@ def _vectorize_inner(sch, block, width: int) -> None:
             sch.unroll(loops[-2])
 
 
-class CPURowReduction(ScheduleRule):
+class CPURowReduction(CPURule):
     """Softmax / LayerNorm style kernels: one parallel loop over rows, every reduction and
     elementwise step of a row inside it, vectorised.
 
@@ -294,10 +304,7 @@ class CPURowReduction(ScheduleRule):
     symbolic (TVM 0.27), reading past the row.
     """
 
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         if not _has_root(sch):
             return None
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
@@ -349,7 +356,7 @@ class CPURowReduction(ScheduleRule):
         return sch
 
 
-class CPUMatmulRaggedN(ScheduleRule):
+class CPUMatmulRaggedN(CPURule):
     """Matmuls CPUMatmul leaves alone because N is no multiple of the vector width: ViT's
     197 tokens make the attention scores (B, h, 197, 64) x (B, h, 64, 197), which TVM's
     default lowering runs as scalar dot products reading B with a stride of N. Measured
@@ -362,10 +369,7 @@ class CPUMatmulRaggedN(ScheduleRule):
     a lanes-divisible extent).
     """
 
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         mm, blocks = _single_reduction(sch)
         if mm is None:
             return None
@@ -463,17 +467,14 @@ def _vectorize_row(sch, loop, lanes: int) -> None:
     sch.vectorize(ji)
 
 
-class CPUElementwise(ScheduleRule):
+class CPUElementwise(CPURule):
     """A function of elementwise steps only (no reduction): inlined into its last block,
     rows parallel, the innermost axis vectorised. Used in int8 modules only (pipeline:
     their quantize / dequantize / activation chains, which TVM's default lowering ran as
     serial loops through one full buffer per step: the QDQ BERT-base FFN's gelu chain
     0.52 ms). Float modules keep their schedules as they were."""
 
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         if not _has_root(sch):
             return None
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))

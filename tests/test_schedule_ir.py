@@ -233,3 +233,11 @@ def _softmax_expected(lanes: int):
 @pytest.mark.parametrize("target, lanes", [(AVX512, 16), (AVX2, 8)])
 def test_softmax_row_reduction_static(target, lanes):
     tvm.ir.assert_structural_equal(_schedule(CPURowReduction(), softmax_before, target), _softmax_expected(lanes))
+
+
+@pytest.mark.parametrize("rule", [CPUMatmul(), CPURowReduction()], ids=lambda r: type(r).__name__)
+def test_cpu_rules_leave_other_targets_alone(rule):
+    """One guard for every CPU rule (cpu_schedule.CPURule): a GPU target gets no schedule."""
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    assert rule.apply(matmul_before if isinstance(rule, CPUMatmul) else softmax_before, cuda, False) is None
+    assert rule.apply(matmul_before if isinstance(rule, CPUMatmul) else softmax_before, AVX512, False) is not None
