@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -62,8 +61,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few samples: proves the script runs (tests/test_benchmarks.py), measures nothing")
     a = ap.parse_args()
     configure(redirect_native_output=False)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    from blockforge.targets.toolchain import cpu_model
+
+    cpu = cpu_model()
     print(f"CPU: {cpu}, {os.cpu_count()} logical cores; shared machine: read ranks, not digits")
     tmp = Path(tempfile.mkdtemp())
     for name, spec, seq in (SMOKE_CASES if a.smoke else CASES):

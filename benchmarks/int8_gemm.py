@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -185,8 +184,9 @@ def main() -> int:
     from blockforge.compile.quant.intrin import has_vnni
     from blockforge.targets import resolve
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    from blockforge.targets.toolchain import cpu_model
+
+    cpu = cpu_model()
     print(f"CPU: {cpu}, {os.cpu_count()} logical cores; shared machine: read ratios, not digits")
     if not has_vnni(resolve("host").tvm_target()):
         print("this CPU has no AVX-512 VNNI: the int8 kernel cannot run here; nothing to measure")
