@@ -99,18 +99,29 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
     return passes
 
 
-def _legalize() -> list:
-    from tvm import relax
+def tvm_backend(target: ResolvedTarget):
+    """TVM's own Relax backend pipeline module for the target kind: its pass lists are used as
+    they are (not copied), so a TVM upgrade that changes them reaches our builds too."""
+    import importlib
 
-    from .zero_division import ieee_division
+    kind = "cpu_generic" if not target.is_gpu else "cuda" if target.kind == "cuda" else "gpu_generic"
+    # the .pipeline module: cpu_generic's package does not re-export dataflow_lower_passes
+    return importlib.import_module(f"tvm.relax.backend.{kind}.pipeline")
 
-    # As tvm.compile's default pipeline: sort/scan/sampling ops have no LegalizeOps rule and
-    # are dispatched to the target's kernels first (RoBERTa's position ids are a cumsum of the
-    # mask; R.cumsum from ONNX Unsqueeze with runtime axes otherwise reaches codegen).
-    return [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
-            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-            ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
+
+def _legalize(target: ResolvedTarget) -> Callable[[], list]:
+    def passes() -> list:
+        from .zero_division import ieee_division
+
+        tgt, backend = target.tvm_target(), tvm_backend(target)
+        # TVM's GPU lists end in dlight's ApplyDefaultSchedule: ours is the `schedule` phase,
+        # after apply-tuning (records must win over default rules), so it is taken out here.
+        # The dispatch passes first: sort/scan/sampling ops have no LegalizeOps rule (RoBERTa's
+        # position ids are a cumsum of the mask).
+        legalize = [p for p in backend.legalize_passes(tgt) if p.info.name != "ApplyDefaultSchedule"]
+        return [*backend.library_dispatch_passes(tgt), *legalize,
+                ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
+    return passes
 
 
 def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(), int8: bool = False) -> list:
@@ -134,25 +145,18 @@ def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Ca
     return passes
 
 
-def _lower() -> list:
-    from tvm import relax
-
-    from .zero_division import ieee_division
-
-    # again: scheduling (compute_inline) and tuning records join expressions across blocks
-    return [ieee_division, relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
-            relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite()]
-
-
-def _finalize(gpu: bool) -> Callable[[], list]:
+def _lower(target: ResolvedTarget) -> Callable[[], list]:
     def passes() -> list:
-        from tvm import relax
+        from .zero_division import ieee_division
 
-        t = relax.transform
-        return [t.StaticPlanBlockMemory(), *([t.RewriteCUDAGraph()] if gpu else []), t.LowerAllocTensor(),
-                t.KillAfterLastUse(), t.LowerRuntimeBuiltin(), t.ComputePrimValue(), t.VMShapeLower(),
-                t.AttachGlobalSymbol()]
+        # ieee_division again: scheduling (compute_inline) and tuning records join expressions
+        # across blocks
+        return [ieee_division, *tvm_backend(target).dataflow_lower_passes(target.tvm_target())]
     return passes
+
+
+def _finalize(target: ResolvedTarget) -> Callable[[], list]:
+    return lambda: tvm_backend(target).finalize_passes(target.tvm_target())
 
 
 def _fp32_accumulate() -> list:
@@ -229,7 +233,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
     if target.kind == "llvm" and default_schedules and settings.prepack():
         out.append(Phase("prepack", _prepack(target)))
-    out.append(Phase("legalize", _legalize))
+    out.append(Phase("legalize", _legalize(target)))
     if database is not None:
         def apply() -> list:
             from tvm import relax
@@ -239,7 +243,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if target.is_gpu or (target.kind == "llvm" and default_schedules):
         int8_gemm = any(p.name == "int8-gemm" for p in out)
         out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
-    out += [Phase("lower", _lower), Phase("finalize", _finalize(target.is_gpu))]
+    out += [Phase("lower", _lower(target)), Phase("finalize", _finalize(target))]
     return out
 
 
