@@ -76,12 +76,3 @@ def dpbf16_16x2() -> str:
         TensorIntrin.register(DPBF16_16X2, *_funcs())
     return DPBF16_16X2
 
-
-def has_bf16(target) -> bool:
-    """The target (its mcpu/mattr, not the build machine) has AVX512_BF16."""
-    from tvm.target.codegen import target_has_features
-
-    try:
-        return bool(target_has_features("avx512bf16", target)) and bool(target_has_features("avx512f", target))
-    except Exception:  # not an x86 LLVM target
-        return False
