@@ -103,6 +103,9 @@ class OrtFused(Contender):
         return _OrtRunner(fused, inputs, threads)
 
 
+OPENVINO_PRECISION = {"bf16": "bf16"}  # blockforge's precision -> OpenVINO's hint
+
+
 class _OpenVinoRunner(Runner):
     def __init__(self, model: onnx.ModelProto, inputs: dict, threads: int, precision: str = "f32"):
         import openvino as ov
@@ -136,9 +139,11 @@ class OpenVino(Contender):
 
         return find_spec("openvino") is not None
 
-    def make_runner(self, model, inputs, threads, precision: str = "f32"):
-        """precision: OpenVINO's INFERENCE_PRECISION_HINT ("f32", "bf16")."""
-        return _OpenVinoRunner(model.onnx, inputs, threads, precision)
+    def make_runner(self, model, inputs, threads, precision: str | None = None):
+        """precision: OpenVINO's INFERENCE_PRECISION_HINT ("f32", "bf16"); None: the one
+        matching the session's (`bench --precision bf16`: OpenVINO's bf16)."""
+        return _OpenVinoRunner(model.onnx, inputs, threads,
+                               precision or OPENVINO_PRECISION.get(model.session.precision.name, "f32"))
 
 
 # ---------------------------------------------------------------- blockforge
