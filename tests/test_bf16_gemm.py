@@ -143,6 +143,21 @@ def test_phase_puts_weight_matmuls_on_the_kernel_and_leaves_attention_products_f
     assert specs and all(sp.bias for sp in specs)  # Q, K, V, output projections, bias fused
     fp32, _ = run_phases(s.relax(), s.target, stop_after="optimize")
     assert not gemm.kernel_specs(fp32)
+    # with the fused attention kernel (the default) the projections still go to bf16
+    fused, _ = run_phases(s.relax(), s.target, stop_after="bf16-gemm", precision="bf16", fuse_attention=True)
+    assert len(gemm.kernel_specs(fused)) == len(specs)
+
+
+def test_bench_holds_bf16_builds_to_the_bf16_row(workdir):
+    """At fp32's row (rtol 1e-4) the bf16 build would be refused as `a different computation`."""
+    from blockforge.bench import BenchOptions, bench
+    from blockforge.graph import FFNSpec, export
+
+    _need_bf16_host()
+    model = export(FFNSpec(d_model=64, d_ff=128), workdir / "ffn.onnx").model_path
+    rep = bench(BenchOptions(model=model, against=("ort", "untuned"), repeat=3, dims={"batch": 1, "seq": 16},
+                             precision="bf16"))
+    assert "untuned" in {r.name for r in rep.results}, rep.notes
 
 
 def test_cli_compile_and_verify_bf16(workdir):
