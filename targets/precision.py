@@ -43,6 +43,11 @@ def target_has(target: ResolvedTarget, feature: str) -> bool:
         return False
 
 
+def supported_precisions(target: ResolvedTarget) -> list[str]:
+    """The precisions `target` can compute in (`blockforge targets` lists them)."""
+    return [p.name for p in PRECISIONS.values() if p.feature is None or target_has(target, p.feature)]
+
+
 def resolve_precision(name: str | None, target: ResolvedTarget) -> Precision:
     """The precision for `target`, or one line saying why not."""
     name = DEFAULT if name is None else name

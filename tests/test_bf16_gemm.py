@@ -42,6 +42,10 @@ def test_precision_is_read_from_the_target_not_the_build_machine():
             resolve_precision("bf16", resolve(target))
     with pytest.raises(BlockforgeError, match="unknown precision"):
         resolve_precision("fp8", resolve(ZNVER4))
+    from blockforge.targets import list_targets
+
+    listed = {r["name"]: r["precisions"] for r in list_targets()}
+    assert listed["x86-64-avx512"] == ["fp32"] and listed["cuda-sm90"] == ["fp32"]
 
 
 def test_kernel_assembly_has_vdpbf16ps_inlined():
