@@ -48,6 +48,17 @@ def test_precision_is_read_from_the_target_not_the_build_machine():
     assert listed["x86-64-avx512"] == ["fp32"] and listed["cuda-sm90"] == ["fp32"]
 
 
+def test_phase_only_at_bf16_and_its_ablation():
+    from blockforge.compile.pipeline import phases
+
+    t = resolve(ZNVER4)
+    names = lambda **kw: [p.name for p in phases(t, **kw)]  # noqa: E731
+    assert "bf16-gemm" not in names() and "bf16-gemm" not in names(precision="bf16", without={"bf16-gemm"})
+    at_bf16 = names(precision="bf16")
+    assert at_bf16.index("bf16-gemm") == at_bf16.index("optimize") - 1, at_bf16
+    assert "bf16-gemm" not in names(precision="bf16", default_schedules=False)  # TVM's own lowering: fp32
+
+
 def test_kernel_assembly_has_vdpbf16ps_inlined():
     """Cross-built for znver4 (no bf16 CPU needed): the instruction is in the loop and the
     imported LLVM function is inlined (no call left)."""
