@@ -118,12 +118,14 @@ def test_in_kernel_rounding_is_nearest_even_and_keeps_nan_and_inf():
     a = np.zeros((6, 16), np.float32)
     a[0] = vals
     a[1, 0], a[2, 0], a[3, 0] = np.inf, -np.inf, np.nan
+    a[4, 0], a[5, 0] = 2**-130, -(2**-127)  # denormals: the instruction reads them as 0 (DAZ)
     got, _ = _run(gemm.Bf16GemmSpec(k=16, n=16, m=6), a, np.eye(16, dtype=np.float32), None)
     expected = gemm.from_bf16_bits(gemm.to_bf16_bits(vals))
     # ties to even: 1+2^-8 -> 1, 1+3*2^-8 -> 1+2^-6; above the tie -> up; 3e38 stays finite
     assert expected[0] == 1.0 and expected[1] == 1 + 2**-6 and expected[2] == 1 + 2**-7 and np.isfinite(expected).all()
     np.testing.assert_array_equal(got[0].view(np.uint32), expected.view(np.uint32))
     assert got[1, 0] == np.inf and got[2, 0] == -np.inf and np.isnan(got[3, 0])
+    assert (got[4:] == 0).all() and (gemm.reference(a[4:], np.eye(16, dtype=np.float32)) == 0).all()
     assert np.isnan(gemm.from_bf16_bits(gemm.to_bf16_bits(np.array([np.nan, -np.nan], np.float32)))).all()
 
 
