@@ -103,14 +103,18 @@ class OrtFused(Contender):
         return _OrtRunner(fused, inputs, threads)
 
 
+OPENVINO_PRECISION = {"bf16": "bf16"}  # blockforge's precision -> OpenVINO's hint
+
+
 class _OpenVinoRunner(Runner):
-    def __init__(self, model: onnx.ModelProto, inputs: dict, threads: int):
+    def __init__(self, model: onnx.ModelProto, inputs: dict, threads: int, precision: str = "f32"):
         import openvino as ov
 
         core = ov.Core()
-        # f32: OpenVINO would otherwise pick bf16 on CPUs that have it (not the same math);
+        # f32: OpenVINO would otherwise pick bf16 on CPUs that have it (not the same math;
+        # benchmarks/bf16_gemm.py asks for it against --precision bf16);
         # the latency hint runs one request on one stream, like the other contenders.
-        config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": int(threads),
+        config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": int(threads),
                   "PERFORMANCE_HINT": "LATENCY"}
         self.compiled = core.compile_model(core.read_model(model.SerializeToString()), "CPU", config)
         self.req = self.compiled.create_infer_request()
@@ -135,8 +139,11 @@ class OpenVino(Contender):
 
         return find_spec("openvino") is not None
 
-    def make_runner(self, model, inputs, threads):
-        return _OpenVinoRunner(model.onnx, inputs, threads)
+    def make_runner(self, model, inputs, threads, precision: str | None = None):
+        """precision: OpenVINO's INFERENCE_PRECISION_HINT ("f32", "bf16"); None: the one
+        matching the session's (`bench --precision bf16`: OpenVINO's bf16)."""
+        return _OpenVinoRunner(model.onnx, inputs, threads,
+                               precision or OPENVINO_PRECISION.get(model.session.precision.name, "f32"))
 
 
 # ---------------------------------------------------------------- blockforge

@@ -54,6 +54,7 @@ class BenchOptions:
     tuning_db: Path | None = None
     profile: bool = False
     gemm_n: int = 2048
+    precision: str = "fp32"  # targets.precision: blockforge's builds; OpenVINO gets the matching hint
 
 
 def sgemm_ceiling(n: int = 2048, repeat: int = 5) -> float:
@@ -169,7 +170,7 @@ def _reference(bm: BenchModel, inputs: dict) -> Reference:
     return ref
 
 
-def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None) -> str | None:
+def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None, precision: str = "fp32") -> str | None:
     """Why `runner`'s outputs do not match the reference, or None when every output that
     has a reference does: one wrong output is enough to refuse the contender."""
     outs = runner.outputs()
@@ -179,7 +180,7 @@ def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None) -> st
     for sig, actual in zip(sigs, outs):
         if sig.name not in ref.expected:
             continue
-        tol = output_tolerance(np.asarray(actual).dtype, spec_kind)
+        tol = output_tolerance(np.asarray(actual).dtype, spec_kind, precision)
         c = compare(name, sig.name, actual, ref.expected[sig.name], tol)
         if not c.passed:
             return (f"output {sig.name!r} differs from {ref.source[sig.name]} (max abs err {c.max_abs:.2e}, "
@@ -199,7 +200,8 @@ def bench(opts: BenchOptions) -> BenchReport:
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
     # static: every dim must be bound for a benchmark; a clear error names the missing one.
-    session = open_model(opts.model, target, opts.dims, default_dims=opts.default_dims, static=True)
+    session = open_model(opts.model, target, opts.dims, default_dims=opts.default_dims, static=True,
+                         precision=opts.precision)
     inputs = random_inputs(session.inputs, {}, seed=0)
     flops = matmul_flops(session.prepared, session.dims)  # after prepare: shapes are static
     threads = int(target.target_json.get("num-cores", 1))
@@ -216,7 +218,8 @@ def bench(opts: BenchOptions) -> BenchReport:
                 continue
             try:
                 runner = c.make_runner(bm, inputs, threads)
-                why = _check(name, runner, ref, session.outputs, spec.kind if spec else None)
+                # at bf16 every contender is held to the bf16 row (ORT, in fp32, passes it)
+                why = _check(name, runner, ref, session.outputs, spec.kind if spec else None, opts.precision)
             except Unavailable as e:
                 why = str(e)
             except Exception as e:  # a peer engine that cannot take the model is a note, never an error

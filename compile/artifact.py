@@ -40,6 +40,7 @@ class CompileOptions:
     dump_ir: Path | None = None
     tuning_db: Path | None = None  # None: the device's default database, if any
     use_tuning: bool = True
+    precision: str = "fp32"  # targets.precision: what the GEMMs compute in
     force: bool = False  # replace an existing output that is not a blockforge artifact (fsutil.check_outputs)
 
 
@@ -116,7 +117,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     target = resolve(opts.target)
     if opts.output is None:
         dest = _check_outputs(opts, default_output(Path(opts.model), target))
-    session = open_model(opts.model, target, opts.dims)
+    session = open_model(opts.model, target, opts.dims, precision=opts.precision)
     target, ins, outs = session.target, session.inputs, session.outputs
     manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
@@ -152,6 +153,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
                             and t not in db_info["refused_tasks"]],  # warned about as refused
                 # records judged only on another CPU: left out until `tune --check-only` here
                 "unvalidated": [t for t in res.untuned_tasks if t in db_info["unvalidated"]]},
+            "precision": session.precision.name,  # what the GEMMs compute in (inputs/outputs keep their dtypes)
             "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/prepare.py)
             "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),

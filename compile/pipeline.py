@@ -1,7 +1,7 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
     [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
-    -> [int8-gemm (CPU with AVX-512 VNNI, quantized models)] -> optimize
+    -> [int8-gemm (CPU with AVX-512 VNNI, quantized models)] -> [bf16-gemm (--precision bf16)] -> optimize
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
@@ -38,6 +38,7 @@ ABLATIONS = {
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
+    "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
 }
 
 
@@ -85,6 +86,13 @@ def _int8_gemm() -> list:
     # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would no
     # longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
     return [int8_gemm()]
+
+
+def _bf16_gemm() -> list:
+    from .bf16.rewrite import bf16_gemm
+
+    # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
+    return [bf16_gemm()]
 
 
 def _optimize(without: frozenset[str]) -> Callable[[], list]:
@@ -207,11 +215,13 @@ def has_int8_matmul(mod) -> bool:
 
 
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
-           fuse_attention: bool | None = None, without=frozenset(), int8: bool = False) -> list[Phase]:
+           fuse_attention: bool | None = None, without=frozenset(), int8: bool = False,
+           precision: str = "fp32") -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
     False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
     int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
-    so float models keep their phase list (manifests, dumps) as before."""
+    so float models keep their phase list (manifests, dumps) as before. precision: resolved
+    against the target by targets.precision (bf16: the bf16-gemm phase)."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -227,6 +237,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
     if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
         out.append(Phase("int8-gemm", _int8_gemm))
+    if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
+        out.append(Phase("bf16-gemm", _bf16_gemm))
     out.append(Phase("optimize", _optimize(without)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
@@ -241,7 +253,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
             return [relax.transform.MetaScheduleApplyDatabase(enable_warning=False)]
         out.append(Phase("apply-tuning", apply))
     if target.is_gpu or (target.kind == "llvm" and default_schedules):
-        int8_gemm = any(p.name == "int8-gemm" for p in out)
+        int8_gemm = any(p.name in ("int8-gemm", "bf16-gemm") for p in out)  # their epilogues' chains
         out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
     out += [Phase("lower", _lower(target)), Phase("finalize", _finalize(target))]
     return out
@@ -249,7 +261,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
                stop_after: str | None = None, report: BuildResult | None = None,
-               default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset()):
+               default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset(),
+               precision: str = "fp32"):
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
@@ -262,7 +275,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         atomic_write_text(dump_ir / "00-import.py", mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
-                                         has_int8_matmul(mod)), start=1):
+                                         has_int8_matmul(mod), precision), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -286,10 +299,11 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
     from tvm.s_tir import meta_schedule as ms
 
     from .attention import is_kernel
+    from .bf16 import gemm as bf16_gemm
     from .quant import gemm, minmax
 
     def hand_written(f) -> bool:
-        return is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f)
+        return is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f) or bf16_gemm.is_kernel(f)
 
     return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
             if not hand_written(t.dispatched[0]["main"])]
@@ -310,7 +324,8 @@ def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[st
 
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
-          default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset()) -> BuildResult:
+          default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset(),
+          precision: str = "fp32") -> BuildResult:
     """Relax IRModule -> VM executable for `target` (whether it can build here is the
     caller's check: compile.session.open_model).
 
@@ -322,7 +337,7 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
                                     default_schedules=default_schedules, fuse_attention=fuse_attention,
-                                    without=without)
+                                    without=without, precision=precision)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:

@@ -22,6 +22,7 @@ from blockforge.fsutil import atomic_write_bytes, atomic_write_json
 from blockforge.graph.model_io import TensorSig, resolve_dims, signature, unbound_dims
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
+from blockforge.targets.precision import PRECISIONS, Precision, resolve_precision
 
 from .frontend import bound_signature, import_onnx
 from .isolate import load_untrusted
@@ -42,6 +43,7 @@ class Session:
     prepared: onnx.ModelProto | None = field(default=None, repr=False)  # what TVM imports
     prepare_report: PrepareReport | None = None
     _relax: dict = field(default_factory=dict, repr=False)
+    precision: Precision = PRECISIONS["fp32"]  # resolved against the target (targets.precision)
 
     def relax(self, int8: bool = True):
         """The imported Relax module (weights embedded), imported once. On a target with
@@ -79,7 +81,7 @@ class Session:
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
             res = build(self.relax(int8="int8-gemm" not in without), self.target, database=database, dump_ir=dump_ir,
-                        default_schedules=default_schedules, without=without)
+                        default_schedules=default_schedules, without=without, precision=self.precision.name)
         res.phases.insert(0, "prepare")
         return res
 
@@ -113,10 +115,11 @@ def import_prepared(prepared: onnx.ModelProto, inputs: list[TensorSig]):
 def open_model(model: str | Path, target: str | dict | ResolvedTarget = "host",
                dims: dict | None = None, *, input_shapes: dict | None = None,
                default_dims: dict[str, int] | None = None, static: bool = False,
-               tvm_probe: bool = True) -> Session:
+               tvm_probe: bool = True, precision: str | None = None) -> Session:
     """Resolve the target, check it can be built here, load the model (checked in a child
     process first: `tvm_probe` also prepares and imports it there), bind its dims and
-    prepare it.
+    prepare it. precision: a name from targets.precision (None: fp32), refused here, before
+    the model is read, when the target cannot compute in it.
 
     dims: --shape as parsed (dim names and/or whole input shapes); input_shapes: shapes of
     user-supplied arrays, binding what dims leaves open; default_dims: bound only where the
@@ -125,6 +128,7 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget = "host",
     problem = t.build_problem()
     if problem:
         raise BlockforgeError(f"cannot build for {t.name}: {problem}")
+    prec = resolve_precision(precision, t)
     request = dict(dims=dict(dims or {}), input_shapes=dict(input_shapes or {}),
                    default_dims=dict(default_dims or {}), static=static)
     proto = load_untrusted(model, tvm=tvm_probe, request=request)
@@ -132,4 +136,4 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget = "host",
     ins, outs = bound_signature(proto, bound)
     with native_output_to_log():
         prepared, report = prepare(proto, bound, str(model))
-    return Session(Path(model), proto, bound, t, ins, outs, prepared, report)
+    return Session(Path(model), proto, bound, t, ins, outs, prepared, report, precision=prec)

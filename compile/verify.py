@@ -22,6 +22,7 @@ class VerifyOptions:
     target: str | dict | None = None  # None: ORT vs the oracle only
     tuning_db: Path | None = None  # None: the device's default database, if any
     use_tuning: bool = True
+    precision: str = "fp32"  # the TVM build's (targets.precision); its row of the tolerance table
 
 
 def verify(opts: VerifyOptions) -> ParityReport:
@@ -36,7 +37,7 @@ def verify(opts: VerifyOptions) -> ParityReport:
         from .runtime import run_vm, tvm_device
         from .session import open_model
 
-        session = open_model(opts.model, opts.target, opts.dims, input_shapes=shapes)
+        session = open_model(opts.model, opts.target, opts.dims, input_shapes=shapes, precision=opts.precision)
         model, target = session.model, session.target
         inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         problem = target.run_problem()
@@ -77,6 +78,6 @@ def verify(opts: VerifyOptions) -> ParityReport:
             raise BlockforgeError(f"{opts.model}: ONNX Runtime runs it, but it is not a blockforge model (no spec in "
                                   "its metadata), so there is no oracle to check ONNX Runtime against; give a "
                                   "target to compare TVM with ONNX Runtime")
-    report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort)
+    report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort, precision=opts.precision)
     report.notes[:0] = notes
     return report

@@ -159,11 +159,14 @@ def _custom(t: dict) -> ResolvedTarget:
 
 
 def list_targets() -> list[dict]:
+    from .precision import supported_precisions
+
     rows = []
     for name in PRESETS:
         r = resolve(name)
         bp, rp = r.build_problem(), r.run_problem()
         rows.append({"name": name, "description": PRESETS[name]["description"], "target": r.target_json,
                      "can_build": bp is None, "build_problem": bp,
-                     "can_run": bp is None and rp is None, "run_problem": rp})
+                     "can_run": bp is None and rp is None, "run_problem": rp,
+                     "precisions": supported_precisions(r)})
     return rows

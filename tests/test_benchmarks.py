@@ -119,7 +119,12 @@ def test_int8_gemm(tmp_path):
     assert "no AVX-512 VNNI" in out or ("exact int32 vs numpy: True" in out and out.count("blockforge int8 (after)") == 2), out
 
 
-SMOKED = {"int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+def test_bf16_gemm(tmp_path):
+    out = _run("bf16_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
+    assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and "blockforge bf16:" in out), out
+
+
+SMOKED = {"bf16_gemm.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "peers.py", "run.py", "ship_records.py", "export_models.py"}
 
 

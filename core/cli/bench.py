@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_force, add_shape, check_outputs, dims, path_or_none, write_json
+from .common import add_force, add_precision, add_shape, check_outputs, dims, path_or_none, write_json
 
 
 DEFAULT_SHAPE = "batch=1,seq=128"
@@ -25,6 +25,7 @@ def add(sub) -> None:
     add_shape(p, default_note=f"{DEFAULT_SHAPE} for the dims the model has")
     p.add_argument("--tuning-db", default=None, help="tuning database dir (default: the device's)")
     p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
+    add_precision(p)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG bar chart (ratio to the best peer) here")
     add_force(p)
@@ -48,7 +49,8 @@ def run(a) -> int:
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
                              repeat=a.repeat, dims=dims(a), default_dims=default_dims(a),
-                             tuning_db=path_or_none(a.tuning_db, "--tuning-db"), profile=a.profile))
+                             tuning_db=path_or_none(a.tuning_db, "--tuning-db"), profile=a.profile,
+                             precision=a.precision))
     print(rep.markdown())
     for n in rep.notes:
         print(f"note: {n}")

@@ -50,6 +50,13 @@ def add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tuning", action="store_true", help="ignore tuning records")
 
 
+def add_precision(p: argparse.ArgumentParser) -> None:
+    from blockforge.targets.precision import DEFAULT, PRECISIONS
+
+    p.add_argument("--precision", default=DEFAULT, choices=list(PRECISIONS),
+                   help="what the GEMMs compute in: " + "; ".join(f"{k}: {v.description}" for k, v in PRECISIONS.items()))
+
+
 def add_force(p: argparse.ArgumentParser, extra: str = "") -> None:
     p.add_argument("--force", action="store_true",
                    help=f"replace {extra}an output that is an input of this run or a symbolic link (the link, not "

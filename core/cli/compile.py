@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_force, add_shape, add_tuning, dims, path_or_none
+from .common import add_force, add_precision, add_shape, add_tuning, dims, path_or_none
 
 
 def add(sub) -> None:
@@ -16,6 +16,7 @@ def add(sub) -> None:
     add_force(p, "an existing output that is not a blockforge artifact, or ")
     p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
     add_tuning(p)
+    add_precision(p)
     p.set_defaults(func=run)
 
 
@@ -25,11 +26,11 @@ def run(a) -> int:
     res = compile_model(CompileOptions(
         model=a.model, target=a.target, dims=dims(a), output=a.output,
         dump_ir=a.dump_ir, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
-        force=a.force))
+        precision=a.precision, force=a.force))
     m = res.manifest
     size = (res.artifact / m["module"]).stat().st_size
     print(f"compiled {a.model} for {res.target.name} -> {res.artifact}/ (module.so {size / 2**20:.1f} MiB, "
-          f"phases: {' > '.join(m['phases'])})")
+          f"phases: {' > '.join(m['phases'])}{', precision ' + m['precision'] if m['precision'] != 'fp32' else ''})")
     if m.get("tuning"):
         t = m["tuning"]
         kept = [k for k in t["kept_default"] if k not in t["missing"]]

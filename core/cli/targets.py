@@ -20,7 +20,8 @@ def run(a) -> int:
     if a.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print_table(["preset", "build here", "run here", "target", "why not"],
+    print_table(["preset", "build here", "run here", "precisions", "target", "why not"],
                 [[r["name"], "yes" if r["can_build"] else "no", "yes" if r["can_run"] else "no",
-                  json.dumps(r["target"]), r["build_problem"] or r["run_problem"] or ""] for r in rows])
+                  ",".join(r["precisions"]), json.dumps(r["target"]), r["build_problem"] or r["run_problem"] or ""]
+                 for r in rows])
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_force, add_shape, add_tuning, check_outputs, dims, path_or_none, print_table, write_json
+from .common import add_force, add_precision, add_shape, add_tuning, check_outputs, dims, path_or_none, print_table, write_json
 
 
 def add(sub) -> None:
@@ -13,6 +13,7 @@ def add(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default=None, help="also compile with TVM for this preset or target JSON")
     add_tuning(p)
+    add_precision(p)
     p.add_argument("--json", default=None, help="write the report as JSON here")
     add_force(p)
     p.set_defaults(func=run)
@@ -24,13 +25,14 @@ def run(a) -> int:
     from blockforge.errors import printable
 
     report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs, "--inputs"), dims=dims(a), seed=a.seed,
-                                  target=a.target, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning))
+                                  target=a.target, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
+                                  precision=a.precision))
     for note in report.notes:
         print(f"note: {printable(note, limit=None)}")
     for issue in report.input_issues:
         print(f"warning: {printable(issue, limit=None)}")
     rows = [[c.pair, printable(c.output), f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}",
-             f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
+             f"rel L2 <= {c.tol.rel_l2:g}" if c.tol.rel_l2 is not None else f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
              ("PASS" if c.passed else "FAIL") + (f" ({c.note})" if c.note else "")] for c in report.comparisons]
     print_table(["pair", "output", "max abs err", "max rel err (|expected| >= atol/rtol)", "err/allowed",
                  "tolerance", "result"], rows)

@@ -1,0 +1,147 @@
+"""bf16 on the VDPBF16PS kernel (compile/bf16, `--precision bf16`) against float32 and
+OpenVINO's bf16, interleaved in one process:
+
+1. the bf16 GEMM kernel alone vs numpy's SGEMM and blockforge's fp32 GEMM at the same shape
+   (GFLOP/s; x the SGEMM ceiling, the faster of the two: VDPBF16PS's hardware target is ~2x);
+2. the BERT-base FFN (d_model 768, d_ff 3072, gelu, seq 128): blockforge --precision bf16,
+   blockforge fp32, OpenVINO with the bf16 precision hint and ONNX Runtime (fp32), with each
+   output's relative L2 error against ORT's float32.
+
+Every line carries the load average: on a shared machine the absolute numbers are not
+quotable, the ratios within one run are.
+
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
+
+from blockforge import configure  # noqa: E402
+from blockforge.bench import REGISTRY, measure_interleaved  # noqa: E402
+from blockforge.bench.contenders import BenchModel  # noqa: E402
+from blockforge.compile.session import open_model  # noqa: E402
+from blockforge.graph import FFNSpec, export  # noqa: E402
+from blockforge.graph import ort as ort_runner  # noqa: E402
+from blockforge.graph.model_io import random_inputs  # noqa: E402
+
+FULL = dict(gemm=(128, 768, 3072), ffn=FFNSpec(d_model=768, d_ff=3072, activation="gelu"), seq=128)
+SMOKE = dict(gemm=(16, 64, 128), ffn=FFNSpec(d_model=64, d_ff=128, activation="gelu"), seq=8)
+
+
+def _load() -> str:
+    return "load %.1f/%.1f/%.1f" % os.getloadavg()
+
+
+def _medians(calls: dict, repeat: int) -> dict[str, float]:
+    return {k: float(np.median(v)) for k, v in measure_interleaved(calls, repeat, warmup=2).items()}
+
+
+def _rel_l2(got, ref) -> float:
+    return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def _gemm(shape, repeat: int) -> None:
+    import tvm
+    from tvm import relax
+
+    from blockforge.compile.bf16 import gemm
+    from blockforge.compile.pipeline import build
+    from blockforge.targets import resolve
+
+    m, k, n = shape
+    host = resolve("host")
+    spec = gemm.Bf16GemmSpec(k=k, n=n, m=m)
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=host.tvm_target())
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    args = [tvm.runtime.tensor(a), tvm.runtime.tensor(gemm.pack_weights(w))]
+    out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
+    lib["main"](*args, out)
+    exact = float(np.abs(out.numpy() - gemm.reference(a, w)).max())
+    # blockforge's float32 GEMM (prepacked weights, CPUMatmul) on the same shape
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([m, k], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, relax.const(w)))
+        bb.emit_func_output(y)
+    vm = relax.VirtualMachine(build(bb.get(), host).executable, tvm.cpu())
+    xt = tvm.runtime.tensor(a)
+    med = _medians({"bf16": lambda: lib["main"](*args, out), "sgemm": lambda: a @ w,
+                    "fp32": lambda: vm["main"](xt)}, repeat)
+    rate = {key: 2 * m * n * k / (ms * 1e-3) / 1e9 for key, ms in med.items()}
+    ceiling = max(rate["sgemm"], rate["fp32"])  # the rate float32 reaches here
+    print(f"GEMM {m}x{k}x{n} (max |kernel - bf16 emulation| {exact:.1e}; rel L2 vs fp32 "
+          f"{_rel_l2(out.numpy(), a.astype(np.float64) @ w):.1e}; {_load()}): bf16 kernel {med['bf16']:.3f} ms "
+          f"= {rate['bf16']:.0f} GFLOP/s; numpy SGEMM {med['sgemm']:.3f} ms = {rate['sgemm']:.0f} GFLOP/s; "
+          f"blockforge fp32 GEMM {med['fp32']:.3f} ms = {rate['fp32']:.0f} GFLOP/s; "
+          f"bf16 = {rate['bf16'] / ceiling:.2f}x the SGEMM ceiling in this run (hardware target ~2x)")
+
+
+def _ffn(spec: FFNSpec, seq: int, repeat: int, tmp: Path) -> None:
+    import tvm
+    from tvm import relax
+
+    model = export(spec, tmp / "ffn.onnx").model_path
+    dims = {"batch": 1, "seq": seq}
+    s16, s32 = open_model(model, "host", dims, precision="bf16"), open_model(model, "host", dims)
+    inputs = random_inputs(s32.inputs, dims, seed=0)
+
+    def tvm_call(session):
+        res = session.build()
+        vm = relax.VirtualMachine(res.executable, tvm.cpu())
+        args = [tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]
+        return (lambda: vm["main"](*args)), res
+
+    bf16, res = tvm_call(s16)
+    fp32, _ = tvm_call(s32)
+    ort = ort_runner.session(s32.model, threads=2)
+    ref = np.asarray(next(iter(ort_runner.run(ort, inputs).values())), np.float64)
+    calls = {"blockforge bf16": bf16, "blockforge fp32": fp32, "ORT fp32": lambda: ort.run(None, inputs)}
+    errors = {"blockforge bf16": _rel_l2(bf16().numpy(), ref), "blockforge fp32": _rel_l2(fp32().numpy(), ref)}
+    ov = REGISTRY["openvino"]
+    if ov.available():
+        bm = BenchModel(session=s32, onnx=s32.model, spec=None, dims=dims)
+        calls["OpenVINO bf16"] = ov.make_runner(bm, inputs, 2, precision="bf16")
+        errors["OpenVINO bf16"] = _rel_l2(calls["OpenVINO bf16"].outputs()[0], ref)
+    med = _medians(calls, repeat)
+    print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq} ({_load()}; "
+          f"phases {' > '.join(res.phases)}):")
+    peer = med.get("OpenVINO bf16")
+    for k, ms in med.items():
+        vs = f", {ms / peer:.2f}x OpenVINO bf16" if peer else ""
+        err = f"; rel L2 vs ORT fp32 {errors[k]:.1e}" if k in errors else ""
+        print(f"  {k}: {ms:.3f} ms ({ms / med['blockforge fp32']:.2f}x blockforge fp32{vs}{err})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
+    a = ap.parse_args()
+    configure(redirect_native_output=False)
+    from blockforge.targets import resolve
+    from blockforge.targets.precision import target_has
+    from blockforge.targets.toolchain import cpu_model
+
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical cores; shared machine: read ratios, not digits")
+    if not target_has(resolve("host"), "avx512bf16"):
+        print("this CPU has no AVX512_BF16: the bf16 kernel cannot run here; nothing to measure")
+        return 0
+    cfg = SMOKE if a.smoke else FULL
+    _gemm(cfg["gemm"], a.repeat)
+    _ffn(cfg["ffn"], cfg["seq"], a.repeat, Path(tempfile.mkdtemp()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""The AVX512_BF16 dot-product tensor intrinsic (VDPBF16PS), which TVM does not ship.
+
+Semantics: C[i] += A[0] B[i, 0] + A[1] B[i, 1], i < 16: 16 float32 lanes, each += a pair of
+bf16 products (exact in float32) -- 32 multiply-adds per instruction, twice VFMADD's 16.
+
+TVM cannot express the call directly: llvm.x86.avx512bf16.dpbf16ps.512 takes <32 x bfloat>
+(LLVM 22), and any bfloat16 value in TIR is rewritten to float32 by BF16ComputeLegalize
+(the call then fails LLVM's verifier), while a bfloat16x32 that skips the legalizer crashes
+TVM's LLVM codegen. So bf16 values travel through TIR as their bits (uint16 storage, int32
+lanes holding bf16 pairs) and the call goes to a 3-line LLVM IR function that bitcasts them,
+linked into the module by the `pragma_import_llvm` attribute (TVM's codegen links it, LLVM
+inlines it: the kernel's loop holds the bare instruction; tests/test_bf16_gemm.py checks the
+assembly).
+"""
+
+from __future__ import annotations
+
+DPBF16_16X2 = "blockforge_dpbf16ps_16x2"
+LLVM_FUNC = "blockforge_dpbf16ps"
+# Linked once per kernel (linkonce_odr: the copies of several kernels merge).
+LLVM_IR = f"""
+define linkonce_odr <16 x float> @{LLVM_FUNC}(<16 x float> %c, <16 x i32> %a, <16 x i32> %b) #0 {{
+  %av = bitcast <16 x i32> %a to <32 x bfloat>
+  %bv = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %c, <32 x bfloat> %av, <32 x bfloat> %bv)
+  ret <16 x float> %r
+}}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+attributes #0 = {{ alwaysinline nounwind readnone }}
+"""
+IMPORT_PRAGMA = "pragma_import_llvm"
+
+
+def widen(x):
+    """bf16 bits (uint16) -> the float32 they stand for: the same expression in the kernel's
+    compute and the intrinsic's description, so tensorize matches them."""
+    from tvm import tirx
+
+    return tirx.reinterpret("float32", tirx.shift_left(x.astype("uint32"), tirx.const(16, "uint32")))
+
+
+def _funcs():
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((2,), "uint16", offset_factor=1), B: T.Buffer((16, 2), "uint16", offset_factor=1),
+             C: T.Buffer((16,), "float32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:2], B[0:16, 0:2])
+            T.writes(C[0:16])
+            for i in T.serial(0, 16):
+                for k in T.serial(0, 2):
+                    with T.sblock("update"):
+                        vi, vk = T.axis.remap("SR", [i, k])
+                        C[vi] = C[vi] + widen(A[vk]) * widen(B[vi, vk])
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((2,), "uint16", offset_factor=1), B: T.Buffer((16, 2), "uint16", offset_factor=1),
+             C: T.Buffer((16,), "float32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:2], B[0:16, 0:2])
+            T.writes(C[0:16])
+            a2 = T.reinterpret(A.vload([0], "uint16x2"), dtype="int32")  # the pair, broadcast
+            b32 = T.reinterpret(B.vload([0, 0], dtype="uint16x32"), dtype="int32x16")
+            C[T.ramp(T.int32(0), 1, 16)] = T.call_pure_extern(
+                "float32x16", LLVM_FUNC, C.vload([0], dtype="float32x16"), T.broadcast(a2, 16), b32)
+
+    return desc, impl
+
+
+def dpbf16_16x2() -> str:
+    """Registers the intrinsic on first call (TVM's registry is process-global); its name."""
+    from tvm.s_tir import TensorIntrin
+
+    if TensorIntrin.get(DPBF16_16X2, allow_missing=True) is None:
+        TensorIntrin.register(DPBF16_16X2, *_funcs())
+    return DPBF16_16X2
+
