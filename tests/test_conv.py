@@ -153,7 +153,7 @@ def test_im2col_schedule_parallel_panels_vectorised_rows():
     x = te.placeholder((1, 16, 200), "float32", name="x")
     func = te.create_prim_func([x, im2col(x, CS, 64)])
     kinds = [(lp.kind, int(lp.extent)) for lp in _loops(_scheduled(CPUIm2col(), func))]
-    assert (tirx.ForKind.PARALLEL, 4) in kinds  # batch x group x 4 panels, fused
+    assert (tirx.ForKind.PARALLEL, 4 * CS.kg) in kinds  # batch x group x 4 panels x k, fused
     assert (tirx.ForKind.VECTORIZED, 16) in kinds
 
 

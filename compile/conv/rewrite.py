@@ -82,7 +82,8 @@ def im2col(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
         j = jb * nr + jr
         pos, rest = [], j
         for i in reversed(range(d)):  # output coordinates, last dim fastest
-            pos.insert(0, rest % cs.out[i])
+            # (the first one needs no modulo: j < L is guarded below; 1-D then indexes by j itself)
+            pos.insert(0, rest % cs.out[i] if i else rest)
             rest = rest // cs.out[i]
         taps, rest = [], k
         for i in reversed(range(d)):  # k = (c, kh, kw), kw fastest: the weight's OIHW order

@@ -1,8 +1,8 @@
 """The schedule of the conv-gemm im2col (rewrite.py): the GEMM itself is CPUMatmul's.
 
-TVM's default lowering runs the gather as one serial scalar loop nest. Here the column
-panels (batch x group x panel) are the parallel loop and each panel row of NR positions is
-vectorised (lanes wide): for stride 1 its taps are consecutive inputs.
+TVM's default lowering runs the gather as one serial scalar loop nest. Here the panel rows
+(batch x group x panel x k) are the parallel loop and each row of NR positions is vectorised
+(lanes wide). It is a gather even for stride 1: the clamped, guarded index is no ramp to TVM.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ class CPUIm2col(CPURule):
         n, g, jb, k, jr = sch.get_loops(blocks[0])
         lanes = vector_lanes(target)
         nr = int(sch.get(jr).extent)
-        sch.parallel(sch.fuse(n, g, jb))
+        # k in the parallel loop too: the deep Wav2Vec2 layers have one panel (L=49), and TVM
+        # splits a parallel loop into one contiguous range per thread (contiguous writes still).
+        sch.parallel(sch.fuse(n, g, jb, k))
         if nr % lanes == 0:
             _, ji = sch.split(jr, [None, lanes])
             sch.vectorize(ji)
