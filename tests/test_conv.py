@@ -107,6 +107,18 @@ def test_convs_the_rewrite_declines_keep_their_numbers(opts):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_conv_whose_columns_would_not_fit_stays_direct():
+    """1x64x2048x2048, k7: 48 GiB of im2col workspace (the weight is 800 KB). Only the phases up
+    to conv-gemm run: no input is allocated."""
+    rng = np.random.default_rng(0)
+    w = nh.from_array((rng.standard_normal((64, 64, 7, 7)) * 0.01).astype(np.float32), "w")
+    g = oh.make_graph([oh.make_node("Conv", ["x", "w"], ["y"], pads=[3, 3, 3, 3])], "big",
+                      [oh.make_tensor_value_info("x", 1, [1, 64, 2048, 2048])],
+                      [oh.make_tensor_value_info("y", 1, [1, 64, 2048, 2048])], [w])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    assert _convs_left(model) == 1
+
+
 def test_conv_gemm_ablation_keeps_the_conv():
     model, _, _ = _conv_model((1, 4, 16), (6, 4, 3), pads=[1, 1])
     mod, names = run_phases(import_onnx(model), resolve("host"), stop_after="legalize", without={"conv-gemm"})

@@ -36,6 +36,10 @@ CROP_BLOCK = "conv_crop"
 # Whisper's k=3 convs (stride 1 / 2, 80->512 / 512->512, 3000 frames): 1282 vs 49, 4320 vs 112.
 # So depthwise-like convs (Og < 4) keep TVM's direct schedule; the rest become GEMMs.
 MIN_GROUP_ROWS = 4
+# The columns are a workspace of K*L floats per batch item and group (Whisper's conv2: 9 MiB,
+# Wav2Vec2's positional conv: 25 MiB); a big image conv would need many GiB (1x64x2048x2048, k7:
+# 48 GiB) where TVM's direct conv needs none: beyond this, the conv stays direct.
+MAX_COLS_BYTES = 256 << 20
 OUT_EWISE_FUSABLE = 4  # relax's OpPatternKind kOutEWiseFusable (a matmul's)
 _LAYOUTS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
@@ -68,6 +72,9 @@ class ConvShape:
     def valid(self) -> bool:
         return self.groups >= 1 and self.c == self.cg * self.groups and self.o % self.groups == 0 \
             and all(v >= 1 for v in self.out) and all(p >= 0 for p in self.pad_begin + self.pad_end)
+
+    def cols_bytes(self, nr: int) -> int:
+        return 4 * self.n * self.groups * self.kg * -(-self.length // nr) * nr
 
     def flops(self) -> int:
         return 2 * self.n * self.o * self.kg * self.length
@@ -121,7 +128,7 @@ def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape) -> te.Tensor:
     return te.compute((cs.n, cs.o, cs.length), lambda n, o, j: y[n, o, j], name=CROP_BLOCK)
 
 
-def _geometry(call) -> ConvShape | None:
+def _geometry(call, nr: int) -> ConvShape | None:
     """The convolution's shape when this rewrite applies: float32, constant weight, static
     shapes, canonical layouts."""
     x, w = call.args
@@ -139,7 +146,9 @@ def _geometry(call) -> ConvShape | None:
         return None
     cs = ConvShape(xs, wt.shape, [int(v) for v in a.strides], [int(v) for v in a.padding],
                    [int(v) for v in a.dilation], int(a.groups))
-    return cs if cs.valid() and cs.og >= MIN_GROUP_ROWS else None
+    if not cs.valid() or cs.og < MIN_GROUP_ROWS or cs.cols_bytes(nr) > MAX_COLS_BYTES:
+        return None
+    return cs
 
 
 @mutator
@@ -152,7 +161,7 @@ class _ConvGemm(PyExprMutator):
         call = super().visit_call_(call)
         if getattr(call.op, "name", None) not in _LAYOUTS:
             return call
-        cs = _geometry(call)
+        cs = _geometry(call, self.nr)
         if cs is None:
             return call
         x, w = call.args
