@@ -39,9 +39,19 @@ FULL_SIZE = dict(hidden=768, heads=12, layers=12, ff=3072, vocab=30522, position
 SWIN = {"tiny": dict(image=32, patch=4, embed=16, depths=[2, 2], heads=[2, 4], window=4, mlp_ratio=2.0),
         "full": dict(image=224, patch=4, embed=96, depths=[2, 2, 6, 2], heads=[3, 6, 12, 24], window=7,
                      mlp_ratio=4.0)}
+# Audio (the conv front ends, compile/conv): Whisper's encoder (two k=3 convs, the second
+# stride 2, on num_mel_bins x 2*max_source_positions frames; batch dynamic only) and Wav2Vec2
+# (a strided conv feature extractor with GroupNorm after the first, a grouped positional conv;
+# batch and samples dynamic). Tiny: 8 mel bins x 32 frames; 400 samples through kernels
+# (10, 3, 2) strides (5, 2, 2) -> 19 frames. Full: Whisper-base's encoder, Wav2Vec2-base.
+AUDIO = {"tiny": dict(mel=8, frames=32, samples=400, conv_dim=(16, 16, 16), conv_kernel=(10, 3, 2),
+                      conv_stride=(5, 2, 2), pos_kernel=8, pos_groups=2),
+         "full": dict(mel=80, frames=3000, samples=16000, conv_dim=(512,) * 7, conv_kernel=(10, 3, 3, 3, 3, 2, 2),
+                      conv_stride=(5, 2, 2, 2, 2, 2, 2), pos_kernel=128, pos_groups=16)}
+AUDIO_MODELS = ("whisper", "wav2vec2")
 FULL_LAYERS = {"distilbert": 6}
 FULL_VOCAB = {"gpt2": 50257, "roberta": 50265}
-MODELS = ("bert", "distilbert", "roberta", "gpt2", "vit", "swin")
+MODELS = ("bert", "distilbert", "roberta", "gpt2", "vit", "swin", "whisper", "wav2vec2")
 IMAGE_MODELS = ("vit", "swin")
 EXPORTERS = ("dynamo", "legacy")
 OPSETS = (17, 18)
@@ -76,6 +86,22 @@ def make_model(kind: str, s: dict):
         cfg = tf.ViTConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                            intermediate_size=s["ff"], image_size=s["image"], patch_size=s["patch"], **common)
         model = tf.ViTModel(cfg, add_pooling_layer=False)
+    elif kind == "whisper":
+        a = s["audio"]
+        cfg = tf.WhisperConfig(d_model=s["hidden"], encoder_layers=s["layers"], encoder_attention_heads=s["heads"],
+                               encoder_ffn_dim=s["ff"], decoder_layers=1, decoder_attention_heads=s["heads"],
+                               decoder_ffn_dim=s["ff"], num_mel_bins=a["mel"], max_source_positions=a["frames"] // 2,
+                               vocab_size=s["vocab"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               decoder_start_token_id=1, **common)
+        model = tf.models.whisper.modeling_whisper.WhisperEncoder(cfg)  # the encoder alone: no decoder weights
+    elif kind == "wav2vec2":
+        a = s["audio"]
+        cfg = tf.Wav2Vec2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                                intermediate_size=s["ff"], conv_dim=a["conv_dim"], conv_kernel=a["conv_kernel"],
+                                conv_stride=a["conv_stride"], num_conv_pos_embeddings=a["pos_kernel"],
+                                num_conv_pos_embedding_groups=a["pos_groups"], feat_extract_norm="group",
+                                do_stable_layer_norm=False, mask_time_prob=0.0, **common)
+        model = tf.Wav2Vec2Model(cfg)
     elif kind == "swin":
         w = s["swin"]
         cfg = tf.SwinConfig(image_size=w["image"], patch_size=w["patch"], embed_dim=w["embed"], depths=w["depths"],
@@ -85,6 +111,10 @@ def make_model(kind: str, s: dict):
     else:
         raise ValueError(kind)
     model.eval()
+    if kind == "whisper":
+        return model, {"input_features": torch.randn(2, s["audio"]["mel"], s["audio"]["frames"])}
+    if kind == "wav2vec2":
+        return model, {"input_values": torch.randn(2, s["audio"]["samples"])}
     if kind in IMAGE_MODELS:
         image = s["swin"]["image"] if kind == "swin" else s["image"]
         return model, {"pixel_values": torch.randn(2, 3, image, image)}
@@ -127,15 +157,18 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "legacy":
-            axes = {n: ({0: "batch"} if n == "pixel_values" else {0: "batch", 1: "seq"}) for n in names}
-            axes["last_hidden_state"] = {0: "batch"} if kind in IMAGE_MODELS else {0: "batch", 1: "seq"}
+            batch_only = kind in IMAGE_MODELS or kind == "whisper"  # Whisper: frames fixed by its positions
+            axes = {n: ({0: "batch"} if batch_only else {0: "batch", 1: "seq"}) for n in names}
+            axes["last_hidden_state"] = {0: "batch"} if batch_only else {0: "batch", 1: "seq"}
+            if kind == "wav2vec2":  # samples in, frames out: two different lengths
+                axes = {"input_values": {0: "batch", 1: "samples"}, "last_hidden_state": {0: "batch", 1: "frames"}}
             torch.onnx.export(wrapped, args, str(path), input_names=names, output_names=["last_hidden_state"],
                               dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True)
         else:
             # Dim.DYNAMIC, as most users write it: torch names the dims itself (s33, s50, ...),
             # which is what binding by whole input shapes (--shape input_ids=1x128) is for.
             dyn = torch.export.Dim.DYNAMIC
-            shapes = tuple({0: dyn} if n == "pixel_values" else {0: dyn, 1: dyn} for n in names)
+            shapes = tuple({0: dyn} if n in ("pixel_values", "input_features") else {0: dyn, 1: dyn} for n in names)
             prog = torch.onnx.export(wrapped, args, input_names=names, output_names=["last_hidden_state"],
                                      dynamic_shapes=(shapes,), opset_version=opset, dynamo=True, optimize=True,
                                      verify=False, external_data=False)
@@ -170,7 +203,9 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
                                       for d in i.type.tensor_type.shape.dim]} for i in m.graph.input]
     return {"file": path.name, "model": kind, "exporter": exporter, "opset": opset, "ir_version": m.ir_version,
             "inputs": sig, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "config": dict(size["swin"]) if kind == "swin" else {k: size[k] for k in ("hidden", "heads", "layers", "ff")}}
+            "config": dict(size["swin"]) if kind == "swin" else
+            {**{k: size[k] for k in ("hidden", "heads", "layers", "ff")},
+             **({"audio": dict(size["audio"])} if kind in AUDIO_MODELS else {})}}
 
 
 def main(argv=None) -> int:
@@ -183,7 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     tiny = a.what == "tiny"
-    size = dict(TINY if tiny else FULL_SIZE, swin=SWIN[a.what])
+    size = dict(TINY if tiny else FULL_SIZE, swin=SWIN[a.what], audio=AUDIO[a.what])
     if a.layers:
         size["layers"] = a.layers
     out = Path(a.out) if a.out else (FIXTURES if tiny else FULL)

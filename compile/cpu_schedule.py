@@ -143,10 +143,20 @@ def _collapse_epilogue(sch, epilogue, rule: str, func) -> None:
             _why(rule, func, f"epilogue {sch.get(b).name_hint} not inlined", e)
 
 
-def _fold_into_writeback(sch, epilogue, rule: str, func) -> None:
-    """Fold what is left of the epilogue into the accumulator's write-back (after cache_write)."""
+def _is_crop(sch, b, mm) -> bool:
+    """An epilogue block over fewer output positions than the matmul computes (conv/rewrite.py's
+    GEMM runs whole panels, then keeps the first L columns)."""
+    ext = [_const(iv.dom.extent) for iv in sch.get(b).iter_vars]
+    mm_ext = [_const(iv.dom.extent) for iv in sch.get(mm).iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+    return len(ext) == len(mm_ext) and ext != mm_ext
+
+
+def _fold_into_writeback(sch, epilogue, rule: str, func, mm=None) -> None:
+    """Fold what is left of the epilogue into the accumulator's write-back (after cache_write).
+    Not a crop: TVM 0.27's reverse_compute_inline of a block over a smaller domain writes the
+    whole tile, past the crop's end (row 1 of a (66, 200) conv output overwritten by row 0's tail)."""
     for b in epilogue:
-        if _alive(sch, b):
+        if _alive(sch, b) and not (mm is not None and _is_crop(sch, b, mm)):
             try:
                 sch.reverse_compute_inline(b)
             except Exception as e:
@@ -221,12 +231,16 @@ class CPUMatmul(CPURule):
         epilogue = list(blocks[idx + 1:])
         _collapse_epilogue(sch, epilogue, "CPUMatmul", func)
         acc = sch.cache_write(mm, 0, "local")
-        _fold_into_writeback(sch, epilogue, "CPUMatmul", func)
+        _fold_into_writeback(sch, epilogue, "CPUMatmul", func, mm)
         sch.reverse_compute_at(acc, outer[-1], preserve_unit_loops=True)
+        for b in epilogue:
+            if _alive(sch, b) and _is_crop(sch, b, mm):
+                # In the tile, after its write-back: the crop's own bounds guard the tail panel.
+                sch.reverse_compute_at(b, outer[-1], preserve_unit_loops=True)
         # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
         # as separate loops after the matmul: parallel over rows, vectorised along j.
         for b in blocks[idx + 1:]:
-            if _alive(sch, b):
+            if _alive(sch, b) and not _is_crop(sch, b, mm):
                 _schedule_elementwise(sch, b, vector_lanes(target))
         # Vectorize and parallelize while the update is still a complete reduction block.
         sch.vectorize(ji)
@@ -250,8 +264,8 @@ def _packed_nr(block) -> int | None:
 
     if not block.name_hint.startswith(PACKED_BLOCK) or len(block.reads) != 2:
         return None
-    w = block.reads[1].source
-    return _const(w.shape[-1]) if len(w.shape) == 3 else None
+    w = block.reads[1].source  # (N/NR, K, NR); conv/rewrite.py's im2col: (batch, group, L/NR, K, NR)
+    return _const(w.shape[-1]) if len(w.shape) >= 3 else None
 
 
 def panel_width(target: Target) -> int:

@@ -2,6 +2,7 @@
 
     [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
     -> [int8-gemm (CPU with AVX-512 VNNI, quantized models)] -> [bf16-gemm (--precision bf16)] -> optimize
+    -> [conv-gemm (CPU, convolutions)]
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
@@ -35,6 +36,7 @@ ABLATIONS = {
     "fuse-attention": "the fused CPU attention kernel (phase fuse-attention)",
     "fp32-compute": "CPU float16 models computed in float32 (left out: float16 storage, float32 sums)",
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
+    "conv-gemm": "conv1d/conv2d as im2col + packed GEMM with fused epilogue (phase conv-gemm, compile/conv)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
@@ -61,6 +63,16 @@ def _prepack(target: ResolvedTarget) -> Callable[[], list]:
         from .prepack import prepack_pass
 
         return [prepack_pass(panel_width(target.tvm_target()))]
+    return passes
+
+
+def _conv_gemm(target: ResolvedTarget) -> Callable[[], list]:
+    def passes() -> list:
+        from .conv.rewrite import conv_gemm_pass
+        from .cpu_schedule import panel_width
+
+        # After optimize: fast_math's patch-conv rewrite has taken the stride == kernel convs.
+        return [conv_gemm_pass(panel_width(target.tvm_target()))]
     return passes
 
 
@@ -141,8 +153,10 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
     from .cpu_schedule import CPUElementwise, CPUMatmulRaggedN, default_cpu_rules
 
+    from .conv.schedule import CPUIm2col
+
     rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
-    return rules + ([CPUElementwise()] if int8 else [])
+    return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
 
 
 def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Callable[[], list]:
@@ -197,15 +211,14 @@ def has_fp16(mod) -> bool:
     return False
 
 
-def has_int8_matmul(mod) -> bool:
-    """A matmul computed in int32 (TVM's import of MatMulInteger): a quantized model."""
+def _has_call(mod, pred) -> bool:
+    """Whether any call in the module's Relax functions satisfies pred."""
     from tvm import relax
 
     found = []
 
     def visit(e):
-        if isinstance(e, relax.Call) and getattr(e.op, "name", None) == "relax.matmul" and \
-                str(getattr(e.ty, "dtype", "")) == "int32":
+        if isinstance(e, relax.Call) and pred(e):
             found.append(e)
 
     for func in mod.functions.values():
@@ -214,14 +227,26 @@ def has_int8_matmul(mod) -> bool:
     return bool(found)
 
 
+def has_int8_matmul(mod) -> bool:
+    """A matmul computed in int32 (TVM's import of MatMulInteger): a quantized model."""
+    return _has_call(mod, lambda e: getattr(e.op, "name", None) == "relax.matmul"
+                     and str(getattr(e.ty, "dtype", "")) == "int32")
+
+
+def has_conv(mod) -> bool:
+    """A conv1d/conv2d (the conv-gemm phase's work)."""
+    return _has_call(mod, lambda e: getattr(e.op, "name", None) in ("relax.nn.conv1d", "relax.nn.conv2d"))
+
+
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
            fuse_attention: bool | None = None, without=frozenset(), int8: bool = False,
-           precision: str = "fp32") -> list[Phase]:
+           precision: str = "fp32", conv: bool = False) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
     False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
     int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
     so float models keep their phase list (manifests, dumps) as before. precision: resolved
-    against the target by targets.precision (bf16: the bf16-gemm phase)."""
+    against the target by targets.precision (bf16: the bf16-gemm phase). conv: the module has
+    conv1d/conv2d ops (has_conv): only then the conv-gemm phase, for the same reason."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -240,6 +265,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm))
     out.append(Phase("optimize", _optimize(without)))
+    if cpu and default_schedules and "conv-gemm" not in without and conv:
+        out.append(Phase("conv-gemm", _conv_gemm(target)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
@@ -275,7 +302,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         atomic_write_text(dump_ir / "00-import.py", mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
-                                         has_int8_matmul(mod), precision), start=1):
+                                         has_int8_matmul(mod), precision, has_conv(mod)), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)

@@ -68,6 +68,13 @@ def test_fp16_cpu(tmp_path):
     assert "tiny_ffn_fp16 seq 8" in out and "same positions" in out, out
 
 
+def test_conv(tmp_path):
+    out = _run("conv.py", "--smoke", "--json", tmp_path / "c.json", cwd=tmp_path)
+    for case in ("whisper_front", "wav2vec2_fe", "wav2vec2_pos"):
+        assert f"| {case} | untuned |" in out, out
+    assert (tmp_path / "c.json").is_file()
+
+
 def test_patch_conv(tmp_path):
     assert "ms per call" in _run("patch_conv.py", cwd=tmp_path)
 
@@ -124,7 +131,7 @@ def test_bf16_gemm(tmp_path):
     assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and "blockforge bf16:" in out), out
 
 
-SMOKED = {"bf16_gemm.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+SMOKED = {"bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "peers.py", "run.py", "ship_records.py", "export_models.py"}
 
 

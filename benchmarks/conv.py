@@ -1,0 +1,122 @@
+"""Convolution front ends: blockforge (conv-gemm, compile/conv) against ORT and OpenVINO f32.
+
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/conv.py [--repeat 10] [--json out.json]
+
+Cases (fp32, batch 1, random weights, the shapes of the real models):
+  whisper_front   Whisper-base's conv front end: 80 mel x 3000 frames -> Conv k3 (512) + GELU
+                  -> Conv k3 stride 2 (512) + GELU: (1, 512, 1500)
+  wav2vec2_fe     Wav2Vec2-base's feature extractor on 16000 samples: Conv k10 s5 (512, no bias)
+                  -> GroupNorm(512 groups; as InstanceNormalization) -> GELU, then Conv k3 s2 x4 and
+                  k2 s2 x2 (512, no bias) each with GELU: (1, 512, 49)
+  wav2vec2_pos    its positional conv: (1, 768, 49) -> Conv k128, pad 64, groups 16 (768) + GELU
+Each case is one `blockforge bench` run: the contenders interleaved in this process, outputs
+checked against ORT before timing. The table gives median ms, GFLOP/s (the convs' 2 x MACs)
+and the ratio to OpenVINO from the same samples, with the 1-minute load average: on a shared
+machine only those ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+
+import blockforge
+from blockforge.bench import BenchOptions, bench
+from blockforge.fsutil import atomic_write_json
+
+
+class _Graph:
+    """A chain of Conv (+ norm) + Gelu nodes on one input, random weights (seeded)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...]):
+        self.name, self.shape = name, shape
+        self.nodes, self.inits, self.cur, self.rng = [], [], "x", np.random.default_rng(0)
+
+    def _const(self, stem: str, a: np.ndarray) -> str:
+        n = f"{stem}{len(self.inits)}"
+        self.inits.append(nh.from_array(a.astype(np.float32), n))
+        return n
+
+    def _then(self, op: str, inputs: list[str], **attrs) -> None:
+        out = f"t{len(self.nodes)}"
+        self.nodes.append(oh.make_node(op, [self.cur, *inputs], [out], **attrs))
+        self.cur = out
+
+    def conv(self, cin: int, cout: int, k: int, *, stride=1, pad=0, groups=1, bias=True) -> "_Graph":
+        w = self.rng.standard_normal((cout, cin // groups, k)) / np.sqrt(cin // groups * k)
+        ins = [self._const("w", w)] + ([self._const("b", self.rng.standard_normal(cout) * 0.1)] if bias else [])
+        self._then("Conv", ins, strides=[stride], pads=[pad, pad], group=groups)
+        return self
+
+    def instance_norm(self, c: int) -> "_Graph":
+        self._then("InstanceNormalization", [self._const("g", np.ones(c)), self._const("beta", np.zeros(c))],
+                   epsilon=1e-5)
+        return self
+
+    def gelu(self) -> "_Graph":
+        self._then("Gelu", [])
+        return self
+
+    def save(self, d: Path) -> Path:
+        g = oh.make_graph(self.nodes, self.name, [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, self.shape)],
+                          [oh.make_tensor_value_info(self.cur, onnx.TensorProto.FLOAT, None)], self.inits)
+        m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+        out = onnx.shape_inference.infer_shapes(m).graph.output[0]  # the checker wants its shape
+        m.graph.output[0].CopyFrom(out)
+        path = d / f"{self.name}.onnx"
+        onnx.save(m, path)
+        return path
+
+
+def cases(smoke: bool) -> list[_Graph]:
+    mel, frames, c, samples, hid, k_pos = (80, 3000, 512, 16000, 768, 128) if not smoke else (8, 64, 16, 800, 32, 8)
+    whisper = _Graph("whisper_front", (1, mel, frames)).conv(mel, c, 3, pad=1).gelu().conv(c, c, 3, stride=2, pad=1).gelu()
+    w2v = _Graph("wav2vec2_fe", (1, 1, samples)).conv(1, c, 10, stride=5, bias=False).instance_norm(c).gelu()
+    for k in (3, 3, 3, 3, 2, 2):
+        w2v.conv(c, c, k, stride=2, bias=False).gelu()
+    pos = _Graph("wav2vec2_pos", (1, hid, 49 if not smoke else 12)).conv(hid, hid, k_pos, pad=k_pos // 2, groups=16).gelu()
+    return [whisper, w2v, pos]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--against", default="ort,openvino,untuned")
+    ap.add_argument("--json", type=Path, default=None, help="also write the reports here")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, 3 samples: proves the script runs (tests/test_benchmarks.py)")
+    a = ap.parse_args()
+    blockforge.configure()  # TVM's pool = physical cores, as the CLI sets it
+    repeat = 3 if a.smoke else a.repeat
+    rows, reports = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for g in cases(a.smoke):
+            r = bench(BenchOptions(model=g.save(Path(tmp)), against=tuple(a.against.split(",")), repeat=repeat,
+                                   warmup=1, gemm_n=256 if a.smoke else 2048))
+            reports[g.name] = r.to_dict()
+            by = {x.name: x for x in r.results}
+            ov = by.get("openvino")
+            for x in r.results:
+                gf = r.flops / (x.median_ms * 1e6) if x.median_ms else 0.0
+                vs = f"{x.median_ms / ov.median_ms:.2f}x" if ov else "-"
+                rows.append(f"| {g.name} | {x.name} | {x.median_ms:.2f} | {gf:.1f} | {vs} |")
+            for note in r.notes:
+                print(f"note ({g.name}): {note}", file=sys.stderr)
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) {load:.2f}; {r.threads} threads")
+    print("| case | contender | ms | GFLOP/s | vs openvino |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+    if a.json:
+        atomic_write_json(a.json, {"load_avg_1m": load, "rows": rows, "reports": reports})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The schedule of the conv-gemm im2col (rewrite.py): the GEMM itself is CPUMatmul's.
+
+TVM's default lowering runs the gather as one serial scalar loop nest. Here the panel rows
+(batch x group x panel x k) are the parallel loop and each row of NR positions is vectorised
+(lanes wide). It is a gather even for stride 1: the clamped, guarded index is no ramp to TVM.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from ..cpu_schedule import CPURule, vector_lanes
+from .rewrite import IM2COL_BLOCK
+
+
+class CPUIm2col(CPURule):
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        try:
+            blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
+        except Exception:
+            return None
+        if len(blocks) != 1 or sch.get(blocks[0]).name_hint != IM2COL_BLOCK:
+            return None
+        n, g, jb, k, jr = sch.get_loops(blocks[0])
+        lanes = vector_lanes(target)
+        nr = int(sch.get(jr).extent)
+        # k in the parallel loop too: the deep Wav2Vec2 layers have one panel (L=49), and TVM
+        # splits a parallel loop into one contiguous range per thread (contiguous writes still).
+        sch.parallel(sch.fuse(n, g, jb, k))
+        if nr % lanes == 0:
+            _, ji = sch.split(jr, [None, lanes])
+            sch.vectorize(ji)
+        return sch

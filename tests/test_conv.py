@@ -1,0 +1,184 @@
+"""Convolutions through the conv-gemm phase (compile/conv): numbers against ONNX Runtime over a
+table of configurations, the rewrite's coverage, and the schedules' structure under a fixed
+target (as tests/test_schedule_ir.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+ort = pytest.importorskip("onnxruntime")
+import onnx  # noqa: E402
+import tvm_ffi  # noqa: E402
+from onnx import helper as oh  # noqa: E402
+from onnx import numpy_helper as nh  # noqa: E402
+from tvm import te, tirx  # noqa: E402
+
+from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, im2col  # noqa: E402
+from blockforge.compile.conv.schedule import CPUIm2col  # noqa: E402
+from blockforge.compile.cpu_schedule import CPUMatmul  # noqa: E402
+from blockforge.compile.frontend import import_onnx  # noqa: E402
+from blockforge.compile.onnx_backend import BlockforgeBackend  # noqa: E402
+from blockforge.compile.pipeline import run_phases  # noqa: E402
+from blockforge.targets import resolve  # noqa: E402
+
+AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+
+
+def _conv_model(x_shape, w_shape, *, bias=True, act=None, weight_input=False, dynamic=False, **attrs):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(w_shape) * 0.2).astype(np.float32)
+    inits, ins = [], ["x", "w"]
+    x_dims = list(x_shape)
+    if dynamic:
+        x_dims[-1] = "L"
+    graph_in = [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x_dims)]
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
+    if weight_input:
+        graph_in.append(oh.make_tensor_value_info("w", onnx.TensorProto.FLOAT, list(w_shape)))
+        feeds["w"] = w
+    else:
+        inits.append(nh.from_array(w, "w"))
+    if bias:
+        inits.append(nh.from_array(rng.standard_normal(w_shape[0]).astype(np.float32), "b"))
+        ins.append("b")
+    nodes = [oh.make_node("Conv", ins, ["c" if act else "y"], **attrs)]
+    if act:
+        nodes.append(oh.make_node(act, ["c"], ["y"]))
+    probe = oh.make_model(oh.make_graph(nodes, "conv", graph_in, [oh.make_tensor_value_info("y", 1, None)], inits),
+                          opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, feeds)[0]
+    out_dims = list(want.shape)
+    if dynamic:
+        out_dims[-1] = "Lo"
+    model = oh.make_model(oh.make_graph(nodes, "conv", graph_in, [oh.make_tensor_value_info("y", 1, out_dims)], inits),
+                          opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    return model, feeds, want
+
+
+# (x shape, w shape, Conv attributes, options): Whisper's, Wav2Vec2's and the edge cases.
+CASES = {
+    "1d-k3-s1-gelu (whisper conv1)": ((1, 8, 40), (16, 8, 3), dict(pads=[1, 1]), dict(act="Gelu")),
+    "1d-k3-s2-gelu (whisper conv2)": ((1, 16, 40), (16, 16, 3), dict(strides=[2], pads=[1, 1]), dict(act="Gelu")),
+    "1d-k10-s5-nobias (wav2vec2 layer 0)": ((1, 1, 400), (32, 1, 10), dict(strides=[5]), dict(bias=False)),
+    "1d-k2-s2-nobias": ((1, 32, 21), (32, 32, 2), dict(strides=[2]), dict(bias=False)),
+    "1d-grouped-even-k (positional conv)": ((1, 32, 20), (32, 8, 8), dict(group=4, pads=[4, 4]), {}),
+    "1d-depthwise": ((1, 12, 30), (12, 1, 5), dict(group=12, pads=[2, 2]), {}),
+    "1d-pointwise": ((2, 24, 17), (40, 24, 1), {}, {}),
+    "1d-dilated": ((1, 8, 50), (8, 8, 3), dict(dilations=[3], pads=[3, 3]), dict(act="Relu")),
+    "1d-kernel-longer-than-input": ((1, 4, 3), (6, 4, 5), dict(pads=[2, 2]), {}),
+    "1d-asymmetric-pads": ((1, 4, 11), (6, 4, 4), dict(pads=[3, 0], strides=[2]), {}),
+    "1d-66-rows-200-cols (a cropped tail panel)": ((1, 64, 200), (66, 64, 3), dict(pads=[1, 1]), dict(act="Gelu")),
+    "2d-k3-s1-p1": ((1, 3, 12, 10), (8, 3, 3, 3), dict(pads=[1, 1, 1, 1]), {}),
+    "2d-asym-pads-stride-dilation": ((1, 4, 13, 9), (6, 4, 3, 2), dict(pads=[0, 1, 2, 0], strides=[2, 1],
+                                                                        dilations=[2, 1]), dict(bias=False)),
+    "2d-auto-pad-same-upper": ((1, 4, 9, 9), (5, 4, 4, 4), dict(auto_pad="SAME_UPPER", strides=[2, 2]), {}),
+    "2d-depthwise": ((1, 6, 8, 8), (6, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1]), {}),
+    "2d-grouped-4-rows": ((1, 8, 8, 8), (16, 2, 3, 3), dict(group=4, pads=[1, 1, 1, 1]), {}),
+    "2d-batch2-grouped": ((2, 8, 7, 7), (12, 4, 3, 3), dict(group=2), {}),
+}
+
+
+def _convs_left(model) -> int:
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")
+    text = mod.script()
+    return text.count("R.nn.conv1d") + text.count("R.nn.conv2d")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_matches_ort(name):
+    xs, ws, attrs, opts = CASES[name]
+    model, feeds, want = _conv_model(xs, ws, **opts, **attrs)
+    # depthwise (one output channel per group) stays TVM's direct conv (rewrite.MIN_GROUP_ROWS)
+    assert _convs_left(model) == (1 if "depthwise" in name else 0), "the conv-gemm phase's coverage"
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("opts", [dict(weight_input=True), dict(dynamic=True)], ids=["runtime-weight", "symbolic-length"])
+def test_convs_the_rewrite_declines_keep_their_numbers(opts):
+    """A weight given at run time, or a symbolic length: TVM's own conv, still right."""
+    model, feeds, want = _conv_model((1, 4, 16), (6, 4, 3), pads=[1, 1], **opts)
+    assert _convs_left(model) == 1
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_whose_columns_would_not_fit_stays_direct():
+    """1x64x2048x2048, k7: 48 GiB of im2col workspace (the weight is 800 KB). Only the phases up
+    to conv-gemm run: no input is allocated."""
+    rng = np.random.default_rng(0)
+    w = nh.from_array((rng.standard_normal((64, 64, 7, 7)) * 0.01).astype(np.float32), "w")
+    g = oh.make_graph([oh.make_node("Conv", ["x", "w"], ["y"], pads=[3, 3, 3, 3])], "big",
+                      [oh.make_tensor_value_info("x", 1, [1, 64, 2048, 2048])],
+                      [oh.make_tensor_value_info("y", 1, [1, 64, 2048, 2048])], [w])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    assert _convs_left(model) == 1
+
+
+def test_conv_gemm_ablation_keeps_the_conv():
+    model, _, _ = _conv_model((1, 4, 16), (6, 4, 3), pads=[1, 1])
+    mod, names = run_phases(import_onnx(model), resolve("host"), stop_after="legalize", without={"conv-gemm"})
+    assert "conv-gemm" not in names and "conv1d" in mod.script()
+    _, names = run_phases(import_onnx(model), resolve("host"), stop_after="legalize")
+    assert "conv-gemm" in names
+
+
+def test_phase_list_of_models_without_convolutions_is_unchanged():
+    from blockforge.compile.pipeline import phases
+
+    assert "conv-gemm" not in [p.name for p in phases(resolve("host"))]
+
+
+# Schedules, structurally, for the x86-64-avx512 preset's mcpu (16 lanes, NR = 64).
+def _scheduled(rule, func):
+    func = func.with_attr("global_symbol", "main")
+    with AVX512:
+        sch = rule.apply(func, AVX512, False)
+    assert sch is not None, f"{type(rule).__name__} did not apply"
+    return sch.mod["main"]
+
+
+def _loops(func):
+    out = []
+    tvm_ffi.structural_walk(func.body, [(tirx.For, out.append)], order="pre")
+    return out
+
+
+def _blocks(func):
+    out = {}
+
+    def visit(r):
+        out[r.block.name_hint] = r
+
+    tvm_ffi.structural_walk(func.body, [(tvm.s_tir.stmt.SBlockRealize, visit)])
+    return out
+
+
+CS = ConvShape([1, 16, 200], [66, 16, 3], [1], [1, 1], [1], 1)  # L = 200: 4 panels of 64, the last cropped
+
+
+def test_im2col_schedule_parallel_panels_vectorised_rows():
+    x = te.placeholder((1, 16, 200), "float32", name="x")
+    func = te.create_prim_func([x, im2col(x, CS, 64)])
+    kinds = [(lp.kind, int(lp.extent)) for lp in _loops(_scheduled(CPUIm2col(), func))]
+    assert (tirx.ForKind.PARALLEL, 4 * CS.kg) in kinds  # batch x group x 4 panels x k, fused
+    assert (tirx.ForKind.VECTORIZED, 16) in kinds
+
+
+def test_conv_gemm_schedule_full_panels_unguarded_crop_guarded():
+    """The GEMM runs whole 64-wide panels with no predicate (a guard in its vector loop
+    scalarised it: 60x slower); only the cropped write-back of the tail panel is guarded."""
+    w = te.placeholder((1, 66, CS.kg), "float32", name="w")
+    cols = te.placeholder((1, 1, 4, CS.kg, 64), "float32", name="cols")
+    func = te.create_prim_func([w, cols, conv_gemm(w, cols, CS)])
+    out = _scheduled(CPUMatmul(), func)
+    blocks = _blocks(out)
+    assert isinstance(blocks["packed_matmul_update"].predicate, tirx.IntImm)  # no tail guard
+    crop = blocks["conv_crop"]
+    assert not isinstance(crop.predicate, tirx.IntImm) and "200" in str(crop.predicate)
+    kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
+    assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)
