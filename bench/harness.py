@@ -195,7 +195,8 @@ def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None, preci
         c = compare(name, sig.name, actual, ref.expected[sig.name], tol)
         if not c.passed:
             return (f"output {sig.name!r} differs from {ref.source[sig.name]} (max abs err {c.max_abs:.2e}, "
-                    f"rtol {tol.rtol:g} atol {tol.atol:g}{'; ' + c.note if c.note else ''}): not timed, "
+                    f"rtol {tol.rtol:g} atol {tol.atol:g}{f' step {tol.step:.3g}*max|expected|' if tol.step else ''}, "
+                    f"{c.tol_used:.3g}x the allowance{'; ' + c.note if c.note else ''}): not timed, "
                     "a different computation must not win")
     return None
 
