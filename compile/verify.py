@@ -83,6 +83,10 @@ def verify(opts: VerifyOptions) -> ParityReport:
     precision = model_precision(model)
     if opts.reference is not None:
         ref_model = load_untrusted(opts.reference, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
+        from blockforge.graph.model_io import check_inputs, signature
+
+        check_inputs(signature(ref_model)[0], inputs,
+                     f"--reference {opts.reference} (it must take the quantized model's inputs)")
         extra["reference"] = run_ort(opts.reference, ref_model, inputs, ort_device)
         if precision == "float":
             notes.append(f"--reference {opts.reference}: the model is not quantized; compared at its float row")

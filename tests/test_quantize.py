@@ -124,6 +124,12 @@ def test_verify_reference_for_a_foreign_quantized_model(tmp_path):
     res = run_cli("verify", str(q), "--reference", str(tmp_path / "f.onnx"))
     assert res.rc == 0 and "ort vs reference" in res.out and "rel L2 err" in res.out, res.text
     assert_user_error(run_cli("verify", str(q)), "no oracle")
+    other = _matmul_integer_to_float(tmp_path, False, False, False)  # input x renamed z: not the inputs verify feeds
+    m2 = onnx.load(str(other))
+    m2.graph.input[0].name = "z"
+    m2.graph.node[0].input[0] = "z"
+    onnx.save(m2, str(tmp_path / "z.onnx"))
+    assert_user_error(run_cli("verify", str(q), "--reference", str(tmp_path / "z.onnx")), "--reference", "missing z")
 
 
 # ------------------------------------------------------------------ tolerance table
