@@ -74,7 +74,7 @@ def verify(opts: VerifyOptions) -> ParityReport:
         model = load_untrusted(opts.model, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
         inputs = prepare_inputs(model, npz, bind_request(model, opts.dims, shapes), opts.seed)
         ort = run_ort(opts.model, model, inputs, ort_device)  # the untrusted model runs in the bounded child
-        if model_spec(model) is None and opts.reference is None:  # no oracle: ONNX Runtime's run would be compared with nothing
+        if model_spec(model) is None and opts.reference is None:  # no oracle, no float original
             raise BlockforgeError(f"{opts.model}: ONNX Runtime runs it, but it is not a blockforge model (no spec in "
                                   "its metadata), so there is no oracle to check ONNX Runtime against; give a "
                                   "target to compare TVM with ONNX Runtime")
@@ -92,8 +92,8 @@ def verify(opts: VerifyOptions) -> ParityReport:
             notes.append(f"--reference {opts.reference}: the model is not quantized; compared at its float row")
     if precision != "float":
         notes.append(f"precision {precision}: TVM is checked against ONNX Runtime on the same quantized file "
-                     "(parity: one 8-bit rounding step of the output's range); against the float model "
-                     "(oracle or --reference) the quantization's own error is gated by relative L2")
+                     "(parity: a few 8-bit rounding steps of the output's range, graph/tolerance.py); against "
+                     "the float model (oracle or --reference) the quantization's own error is gated by relative L2")
     report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort)
     report.notes[:0] = notes
     return report

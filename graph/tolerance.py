@@ -6,7 +6,8 @@ A value passes when |actual - expected| <= atol + step * max|expected| + rtol * 
 Quantized models get two rows of their own, for two different questions:
 - parity (TOLERANCES["int8", ...]): blockforge on a quantized file against ONNX Runtime on
   the SAME file. int32 accumulation is exact, so the two differ only where a requantize
-  rounds a value on the other side of a half step: one 8-bit step of the output's range.
+  rounds a value on the other side of a half step, spread by the GEMM after it: a few
+  8-bit steps of the output's range (INT8_STEPS).
 - accuracy (ACCURACY): the quantized model against its float original, as a relative L2
   error, ||q - f|| / ||f||: what quantization costs, not whether we computed it right.
 """
@@ -25,6 +26,8 @@ class Tolerance:
     step: float = 0.0  # allowance as a share of max|expected| (int8: one step of 255)
 
 
+INT8_STEPS = 4  # int8 parity: 8-bit steps of the output's range (measured up to 2.5, below)
+
 TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # A single MHA/FFN: float32 GEMMs over d_model/d_ff terms differ from the float64
     # oracle by summation order only.
@@ -37,12 +40,16 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("float16", "op"): Tolerance(rtol=1e-3, atol=2.5e-3),
     ("float16", "block"): Tolerance(rtol=1e-2, atol=1e-2),
     # int8 (QDQ static, dynamic, QLinearMatMul/QGemm/MatMulIntegerToFloat) against ORT on
-    # the same quantized file: the float32 row for the float parts, plus one 8-bit rounding
-    # step of the output's range for a requantize rounded the other way. Measured on the
-    # d_model 64 FFN/MHA/block (dynamic, QDQ S8S8 per-channel, U8S8 per-tensor; 2 seeds):
-    # max |tvm - ort| / max|ort| <= 2.0e-7, i.e. no rounding flipped at all.
-    ("int8", "op"): Tolerance(rtol=1e-4, atol=1e-5, step=1 / 255),
-    ("int8", "block"): Tolerance(rtol=1e-4, atol=1e-4, step=1 / 255),
+    # the same quantized file: the float32 row for the float parts, plus INT8_STEPS 8-bit
+    # steps of the output's range. int32 accumulation is exact; what differs is a requantize
+    # after a float op (softmax before PV, a bias add) rounding the other way, which the next
+    # GEMM spreads over a row. Measured: d_model 64 FFN/MHA/block (dynamic, QDQ S8S8
+    # per-channel, U8S8; 2 seeds) max |tvm - ort| / max|ort| <= 2.0e-7 (no flip); BERT-base
+    # QDQ MHA 2.0 steps and block 2.5 steps, in one row of 128 -- there ORT is the one that
+    # departs from onnx.reference (0.2% of elements, row 111, with ORT's optimizations off
+    # too), which blockforge matches (0.001% of elements above 1e-5).
+    ("int8", "op"): Tolerance(rtol=1e-4, atol=1e-5, step=INT8_STEPS / 255),
+    ("int8", "block"): Tolerance(rtol=1e-4, atol=1e-4, step=INT8_STEPS / 255),
 }
 
 # Relative L2 error a quantized model may show against its float original (ORT or
