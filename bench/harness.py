@@ -25,8 +25,8 @@ from blockforge.errors import BlockforgeError
 from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
 from blockforge.graph.model_io import bind_dims, model_spec, random_inputs
-from blockforge.graph.parity import oracle_outputs
-from blockforge.graph.tolerance import compare, output_tolerance
+from blockforge.graph.parity import model_precision, oracle_outputs
+from blockforge.graph.tolerance import compare, compare_accuracy, output_tolerance
 from blockforge.compile.session import open_model
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
@@ -149,10 +149,12 @@ class Reference:
     unchecked: list[str] = field(default_factory=list)
 
 
-def _reference(bm: BenchModel, inputs: dict) -> Reference:
+def _reference(bm: BenchModel, inputs: dict, precision: str = "float") -> Reference:
+    """A quantized model's reference is ONNX Runtime on the same quantized file: the float
+    oracle would measure the quantization's error, which is the model's, not a contender's."""
     ref = Reference()
     names = [s.name for s in bm.session.outputs]
-    if bm.spec is not None:
+    if bm.spec is not None and precision == "float":
         for k, v in (oracle_outputs(bm.session.model, inputs) or {}).items():
             ref.expected[k], ref.source[k] = v, "the numpy oracle"
     missing = [n for n in names if n not in ref.expected]
@@ -170,9 +172,13 @@ def _reference(bm: BenchModel, inputs: dict) -> Reference:
     return ref
 
 
-def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None, precision: str = "fp32") -> str | None:
+def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None, precision: str = "float",
+           peer: bool = False, build: str = "fp32") -> str | None:
     """Why `runner`'s outputs do not match the reference, or None when every output that
-    has a reference does: one wrong output is enough to refuse the contender."""
+    has a reference does: one wrong output is enough to refuse the contender. On a quantized
+    model blockforge is held to the int8 parity row against ORT on the same file; a peer
+    (OpenVINO runs QDQ with its own requantize placement) to the precision's accuracy gate
+    against it: a peer computing the quantized model another way is timed, a wrong one not."""
     outs = runner.outputs()
     if len(outs) != len(sigs):
         return (f"gives {len(outs)} outputs, the model has {len(sigs)}: not timed, a different computation "
@@ -180,11 +186,18 @@ def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None, preci
     for sig, actual in zip(sigs, outs):
         if sig.name not in ref.expected:
             continue
-        tol = output_tolerance(np.asarray(actual).dtype, spec_kind, precision)
+        if precision != "float" and peer and ref.source[sig.name] == "ONNX Runtime":
+            c = compare_accuracy(name, sig.name, actual, ref.expected[sig.name], precision, spec_kind)
+            if not c.passed:
+                return (f"output {sig.name!r} differs from {ref.source[sig.name]} on the same {precision} model "
+                        f"beyond its accuracy gate ({c.note}): not timed, a different computation must not win")
+            continue
+        tol = output_tolerance(np.asarray(actual).dtype, spec_kind, build if precision == "float" else precision)
         c = compare(name, sig.name, actual, ref.expected[sig.name], tol)
         if not c.passed:
             return (f"output {sig.name!r} differs from {ref.source[sig.name]} (max abs err {c.max_abs:.2e}, "
-                    f"rtol {tol.rtol:g} atol {tol.atol:g}{'; ' + c.note if c.note else ''}): not timed, "
+                    f"rtol {tol.rtol:g} atol {tol.atol:g}{f' step {tol.step:.3g}*max|expected|' if tol.step else ''}, "
+                    f"{c.tol_used:.3g}x the allowance{'; ' + c.note if c.note else ''}): not timed, "
                     "a different computation must not win")
     return None
 
@@ -208,7 +221,11 @@ def bench(opts: BenchOptions) -> BenchReport:
     spec = model_spec(session.model)
     bm = BenchModel(session, bind_dims(session.model, session.dims, strict=False), spec, dict(session.dims),
                     opts.tuning_db)
-    ref = _reference(bm, inputs)
+    precision = model_precision(session.model)
+    if precision != "float":
+        bm.notes.append(f"precision {precision}: every contender runs the same quantized file; checked against "
+                        "ONNX Runtime on it (blockforge at the int8 parity row, peers within the accuracy gate)")
+    ref = _reference(bm, inputs, precision)
     runners = {}
     with native_output_to_log():
         for name in [c for c in CONTENDERS if c in opts.against]:  # registry order: peers first
@@ -219,7 +236,8 @@ def bench(opts: BenchOptions) -> BenchReport:
             try:
                 runner = c.make_runner(bm, inputs, threads)
                 # at bf16 every contender is held to the bf16 row (ORT, in fp32, passes it)
-                why = _check(name, runner, ref, session.outputs, spec.kind if spec else None, opts.precision)
+                why = _check(name, runner, ref, session.outputs, spec.kind if spec else None, precision, c.peer,
+                             opts.precision)
             except Unavailable as e:
                 why = str(e)
             except Exception as e:  # a peer engine that cannot take the model is a note, never an error
@@ -237,4 +255,5 @@ def bench(opts: BenchOptions) -> BenchReport:
     ceiling = sgemm_ceiling(opts.gemm_n)
     results, best = summarize(samples, set(PEERS), flops, ceiling)
     return BenchReport(str(opts.model), target.name, session.dims, threads, flops, ceiling, results, best, profile,
-                       bm.notes, host_facts(), unchecked=ref.unchecked)
+                       bm.notes, host_facts(), unchecked=ref.unchecked,
+                       precision=precision if precision != "float" or opts.precision == "fp32" else opts.precision)

@@ -72,6 +72,7 @@ class BenchReport:
     notes: list[str] = field(default_factory=list)
     host: dict = field(default_factory=dict)  # cpu_model, physical_cores, machine, versions of every engine
     unchecked: list[str] = field(default_factory=list)  # outputs no reference computed: times of unverified results
+    precision: str = "float"  # "int8": a quantized model (GFLOP/s are then int8 ops/s)
 
     @property
     def headline(self) -> dict | None:
@@ -102,7 +103,9 @@ class BenchReport:
     def markdown(self) -> str:
         cpu = self.host.get("cpu_model")
         lines = [f"{Path(self.model).name} on {self.target}{f' ({cpu})' if cpu else ''}, {self.threads} threads, "
-                 f"dims {self.dims}, {self.flops / 1e9:.3f} GFLOP; SGEMM ceiling {self.sgemm_gflops:.0f} GFLOP/s", "",
+                 f"dims {self.dims}, {self.flops / 1e9:.3f} G{'OP' if self.precision == 'int8' else 'FLOP'}"
+                 f"{f' ({self.precision})' if self.precision != 'float' else ''}; "
+                 f"SGEMM ceiling {self.sgemm_gflops:.0f} GFLOP/s", "",
                  f"**{self.headline_text()}**", "",
                  "| contender | kind | median ms | p90 ms | GFLOP/s | vs best peer | % of SGEMM |",
                  "|---|---|---|---|---|---|---|"]

@@ -237,10 +237,15 @@ def prepare(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") 
     symbolic and are folded as far as shape inference can see. A folding failure is not
     fatal: the bound, shape-inferred model is returned and the report says why. A tensor
     folding would materialise above the size cap is (_check_folded; `label` names the model)."""
+    from .quant.forms import standard_forms
+
     t0 = time.perf_counter()
     before = len(model.graph.node), _shape_ops(model)
-    bound, inferred = _bound_inferred(model, dims, label)
     notes = []
+    model, forms = standard_forms(model)  # QLinearMatMul / QGemm / MatMulIntegerToFloat: ops TVM imports
+    if forms:
+        notes.append(f"{forms} QLinearMatMul/QGemm/MatMulIntegerToFloat node(s) rewritten as QDQ/MatMulInteger")
+    bound, inferred = _bound_inferred(model, dims, label)
     try:
         prepared = _slim(inferred)
         _restore_interface(prepared, bound)

@@ -23,6 +23,7 @@ class VerifyOptions:
     tuning_db: Path | None = None  # None: the device's default database, if any
     use_tuning: bool = True
     precision: str = "fp32"  # the TVM build's (targets.precision); its row of the tolerance table
+    reference: Path | None = None  # the float model a quantized one came from (ORT runs it)
 
 
 def verify(opts: VerifyOptions) -> ParityReport:
@@ -74,10 +75,26 @@ def verify(opts: VerifyOptions) -> ParityReport:
         model = load_untrusted(opts.model, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
         inputs = prepare_inputs(model, npz, bind_request(model, opts.dims, shapes), opts.seed)
         ort = run_ort(opts.model, model, inputs, ort_device)  # the untrusted model runs in the bounded child
-        if model_spec(model) is None:  # no oracle: ONNX Runtime's run would be compared with nothing
+        if model_spec(model) is None and opts.reference is None:  # no oracle, no float original
             raise BlockforgeError(f"{opts.model}: ONNX Runtime runs it, but it is not a blockforge model (no spec in "
                                   "its metadata), so there is no oracle to check ONNX Runtime against; give a "
                                   "target to compare TVM with ONNX Runtime")
+    from blockforge.graph.parity import model_precision
+
+    quant = model_precision(model)
+    if opts.reference is not None:
+        ref_model = load_untrusted(opts.reference, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
+        from blockforge.graph.model_io import check_inputs, signature
+
+        check_inputs(signature(ref_model)[0], inputs,
+                     f"--reference {opts.reference} (it must take the quantized model's inputs)")
+        extra["reference"] = run_ort(opts.reference, ref_model, inputs, ort_device)
+        if quant == "float":
+            notes.append(f"--reference {opts.reference}: the model is not quantized; compared at its float row")
+    if quant != "float":
+        notes.append(f"precision {quant}: TVM is checked against ONNX Runtime on the same quantized file "
+                     "(parity: a few 8-bit rounding steps of the output's range, graph/tolerance.py); against "
+                     "the float model (oracle or --reference) the quantization's own error is gated by relative L2")
     report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort, precision=opts.precision)
     report.notes[:0] = notes
     return report

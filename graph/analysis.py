@@ -52,6 +52,21 @@ def _attention_flops(n: onnx.NodeProto, shapes: dict[str, list]) -> int:
     return 2 * b * sq * k[1] * (hidden + dv_total)
 
 
+# Quantized matmuls count as the float op they compute (ops of int8 x int8 -> int32 MACs).
+_AS_FLOAT_OP = {"MatMulInteger": "MatMul", "QLinearMatMul": "MatMul", "MatMulIntegerToFloat": "MatMul",
+                "DynamicQuantizeMatMul": "MatMul", "QGemm": "Gemm"}
+_B_INPUT = {"QLinearMatMul": 3, "QGemm": 3}  # where B is (the scales come between)
+
+
+def _matmul_out(n: onnx.NodeProto, a: list | None, b: list | None) -> list | None:
+    """The output shape of a MatMul-like node from A and a 2-D B, where inference gave none."""
+    if not a or not b or len(b) != 2 or None in a or None in b:
+        return None
+    trans_b = any(x.name == "transB" and x.i for x in n.attribute)
+    rows = a[:-1] if not any(x.name == "transA" and x.i for x in n.attribute) else a[1:]
+    return [*rows, b[0] if trans_b else b[1]]
+
+
 def matmul_flops(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> int:
     """Multiply-add FLOPs (2 per MAC) of MatMul, Gemm, Conv and attention ops, with symbolic
     dims bound (defaults: batch 2, seq 32). Exports compute their reshape targets at run
@@ -74,18 +89,21 @@ def matmul_flops(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> 
         if n.op_type in ("Attention", "MultiHeadAttention"):
             total += _attention_flops(n, shapes)
             continue
-        if n.op_type not in ("MatMul", "Gemm", "Conv"):
+        op = _AS_FLOAT_OP.get(n.op_type, n.op_type)
+        if op not in ("MatMul", "Gemm", "Conv"):
             continue
         a, out = shapes.get(n.input[0]), shapes.get(n.output[0])
+        if op != "Conv" and (not out or None in out):  # com.microsoft ops: ONNX shape inference skips them
+            out = _matmul_out(n, a, shapes.get(n.input[_B_INPUT.get(n.op_type, 1)]))
         if not a or not out or None in a or None in out:
             continue
-        if n.op_type == "Conv":
+        if op == "Conv":
             w = shapes.get(n.input[1])
             if not w or None in w:
                 continue
             total += 2 * int(np.prod(out, dtype=np.int64)) * int(np.prod(w[1:], dtype=np.int64))
             continue
-        k = a[-1] if not (n.op_type == "Gemm" and any(x.name == "transA" and x.i for x in n.attribute)) else a[0]
+        k = a[-1] if not (op == "Gemm" and any(x.name == "transA" and x.i for x in n.attribute)) else a[0]
         total += 2 * int(np.prod(out, dtype=np.int64)) * k
     return int(total)
 

@@ -10,11 +10,14 @@ import onnx
 from . import ort as ort_runner
 from .model_io import check_inputs, model_spec, random_inputs, signature
 from .oracle import reference
-from .tolerance import Comparison, compare, output_tolerance
+from .tolerance import Comparison, compare, compare_accuracy, output_tolerance
 from .weights import make_weights
 
 # (actual, expected): the expected side is the more trusted one.
-PAIRS = [("tvm", "ort"), ("tvm", "oracle"), ("ort", "oracle")]
+PAIRS = [("tvm", "ort"), ("tvm", "oracle"), ("ort", "oracle"), ("tvm", "reference"), ("ort", "reference")]
+# Runs of the float model a quantized one came from: the oracle (a blockforge export's spec)
+# and ORT on verify --reference FP32.onnx.
+FLOAT_ORIGINALS = ("oracle", "reference")
 
 
 @dataclass
@@ -35,7 +38,8 @@ class ParityReport:
             "comparisons": [
                 {"pair": c.pair, "output": c.output, "max_abs": c.max_abs, "max_rel": c.max_rel,
                  "rel_count": c.rel_count, "count": c.count,  # max_rel: over |expected| > atol
-                 "rtol": c.tol.rtol, "atol": c.tol.atol, "passed": c.passed, "note": c.note}
+                 "rtol": c.tol.rtol, "atol": c.tol.atol, "step": c.tol.step, "passed": c.passed, "note": c.note,
+                 "precision": c.precision or "float", "rel_l2": c.rel_l2, "accuracy_gate": c.gate}
                 for c in self.comparisons
             ],
         }
@@ -75,8 +79,13 @@ def non_finite_inputs(inputs: dict[str, np.ndarray]) -> list[str]:
 
 def compare_runs(model: onnx.ModelProto, runs: dict[str, dict[str, np.ndarray]],
                  precision: str = "fp32") -> list[Comparison]:
-    """precision: the TVM build's; its outputs are held to that precision's row."""
+    """precision: the TVM build's (targets.precision); its outputs are held to that precision's
+    row (bf16). A quantized model (int8) is compared with ONNX Runtime on the same file at the
+    int8 parity row; against a float original (the oracle, --reference) by the accuracy gate:
+    the quantization's error is the model's, not ours."""
     spec = model_spec(model)
+    kind = spec.kind if spec else None
+    quant = model_precision(model)
     out_names = [o.name for o in model.graph.output]
     cmp = []
     for a, b in PAIRS:
@@ -86,9 +95,21 @@ def compare_runs(model: onnx.ModelProto, runs: dict[str, dict[str, np.ndarray]],
             if name not in runs[a] or name not in runs[b]:
                 continue
             actual = runs[a][name]
-            tol = output_tolerance(actual.dtype, spec.kind if spec else None, precision if a == "tvm" else "fp32")
-            cmp.append(compare(f"{a} vs {b}", name, actual, runs[b][name], tol))
+            if quant != "float" and b in FLOAT_ORIGINALS:
+                cmp.append(compare_accuracy(f"{a} vs {b}", name, actual, runs[b][name], quant, kind))
+                continue
+            row = quant if quant != "float" else (precision if a == "tvm" else "fp32")
+            tol = output_tolerance(actual.dtype, kind, row)
+            cmp.append(replace(compare(f"{a} vs {b}", name, actual, runs[b][name], tol),
+                               precision=quant if quant != "float" else (row if row != "fp32" else "")))
     return cmp
+
+
+def model_precision(model: onnx.ModelProto) -> str:
+    """"int8" for a quantized model (graph/quantize.QUANTIZED_OPS), else "float"."""
+    from .quantize import is_quantized
+
+    return "int8" if is_quantized(model) else "float"
 
 
 def check_parity(model: onnx.ModelProto, inputs: dict[str, np.ndarray],

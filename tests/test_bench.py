@@ -221,7 +221,7 @@ def test_nothing_checked_no_headline(tmp_path, monkeypatch):
 RESULT_KEYS = {"name", "peer", "median_ms", "p90_ms", "min_ms", "gflops", "ratio_to_best_peer", "ratio_to_ort",
                "pct_of_sgemm", "samples_ms"}
 REPORT_KEYS = {"schema", "model", "target", "dims", "threads", "flops", "sgemm_gflops", "results", "best_peer",
-               "headline", "profile", "notes", "host", "unchecked"}
+               "headline", "profile", "notes", "host", "unchecked", "precision"}
 
 
 @pytest.mark.slow
@@ -235,7 +235,7 @@ def test_bench_cli_json_plot_profile(tmp_path):
     assert "tuned: no tuning records" in r.out  # no database: said, not faked
     assert "note: ort-fused:" in r.out  # relu FFN: nothing for ORT to fuse (or no optimizer): a note
     rep = json.loads((tmp_path / "b.json").read_text())
-    assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA and rep["unchecked"] == []
+    assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA and rep["unchecked"] == [] and rep["precision"] == "float"
     assert rep["flops"] == 2 * 2 * 16 * 64 * 128 and rep["threads"] >= 1 and rep["sgemm_gflops"] > 0
     assert {"cpu_model", "physical_cores", "machine", "load_avg_1m", "versions"} <= set(rep["host"])
     assert {"apache-tvm", "onnx", "numpy"} <= set(rep["host"]["versions"])

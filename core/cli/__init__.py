@@ -23,7 +23,7 @@ import traceback
 
 from blockforge.errors import BlockforgeError, Terminated, printable
 
-VERB_NAMES = ("export", "inspect", "verify", "targets", "compile", "run", "tune", "rpc", "bench", "package", "env")
+VERB_NAMES = ("export", "quantize", "inspect", "verify", "targets", "compile", "run", "tune", "rpc", "bench", "package", "env")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 CHILD_GRACE_S = 2.0  # children get SIGTERM, then SIGKILL after this long
 _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EISDIR,

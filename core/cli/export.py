@@ -32,6 +32,9 @@ def add(sub) -> None:
     p.add_argument("--seed", type=int, default=mha["seed"])
     p.add_argument("--batch", type=int, default=None, help="static batch (default symbolic)")
     p.add_argument("--seq", type=int, default=None, help="static sequence length (default symbolic)")
+    p.add_argument("--quantize", choices=["dynamic", "static"], default=None,
+                   help="write it int8-quantized as `blockforge quantize --mode` does (static: random calibration)")
+    p.add_argument("--per-channel", action="store_true", help="with --quantize: one weight scale per column")
     p.add_argument("-o", "--output", default=None, help="MODEL.onnx (default artifacts/<name>.onnx)")
     add_force(p)
     p.set_defaults(func=run)
@@ -53,8 +56,16 @@ def spec_from_args(a):
 def run(a) -> int:
     from blockforge.graph.export import export
 
-    res = export(spec_from_args(a), a.output, force=a.force)
+    if a.per_channel and not a.quantize:
+        from blockforge.errors import BlockforgeError
+
+        raise BlockforgeError("--per-channel needs --quantize dynamic|static")
+    res = export(spec_from_args(a), a.output, force=a.force, quantize=a.quantize, per_channel=a.per_channel)
     m = res.manifest
+    if a.quantize:
+        q = m["quantization"]
+        print(f"quantized {a.quantize}: {q['int8_gemms']} int8 GEMMs"
+              + (f"; calibration: {q['calibration']}" if q["calibration"] else ""))
     print(f"wrote {res.model_path} ({m['bytes'] / 2**20:.1f} MiB, {m['params']:,} params, "
           f"{m['matmul_flops'] / 1e9:.3f} GFLOP at {m['flops_at']}) and {res.manifest_path}")
     return 0

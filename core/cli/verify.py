@@ -14,25 +14,27 @@ def add(sub) -> None:
     p.add_argument("--target", default=None, help="also compile with TVM for this preset or target JSON")
     add_tuning(p)
     add_precision(p)
+    p.add_argument("--reference", default=None,
+                   help="quantized MODEL: its float original (FP32.onnx), run by ONNX Runtime; the quantization's "
+                        "error is gated against it (relative L2)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     add_force(p)
     p.set_defaults(func=run)
 
 
 def run(a) -> int:
-    check_outputs(a, [a.model, a.inputs, a.tuning_db], json=a.json)
+    check_outputs(a, [a.model, a.inputs, a.tuning_db, a.reference], json=a.json)
     from blockforge.compile.verify import VerifyOptions, verify
     from blockforge.errors import printable
 
     report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs, "--inputs"), dims=dims(a), seed=a.seed,
                                   target=a.target, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
-                                  precision=a.precision))
+                                  precision=a.precision, reference=path_or_none(a.reference, "--reference")))
     for note in report.notes:
         print(f"note: {printable(note, limit=None)}")
     for issue in report.input_issues:
         print(f"warning: {printable(issue, limit=None)}")
-    rows = [[c.pair, printable(c.output), f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}",
-             f"rel L2 <= {c.tol.rel_l2:g}" if c.tol.rel_l2 is not None else f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}",
+    rows = [[c.pair, printable(c.output), f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}", _tol(c),
              ("PASS" if c.passed else "FAIL") + (f" ({c.note})" if c.note else "")] for c in report.comparisons]
     print_table(["pair", "output", "max abs err", "max rel err (|expected| >= atol/rtol)", "err/allowed",
                  "tolerance", "result"], rows)
@@ -43,6 +45,15 @@ def run(a) -> int:
     write_json(a.json, report.to_dict())
     print("PASS" if report.passed else "FAIL")
     return 0 if report.passed else 1
+
+
+def _tol(c) -> str:
+    if c.gate is not None:
+        return f"{c.precision} accuracy: rel L2 <= {c.gate:g}"
+    if c.tol.rel_l2 is not None:
+        return f"rel L2 <= {c.tol.rel_l2:g}"
+    step = f" + {c.tol.step:.3g}*max|expected| ({c.precision})" if c.tol.step else ""
+    return f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}{step}"
 
 
 def _rel(c) -> str:

@@ -1,0 +1,47 @@
+"""`blockforge quantize`: an int8 model through onnxruntime.quantization (graph/quantize.py)."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import add_force, add_shape, dims, path_or_none
+
+
+def add(sub) -> None:
+    from blockforge.graph.quantize import ACTIVATION_TYPES, MODES, RANDOM_BATCHES
+
+    p = sub.add_parser("quantize", help="int8-quantize an ONNX model (onnxruntime.quantization, transformer-safe "
+                                        "defaults: LayerNorm, Softmax, Gelu, residual adds stay float)")
+    p.add_argument("model")
+    p.add_argument("--mode", choices=list(MODES), required=True,
+                   help="dynamic: int8 weights, activation scales at run time; static: QDQ, calibrated")
+    p.add_argument("--calibration", default=None,
+                   help="static: .npz of inputs (one batch, or batches stacked on a new axis 0); "
+                        f"default {RANDOM_BATCHES} random batches from the model's signature")
+    p.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
+    p.add_argument("--activation-type", choices=list(ACTIVATION_TYPES), default="s8",
+                   help="static: activations int8 (S8S8, default) or uint8 (U8S8)")
+    add_shape(p, "batch=2,seq=32, for random calibration")
+    p.add_argument("--seed", type=int, default=0, help="random calibration batches")
+    p.add_argument("-o", "--output", required=True, help="OUT.onnx")
+    add_force(p)
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    from pathlib import Path
+
+    from blockforge.errors import printable
+    from blockforge.graph.quantize import QuantizeOptions, quantize
+
+    opts = QuantizeOptions(model=Path(a.model), output=Path(a.output), mode=a.mode,
+                           calibration=path_or_none(a.calibration, "--calibration"), per_channel=a.per_channel,
+                           activation_type=a.activation_type, dims=dims(a), seed=a.seed, force=a.force)
+    res = quantize(opts, progress=lambda s: print(f"quantize: {s}", file=sys.stderr, flush=True))
+    for note in res.notes:
+        print(f"note: {printable(note, limit=None)}")
+    if res.calibration:
+        print(f"calibration: {printable(res.calibration, limit=None)}")
+    kept = ", ".join(f"{n} {why}" for why, n in res.kept_float.items()) or "none"
+    print(f"wrote {printable(str(res.output))} ({res.mode}: {res.quantized_nodes} int8 GEMMs; kept in float: {kept})")
+    return 0
