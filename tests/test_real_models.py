@@ -243,3 +243,20 @@ def test_tune_an_export_tiny_budget(tmp_path, request):
     assert len(s.tasks) >= 8 and all(t.trials_new == 2 for t in s.tasks), s
     rep = verify(VerifyOptions(model=model, target="host", dims=dims, tuning_db=db))
     assert any("tuning records applied" in n for n in rep.notes) and rep.passed, rep
+
+
+def test_cli_dump_ir_has_one_fused_attention_call_per_layer(tmp_path):
+    """`compile --dump-ir` on a GQA decoder with transformers' default attention: the
+    fuse-attention dump calls fused_attention_<n> once per layer and keeps no softmax
+    (before: none; the split scale and the isnan guard were not matched)."""
+    import re
+
+    entry = next(e for e in MODELS if e["file"] == "llama_sdpa_dynamo_op18.onnx")
+    shape = ",".join(f"{i['name']}=1x8" for i in entry["inputs"])
+    r = run_cli("compile", FIXTURES / entry["file"], "--target", "host", "--shape", shape, "--dump-ir",
+                tmp_path / "ir", "-o", tmp_path / "art", cwd=tmp_path)
+    assert r.rc == 0, r.text
+    (dump,) = (tmp_path / "ir").glob("*-fuse-attention.py")
+    text = dump.read_text()
+    calls = re.findall(r"R\.call_tir\(cls\.(fused_attention_\d+)", text)
+    assert len(calls) == _attention_layers(entry) and "R.nn.softmax" not in text, calls
