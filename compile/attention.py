@@ -845,8 +845,11 @@ def find_attention(func) -> tuple[list[_Match], list[_Heads]]:
     fused = {v for m in matches for v in m.chain}
     for var, val in f.v2v.items():
         if _is_call(val, "relax.nn.softmax") and var not in fused:
-            _log.info("attention not fused: softmax %s: %s", var.name,
-                      f.why.get(var, "its probabilities do not feed one matmul with V [through where(isnan(p), 0, p)]"))
+            users = [u for _, u in f.users(var)]
+            default = ("its probabilities are reshaped before P V (a (batch*heads) rank-3 form around a "
+                       "rank-4 softmax, as BLOOM's ALiBi attention)" if users and _is_call(users[0], "relax.reshape")
+                       else "its probabilities do not feed one matmul with V [through where(isnan(p), 0, p)]")
+            _log.info("attention not fused: softmax %s: %s", var.name, f.why.get(var, default))
     return [m for m in matches if m.out not in merged], groups
 
 

@@ -35,7 +35,7 @@ SDPA = {"bert_sdpa", "gpt2_sdpa", "vit_sdpa", "llama_sdpa", "qwen2_sdpa", "opt_s
 # Not fused, each with the reason its log line gives (compile/attention.py find_attention):
 # BLOOM computes its scores per (batch*head) with ALiBi added there, and reshapes them to
 # (batch, head) around the mask and softmax: two bias adds and a reshape the kernel does not take.
-UNFUSED = {"bloom": "its probabilities do not feed one matmul with V"}
+UNFUSED = {"bloom": "its probabilities are reshaped before P V"}
 
 
 def test_corpus_index():
