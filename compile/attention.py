@@ -14,7 +14,9 @@ rows x KT keys, vectorised along the keys of K^T, which the graph already lays o
 polynomial (topi.fast_exp's). Accumulation is float32 for float16 models.
 
 The Relax pass (`fuse_attention`) finds matmul(Q, K^T) -> [* or / const] -> [+ mask]
--> [where(keep, ., fill)] -> softmax(-1) -> matmul(., V) and replaces it by a call_tir
+-> [where(keep, ., fill)] -> softmax(-1) -> [where(isnan(P), 0, P)] -> matmul(., V) (SDPA's
+export also scales Q and K^T by sqrt(scale) each, and may repeat K/V for grouped-query
+heads: both are read through, the kernel indexing the kv heads) and replaces it by a call_tir
 of this kernel, reading Q, V and writing O in the layouts the graph has around it
 (absorbing the head transposes), and merging the seed's h per-head attentions over
 split projections into one multi-head call. Tile sizes come from the tuning database
