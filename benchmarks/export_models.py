@@ -51,8 +51,21 @@ AUDIO = {"tiny": dict(mel=8, frames=32, samples=400, conv_dim=(16, 16, 16), conv
 AUDIO_MODELS = ("whisper", "wav2vec2")
 FULL_LAYERS = {"distilbert": 6}
 FULL_VOCAB = {"gpt2": 50257, "roberta": 50265}
-MODELS = ("bert", "distilbert", "roberta", "gpt2", "vit", "swin", "whisper", "wav2vec2")
+EAGER_MODELS = ("bert", "distilbert", "roberta", "gpt2", "vit", "swin", "whisper", "wav2vec2")
+# transformers' default attention (torch's scaled_dot_product_attention), exported as it
+# lowers: the scale split as sqrt(scale) on Q and on K^T, boolean masks turned additive
+# (where(keep, 0, -FLT_MAX)), an IsNaN/Where guard zeroing fully masked rows, GQA's
+# key/value repeat (Unsqueeze/Expand/Reshape). Opset 18 only (the dynamo exporter's own).
+SDPA_FAMILIES = ("bert", "gpt2", "vit", "llama", "qwen2", "opt", "gemma")
+SDPA_SUFFIX = "_sdpa"
+SDPA_OPSETS = (18,)
+# BLOOM's default is still eager (transformers refuses SDPA for it): ALiBi, a per-head
+# linear position bias added to the scores, at opset 18.
+DEFAULT_EAGER = ("bloom",)
+MODELS = EAGER_MODELS + tuple(f + SDPA_SUFFIX for f in SDPA_FAMILIES) + DEFAULT_EAGER
 IMAGE_MODELS = ("vit", "swin")
+# Decoders with grouped-query attention: 4 query heads over 2 key/value heads.
+GQA = dict(heads=4, kv_heads=2)
 EXPORTERS = ("dynamo", "legacy")
 OPSETS = (17, 18)
 
@@ -63,8 +76,30 @@ def make_model(kind: str, s: dict):
     import transformers as tf
 
     torch.manual_seed(0)
-    common = dict(attn_implementation="eager")  # plain MatMul/Softmax attention, no SDPA kernel
-    if kind == "bert":
+    attn = "eager"
+    if kind.endswith(SDPA_SUFFIX):
+        kind, attn = kind[: -len(SDPA_SUFFIX)], "sdpa"
+    # eager: plain MatMul/Softmax attention; sdpa: transformers' default
+    common = dict(attn_implementation=attn)
+    if kind in ("llama", "qwen2", "gemma"):
+        cls = {"llama": (tf.LlamaConfig, tf.LlamaModel), "qwen2": (tf.Qwen2Config, tf.Qwen2Model),
+               "gemma": (tf.GemmaConfig, tf.GemmaModel)}[kind]
+        extra = dict(head_dim=s["hidden"] // GQA["heads"]) if kind == "gemma" else {}
+        cfg = cls[0](vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                     num_attention_heads=GQA["heads"], num_key_value_heads=GQA["kv_heads"],
+                     intermediate_size=s["ff"], max_position_embeddings=s["positions"], use_cache=False,
+                     **extra, **common)
+        model = cls[1](cfg)
+    elif kind == "opt":
+        cfg = tf.OPTConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                           num_attention_heads=s["heads"], ffn_dim=s["ff"], word_embed_proj_dim=s["hidden"],
+                           max_position_embeddings=s["positions"], use_cache=False, **common)
+        model = tf.OPTModel(cfg)
+    elif kind == "bloom":  # ALiBi: a per-head linear position bias added to the scores
+        cfg = tf.BloomConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+                             use_cache=False, **common)
+        model = tf.BloomModel(cfg)
+    elif kind == "bert":
         cfg = tf.BertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
                             num_attention_heads=s["heads"], intermediate_size=s["ff"],
                             max_position_embeddings=s["positions"], **common)
@@ -150,6 +185,7 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
     import torch
 
     model, inputs = make_model(kind, size)
+    base = kind[: -len(SDPA_SUFFIX)] if kind.endswith(SDPA_SUFFIX) else kind
     names = list(inputs)
     wrapped = _Wrapped(model, names)
     args = tuple(inputs.values())
@@ -157,10 +193,10 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "legacy":
-            batch_only = kind in IMAGE_MODELS or kind == "whisper"  # Whisper: frames fixed by its positions
-            axes = {n: ({0: "batch"} if batch_only else {0: "batch", 1: "seq"}) for n in names}
+            batch_only = base in IMAGE_MODELS or base == "whisper"  # Whisper: frames fixed by its positions
+            axes = {n: ({0: "batch"} if batch_only or n == "pixel_values" else {0: "batch", 1: "seq"}) for n in names}
             axes["last_hidden_state"] = {0: "batch"} if batch_only else {0: "batch", 1: "seq"}
-            if kind == "wav2vec2":  # samples in, frames out: two different lengths
+            if base == "wav2vec2":  # samples in, frames out: two different lengths
                 axes = {"input_values": {0: "batch", 1: "samples"}, "last_hidden_state": {0: "batch", 1: "frames"}}
             torch.onnx.export(wrapped, args, str(path), input_names=names, output_names=["last_hidden_state"],
                               dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True)
@@ -204,8 +240,21 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
     return {"file": path.name, "model": kind, "exporter": exporter, "opset": opset, "ir_version": m.ir_version,
             "inputs": sig, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "config": dict(size["swin"]) if kind == "swin" else
-            {**{k: size[k] for k in ("hidden", "heads", "layers", "ff")},
-             **({"audio": dict(size["audio"])} if kind in AUDIO_MODELS else {})}}
+            {**_config(base, size), **({"audio": dict(size["audio"])} if base in AUDIO_MODELS else {})},
+            "attention": "sdpa" if kind.endswith(SDPA_SUFFIX) else "eager",
+            "attention_layers": _attention_layers(base, size)}
+
+
+def _attention_layers(base: str, size: dict) -> int:
+    """Attention subgraphs per forward pass (what the fused-kernel count tests expect)."""
+    return sum(size["swin"]["depths"]) if base == "swin" else size["layers"]
+
+
+def _config(base: str, size: dict) -> dict:
+    cfg = {k: size[k] for k in ("hidden", "heads", "layers", "ff")}
+    if base in ("llama", "qwen2", "gemma"):
+        cfg.update(GQA)
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -230,7 +279,8 @@ def main(argv=None) -> int:
             kind_size["layers"] = a.layers or FULL_LAYERS.get(kind, size["layers"])
             kind_size["vocab"] = FULL_VOCAB.get(kind, size["vocab"])
         for exporter in a.exporters.split(","):
-            for opset in opsets:
+            newer = kind.endswith(SDPA_SUFFIX) or kind in DEFAULT_EAGER
+            for opset in ([o for o in opsets if o in SDPA_OPSETS] if newer else opsets):
                 name = f"{kind}_{exporter}_op{opset}.onnx"
                 entry = export_one(kind, exporter, opset, kind_size, out / name)
                 index.append(entry)

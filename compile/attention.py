@@ -14,7 +14,9 @@ rows x KT keys, vectorised along the keys of K^T, which the graph already lays o
 polynomial (topi.fast_exp's). Accumulation is float32 for float16 models.
 
 The Relax pass (`fuse_attention`) finds matmul(Q, K^T) -> [* or / const] -> [+ mask]
--> [where(keep, ., fill)] -> softmax(-1) -> matmul(., V) and replaces it by a call_tir
+-> [where(keep, ., fill)] -> softmax(-1) -> [where(isnan(P), 0, P)] -> matmul(., V) (SDPA's
+export also scales Q and K^T by sqrt(scale) each, and may repeat K/V for grouped-query
+heads: both are read through, the kernel indexing the kv heads) and replaces it by a call_tir
 of this kernel, reading Q, V and writing O in the layouts the graph has around it
 (absorbing the head transposes), and merging the seed's h per-head attentions over
 split projections into one multi-head call. Tile sizes come from the tuning database
@@ -81,6 +83,10 @@ class AttentionSpec:
     causal: bool = False  # key j <= query i also kept (in-kernel; tiles above skipped)
     fill: float | None = None  # where's value for dropped scores
     same_len: bool = False  # symbolic query and key lengths are one variable
+    # SDPA's guard where(isnan(P), 0, P): a row whose softmax is NaN (all scores -inf, or a
+    # NaN/+inf score: its denominator is then 0 or NaN) comes out 0, not NaN
+    nan_rows_zero: bool = False
+    kv_heads: int | None = None  # grouped-query: K/V have this many heads (None: heads)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -96,8 +102,10 @@ class AttentionSpec:
     def describe(self) -> str:
         mask = "+".join(x for x in ("causal" if self.causal else "", "add" if self.add else "",
                                     "keep" if self.keep else "") if x) or "none"
+        extra = (f" kv_heads={self.kv_heads}" if self.kv_heads else "") + \
+            (" nan-rows-zero" if self.nan_rows_zero else "")
         return (f"{self.dtype} q:{self.q} k:{self.k} v:{self.v} o:{self.o} h={self.heads} d={self.d} "
-                f"dv={self.dv} mask={mask}")
+                f"dv={self.dv} mask={mask}{extra}")
 
 
 def _vec_width(n: int, lanes: int) -> int:
@@ -158,11 +166,13 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     if spec.same_len:
         Skv = Sq
     H = i64(spec.heads)
+    Hk = i64(spec.kv_heads or spec.heads)
+    group = spec.heads // (spec.kv_heads or spec.heads)  # query heads per key/value head
     D, Dv = i64(spec.d), i64(spec.dv)
     ext = {"b": B, "h": H, "q": Sq, "k": Skv}
 
-    def shape(layout, s, d):
-        return [{"b": B, "h": H, "s": s, "d": d}[c] for c in layout]
+    def shape(layout, s, d, heads=H):
+        return [{"b": B, "h": heads, "s": s, "d": d}[c] for c in layout]
 
     def at(layout, b, h, s, d):
         return [{"b": b, "h": h, "s": s, "d": d}[c] for c in layout]
@@ -173,7 +183,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     def mask_at(dims, b, h, q, k):
         return [i64(0) if c == "1" else {"b": b, "h": h, "q": q, "k": k}[c] for c in dims]
 
-    kshape = [{"b": B, "h": H, "d": D, "s": Skv}[c] for c in spec.k]
+    kshape = [{"b": B, "h": Hk, "d": D, "s": Skv}[c] for c in spec.k]
 
     def kt_at(b, h, d, s):
         return [{"b": b, "h": h, "d": d, "s": s}[c] for c in spec.k]
@@ -191,7 +201,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
             T.func_name("fused_attention")
             Q = T.arg("q", T.buffer(shape(spec.q, Sq, D), spec.dtype))
             K = T.arg("k_t", T.buffer(kshape, spec.dtype))
-            V = T.arg("v", T.buffer(shape(spec.v, Skv, Dv), spec.dtype))
+            V = T.arg("v", T.buffer(shape(spec.v, Skv, Dv, Hk), spec.dtype))
             A = T.arg("add", T.buffer(mask_shape(spec.add), spec.add_dtype)) if spec.add else None
             M = T.arg("keep", T.buffer(mask_shape(spec.keep), "bool")) if spec.keep else None
             O = T.arg("out", T.buffer(shape(spec.o, Sq, Dv), spec.dtype))
@@ -200,6 +210,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
             with T.parallel(i64(0), B * H * n_q) as p:
                 b = p // (H * n_q)
                 h = p // n_q % H
+                hk = h // i64(group) if group > 1 else h  # the key/value head
                 q0 = p % n_q * i64(qt)
                 acc = T.alloc_buffer((qt, spec.dv), "float32", scope="local")
                 s = T.alloc_buffer((qt, kt), "float32", scope="local")
@@ -240,7 +251,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.unroll(i64(0), i64(mr_s)) as ii:
                                 qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
                                 with T.vectorized(i64(0), i64(kt)) as j:
-                                    kv = to32(K[tuple(kt_at(b, h, d, kidx(j)))])
+                                    kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                     T.buffer_store(r, r[ii, j] + qv * kv, [ii, j])
                         with T.unroll(i64(0), i64(mr_s)) as ii:
                             row = io * i64(mr_s) + ii
@@ -296,7 +307,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
                                 with T.vectorized(i64(0), Dv) as d:
-                                    vv = to32(V[tuple(at(spec.v, b, h, k0 + j, d))])
+                                    vv = to32(V[tuple(at(spec.v, b, hk, k0 + j, d))])
                                     T.buffer_store(r, r[ii, d] + pv * vv, [ii, d])
                         with T.unroll(i64(0), i64(mr_o)) as ii:
                             with T.vectorized(i64(0), Dv) as d:
@@ -317,13 +328,15 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             tile(k_tail, Skv - k_tail)
                 if spec.causal:
                     _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el,
-                                 lambda j, d: to32(V[tuple(at(spec.v, b, h, j, d))]))
+                                 lambda j, d: to32(V[tuple(at(spec.v, b, hk, j, d))]))
                 with T.serial(i64(0), i64(qt)) as i:
                     def store():
                         inv = T.alloc_buffer((1,), "float32", scope="local")
                         T.buffer_store(inv, f32(1) / el[i], [0])
                         with T.vectorized(i64(0), Dv) as d:
                             y = acc[i, d] * inv[0]
+                            if spec.nan_rows_zero:  # el is 0 (all -inf) or NaN exactly when softmax is NaN
+                                y = tirx.Select(el[i] > f32(0), y, f32(0))
                             T.buffer_store(O, y if spec.dtype == "float32" else tirx.Cast(spec.dtype, y),
                                            at(spec.o, b, h, q0 + i, d))
                     if static_q_exact:
@@ -418,6 +431,7 @@ class _Match:
     out_shape: list
     chain: list  # the intermediate vars (scores .. probabilities, P V), each used once
     lead: list  # leading dims of the scores (batch[, heads])
+    k_src: object = None  # grouped-query: K (B, Hkv, S, d), transposed at the call (kt unused)
 
 
 class _Finder:
@@ -427,6 +441,7 @@ class _Finder:
         from tvm import relax
 
         self.v2v = relax.analysis.get_var2val(func)
+        self.why: dict = {}  # softmax var -> why its attention is not fused
         self.uses: dict = {}  # var -> number of bindings (and the function result) using it
         self._users: dict = {}
         values = [b.value for blk in func.body.blocks for b in blk.bindings]
@@ -462,22 +477,27 @@ class _Finder:
         probs, v = value.args
         if not isinstance(probs, relax.Var) or not self.once(probs):
             return None
+        chain = [probs]
+        guard = self._nan_guard(probs)
+        if guard is not None:
+            probs, isnan = guard
+            chain += [isnan, probs]
         sm = self.call(probs, "relax.nn.softmax")
         if sm is None:
             return None
+        why = lambda reason: self.no(probs, reason)  # noqa: E731
         x = sm.args[0]
         rank = len(_shape(x) or [])
         if rank not in (3, 4) or int(sm.attrs.axis) not in (-1, rank - 1):
-            return None
-        chain = [probs]
+            return why(f"softmax over axis {int(sm.attrs.axis)} of a rank-{rank} tensor, not the keys of (B[, H], S, S)")
         keep = fill = None
         if not (isinstance(x, relax.Var) and self.once(x)):
-            return None
+            return why("the scores are used outside the attention")
         c = self.value(x)
         if _is_call(c, "relax.where"):
             fill = _scalar_const(c.args[2])
             if fill is None or _dtype(c.args[0]) != "bool":
-                return None
+                return why("where(mask, scores, fill) with a fill that is not a scalar constant")
             keep, x = c.args[0], c.args[1]
             chain.append(x)
             if not (isinstance(x, relax.Var) and self.once(x)):
@@ -493,7 +513,7 @@ class _Finder:
                     x, add = s_, m_
                     break
             else:
-                return None
+                return why("an add before softmax whose scores side is not Q K^T [* scale]")
             chain.append(x)
             c = self.value(x)
         scale = 1.0
@@ -509,11 +529,104 @@ class _Finder:
             chain.append(x)
             c = self.value(x)
         if not _is_call(c, "relax.matmul") or len(c.args) != 2:
-            return None
+            return why(f"the scores come from {getattr(getattr(c, 'op', None), 'name', type(c).__name__)}, "
+                       "not matmul(Q, K^T) [* or / a scalar constant] [+ mask] [where]")
         if c.attrs.out_dtype not in (None, "") and str(c.attrs.out_dtype) not in ("void", _dtype(c.args[0])):
-            return None
+            return why(f"Q K^T accumulates in {c.attrs.out_dtype}")
         q, kt = c.args
-        return self._shapes(out_var, value, q, kt, v, add, keep, fill, scale, chain)
+        # SDPA's export scales both operands by sqrt(scale): (Q*c)(K^T*c) = Q K^T c^2
+        q, kq = self._peel_scale(q)
+        kt, kk = self._peel_scale(kt)
+        scale *= kq * kk
+        m = self._shapes(out_var, value, q, kt, v, add, keep, fill, scale, chain)
+        if m is None:
+            return why("shapes the kernel does not take (dtype, rank, symbolic heads or d, broadcast batch, mask dims)")
+        if guard is not None:
+            m.spec = replace(m.spec, nan_rows_zero=True)
+        return self._ungroup(m)
+
+    def no(self, softmax_var, reason: str) -> None:
+        """Record why the attention around `softmax_var` is not fused (find_attention logs it)."""
+        self.why[softmax_var] = reason
+        return None
+
+    def _nan_guard(self, probs):
+        """where(isnan(p), 0, p) over a softmax p (SDPA zeroes NaN rows so): (p, the isnan var), else None."""
+        c = self.call(probs, "relax.where")
+        if c is None or len(c.args) != 3 or _scalar_const(c.args[1]) != 0.0:
+            return None
+        cond, p = c.args[0], c.args[2]
+        isnan = self.call(cond, "relax.isnan")
+        if isnan is None or not isnan.args[0].same_as(p) or not self.once(cond) or self.uses.get(p, 0) != 2:
+            return None
+        return (p, cond) if self.call(p, "relax.nn.softmax") is not None else None
+
+    def _peel_scale(self, e):
+        """(x, k) when e = x * k, k * x or x / k for a scalar constant k used only here, else (e, 1)."""
+        c = self.call(e, "relax.multiply", "relax.divide")
+        if c is None or not self.once(e):
+            return e, 1.0
+        a, b = c.args
+        k = _scalar_const(b)
+        if k is None and c.op.name == "relax.multiply":
+            k, a = _scalar_const(a), b
+        if k is None or (c.op.name == "relax.divide" and k == 0) or not math.isfinite(k):
+            return e, 1.0
+        return a, (1.0 / k if c.op.name == "relax.divide" else k)
+
+    def _ungroup(self, m: _Match) -> _Match:
+        """Grouped-query attention: K and V each repeated from kv heads (expand_dims ->
+        broadcast_to -> reshape, HF's repeat_kv). The kernel reads the kv heads instead."""
+        if len(m.lead) != 2 or m.spec.v != "bhsd" or m.spec.k != "bhds":
+            return m
+        v = self._repeat_source(m.v)
+        x = self._kt_source(m.kt)
+        k = self._repeat_source(x) if x is not None else None
+        if v is None or k is None or v[1] != k[1] or m.spec.heads % v[1]:
+            if v is not None or k is not None:
+                _log.info("grouped-query attention: the key/value repeat is kept (K and V not both a repeat "
+                          "of the same kv heads)")
+            return m
+        m.v, m.k_src = v[0], k[0]
+        m.spec = replace(m.spec, kv_heads=v[1])
+        return m
+
+    def _repeat_source(self, e):
+        """(src (B, Hkv, S, d), Hkv) when e = reshape(broadcast_to(expand_dims(src, 2), (B, Hkv, g, S, d)), (B, Hkv*g, S, d))."""
+        r = self.call(e, "relax.reshape")
+        bc = self.call(r.args[0], "relax.broadcast_to") if r is not None else None
+        ed = self.call(bc.args[0], "relax.expand_dims") if bc is not None else None
+        if ed is None or [int(a) for a in ed.attrs.axis] != [2]:
+            return None
+        src, rs, bs = ed.args[0], _shape(e), _shape(r.args[0])
+        ss = _shape(src)
+        if ss is None or rs is None or bs is None or len(ss) != 4 or len(bs) != 5 or len(rs) != 4:
+            return None
+        hkv, g = _static(bs[1]), _static(bs[2])
+        if hkv is None or g is None or _static(ss[1]) != hkv or _static(rs[1]) != hkv * g:
+            return None
+        if not all(_same_dim(a, b) for a, b in ((ss[0], rs[0]), (ss[2], rs[2]), (ss[3], rs[3]))):
+            return None
+        return src, hkv
+
+    def _kt_source(self, kt):
+        """X (B, H, S, d) when kt = X^T on its last two axes (one permute, or the dynamo
+        exporter's reshape (B*H, S, d) -> permute -> reshape (B, H, d, S)), else None."""
+        p = self.call(kt, "relax.permute_dims")
+        if p is not None and p.attrs.axes is not None and [int(a) for a in p.attrs.axes] == [0, 1, 3, 2]:
+            return p.args[0]
+        r2 = self.call(kt, "relax.reshape")
+        p = self.call(r2.args[0], "relax.permute_dims") if r2 is not None else None
+        if p is None or p.attrs.axes is None or [int(a) for a in p.attrs.axes] != [0, 2, 1]:
+            return None
+        r1 = self.call(p.args[0], "relax.reshape")
+        if r1 is None:
+            return None
+        x, xs, ks = r1.args[0], _shape(r1.args[0]), _shape(kt)
+        if xs is None or ks is None or len(xs) != 4 or len(ks) != 4:
+            return None
+        same = all(_same_dim(a, b) for a, b in ((xs[0], ks[0]), (xs[1], ks[1]), (xs[2], ks[3]), (xs[3], ks[2])))
+        return x if same else None
 
     def _is_scores_side(self, e) -> bool:
         c = self.value(e)
@@ -731,6 +844,14 @@ def find_attention(func) -> tuple[list[_Match], list[_Heads]]:
         if m is not None:
             matches.append(m)
     groups, merged = _merge_heads(f, matches)
+    fused = {v for m in matches for v in m.chain}
+    for var, val in f.v2v.items():
+        if _is_call(val, "relax.nn.softmax") and var not in fused:
+            users = [u for _, u in f.users(var)]
+            default = ("its probabilities are reshaped before P V (a (batch*heads) rank-3 form around a "
+                       "rank-4 softmax, as BLOOM's ALiBi attention)" if users and _is_call(users[0], "relax.reshape")
+                       else "its probabilities do not feed one matmul with V [through where(isnan(p), 0, p)]")
+            _log.info("attention not fused: softmax %s: %s", var.name, f.why.get(var, default))
     return [m for m in matches if m.out not in merged], groups
 
 
@@ -818,7 +939,10 @@ class _Rewrite:
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 
     def single(self, m: _Match, visit):
-        args = [visit(m.q), visit(m.kt), visit(m.v)]
+        from tvm import relax
+
+        kt = self.bb.emit(relax.op.permute_dims(visit(m.k_src), [0, 1, 3, 2])) if m.k_src is not None else visit(m.kt)
+        args = [visit(m.q), kt, visit(m.v)]
         args += [visit(x) for x in (m.add, m.keep) if x is not None]
         return self.call(m.spec, args, m.out_shape)
 
