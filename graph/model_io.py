@@ -28,7 +28,7 @@ from .spec import Spec, spec_from_dict
 MAX_MODEL_BYTES = 4 << 30
 MAX_BOUND_DIM = 1 << 16
 MAX_INPUT_BYTES = 2 << 30  # random inputs beyond this are refused, not allocated
-DEFAULT_DIMS = {"batch": 2, "seq": 32, "kv_seq": 48}
+DEFAULT_DIMS = {"batch": 2, "seq": 32, "kv_seq": 48, "past": 16}  # past: --kv-cache's cached length
 
 NP_DTYPE = {
     TensorProto.FLOAT: "float32",
