@@ -1,0 +1,108 @@
+"""edge_app --decode N (run.sh --decode N) on the host: the C++ loop keeps the cache in
+the app's memory, gives the Python loop's outputs (a blockforge block) and ORT's greedy
+tokens (a tiny language model), and refuses what the Python loader refuses (a recorded
+pairing that differs from the signature's, a past bound at compile time) in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+
+from blockforge.deploy.package import PackageOptions, package_artifact
+from blockforge.graph.builders import build
+from blockforge.graph.spec import BlockSpec
+from conftest import run_cli, save_npz
+from decode_models import D, H, ort_greedy, tiny_lm
+
+SPEC = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
+
+if shutil.which("g++") is None or shutil.which("make") is None:
+    pytest.skip("edge_app needs make and g++ (Debian packages make, g++)", allow_module_level=True)
+
+
+def _package(tmp, onnx_path, shape: str):
+    art = tmp / "a.host"
+    res = run_cli("compile", str(onnx_path), "--target", "host", "--shape", shape, "-o", str(art))
+    assert res.rc == 0, res.err
+    return package_artifact(PackageOptions(art, output=tmp / "pkg", app=True)).path
+
+
+def _app(pkg, inputs: dict, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [str(pkg / "run.sh")]
+    for n, p in inputs.items():
+        cmd += ["--input", f"{n}={p}"]
+    return subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=300)
+
+
+def _npys(d, **arrays) -> dict:
+    for n, a in arrays.items():
+        np.save(d / f"{n}.npy", a)
+    return {n: d / f"{n}.npy" for n in arrays}
+
+
+@pytest.fixture(scope="module")
+def block_pkg(tmp_path_factory):
+    d = tmp_path_factory.mktemp("edge_decode")
+    onnx.save(build(SPEC)[0], str(d / "b.onnx"))
+    return _package(d, d / "b.onnx", "batch=1,seq=1")
+
+
+def test_block_loop_matches_python_loop(block_pkg, tmp_path):
+    x = np.random.default_rng(0).standard_normal((1, 1, D)).astype(np.float32)
+    empty = np.zeros((1, H, 0, D // H), np.float32)
+    res = _app(block_pkg, _npys(tmp_path, x=x, past_key=empty, past_value=empty), "--decode", "6",
+               "--output", str(tmp_path / "last.npy"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "step 5: past     5 + 1" in res.stdout and "ms/token" in res.stdout
+    py = run_cli("run", str(block_pkg), "--inputs", str(save_npz(tmp_path / "p.npz", x=x)), "--decode", "6",
+                 "--output", str(tmp_path / "py.npz"))
+    assert py.rc == 0, py.err
+    np.testing.assert_allclose(np.load(tmp_path / "last.npy"), np.load(tmp_path / "py.npz")["output"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_language_model_tokens_match_ort(tmp_path):
+    tiny_lm(tmp_path / "lm.onnx")
+    pkg = _package(tmp_path, tmp_path / "lm.onnx", "batch=1")
+    prompt = np.array([[3, 14, 15, 9]], np.int64)
+    empty = np.zeros((1, 1, 0, D), np.float32)
+    res = _app(pkg, _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 4), np.int64),
+                          position_ids=np.arange(4, dtype=np.int64)[None],
+                          **{"past_key_values.0.key": empty, "past_key_values.0.value": empty}), "--decode", "8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    want = ort_greedy(tmp_path / "lm.onnx", prompt, 8)
+    assert f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("case", ["swapped", "missing"])
+def test_hostile_decode_refused(block_pkg, tmp_path, case):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(block_pkg, pkg, symlinks=True)
+    m = json.loads((pkg / "manifest.json").read_text())
+    if case == "swapped":
+        m["decode"]["pairs"][0]["past"], m["decode"]["pairs"][1]["past"] = "past_value", "past_key"
+        words = "does not match the pairing"
+    else:
+        del m["decode"]
+        words = "records no cache pairing"
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    x = np.zeros((1, 1, D), np.float32)
+    empty = np.zeros((1, H, 0, D // H), np.float32)
+    res = _app(pkg, _npys(tmp_path, x=x, past_key=empty, past_value=empty), "--decode", "2")
+    errs = [ln for ln in res.stderr.splitlines() if ln.startswith("edge_app: error:")]
+    assert res.returncode == 2 and len(errs) == 1 and words in errs[0], res.stdout + res.stderr
+    assert "prompt:" not in res.stdout
+
+
+def test_fixed_past_refused(tmp_path):
+    onnx.save(build(SPEC)[0], str(tmp_path / "b.onnx"))
+    pkg = _package(tmp_path, tmp_path / "b.onnx", "batch=1,seq=1,past=3")
+    three = np.zeros((1, H, 3, D // H), np.float32)
+    res = _app(pkg, _npys(tmp_path, x=np.zeros((1, 1, D), np.float32), past_key=three, past_value=three),
+               "--decode", "2")
+    assert res.returncode == 2 and "past length is fixed at 3" in res.stderr, res.stdout + res.stderr
