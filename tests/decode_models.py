@@ -1,7 +1,12 @@
-"""Models for the decode-loop tests (tests/test_decode_loop.py, tests/test_edge_decode.py):
-a tiny language model with a cache, and ONNX Runtime's greedy loop over it."""
+"""What the decode-loop tests share (tests/test_decode_loop.py: the Python loader,
+tests/test_edge_decode.py: the C++ edge app): a tiny language model with a cache, ONNX
+Runtime's greedy loop over it, and one table of hostile 'decode' sections that both
+loaders must refuse with the same words."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 import onnx
@@ -71,3 +76,37 @@ def ort_greedy(path, prompt: np.ndarray, n: int) -> list[int]:
                      "past_key_values.0.value": v, "position_ids": feed["position_ids"][:, -1:] + 1,
                      "attention_mask": np.concatenate([feed["attention_mask"], np.ones((b, 1), np.int64)], 1)})
     return toks
+
+
+# (id, json path in manifest.json, value (None: delete), words of the refusal)
+SWAPPED = {"pairs": [{"present": "present_value", "past": "past_key", "axis": 2},
+                     {"present": "present_key", "past": "past_value", "axis": 2}], "tokens": None}
+HOSTILE = [
+    ("swapped", ["decode"], SWAPPED, "does not match the pairing"),
+    ("axis", ["decode", "pairs", 0, "axis"], 1, "does not match the pairing"),
+    ("axis-type", ["decode", "pairs", 0, "axis"], "2", "'pairs' entry 0 must be"),
+    ("unknown-output", ["decode", "pairs", 0, "present"], "output", "does not match the pairing"),
+    ("not-object", ["decode"], [1, 2], "must be an object"),
+    ("empty-pairs", ["decode", "pairs"], [], "non-empty list"),
+    ("extra-key", ["decode", "pairs", 0, "evil"], 1, "'pairs' entry 0 must be"),
+    ("tokens", ["decode", "tokens"], {"logits": "output", "input_ids": "x"}, "'tokens' must be null"),
+    ("tokens-invented", ["decode", "tokens"], {"logits": "output", "input_ids": "x", "attention_mask": None,
+                                               "position_ids": None}, "does not match the pairing"),
+    ("missing", ["decode"], None, "records no cache pairing"),
+]
+
+
+def with_decode_section(artifact, dest, case):
+    """A copy of `artifact` at `dest` with one HOSTILE case applied to manifest.json."""
+    _, path, value, _ = case
+    shutil.copytree(artifact, dest, symlinks=True)
+    m = json.loads((dest / "manifest.json").read_text())
+    doc = m
+    for k in path[:-1]:
+        doc = doc[k]
+    if value is None:
+        del doc[path[-1]]
+    else:
+        doc[path[-1]] = value
+    (dest / "manifest.json").write_text(json.dumps(m))
+    return dest

@@ -7,7 +7,6 @@ and the refusals: a past bound at compile time, hostile 'decode' sections."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import onnx
@@ -19,7 +18,7 @@ from blockforge.graph.builders import build
 from blockforge.graph.oracle import reference_outputs
 from blockforge.graph.spec import BlockSpec
 from conftest import assert_user_error, run_cli, save_npz
-from decode_models import D, H, ort_greedy, tiny_lm
+from decode_models import D, H, HOSTILE, ort_greedy, tiny_lm, with_decode_section
 
 SPEC = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
 
@@ -133,36 +132,8 @@ def test_usage_errors(block_artifact, tmp_path):
 
 # ------------------------------------------------------------------ hostile 'decode' sections
 
-SWAPPED = {"pairs": [{"present": "present_value", "past": "past_key", "axis": 2},
-                     {"present": "present_key", "past": "past_value", "axis": 2}], "tokens": None}
-HOSTILE = [
-    ("swapped", ["decode"], SWAPPED, "does not match the pairing"),
-    ("axis", ["decode", "pairs", 0, "axis"], 1, "does not match the pairing"),
-    ("axis-type", ["decode", "pairs", 0, "axis"], "2", "'pairs' entry 0 must be"),
-    ("unknown-output", ["decode", "pairs", 0, "present"], "output", "does not match the pairing"),
-    ("not-object", ["decode"], [1, 2], "must be an object"),
-    ("empty-pairs", ["decode", "pairs"], [], "non-empty list"),
-    ("extra-key", ["decode", "pairs", 0, "evil"], 1, "'pairs' entry 0 must be"),
-    ("tokens", ["decode", "tokens"], {"logits": "output", "input_ids": "x"}, "'tokens' must be null"),
-    ("tokens-invented", ["decode", "tokens"], {"logits": "output", "input_ids": "x", "attention_mask": None,
-                                               "position_ids": None}, "does not match the pairing"),
-    ("missing", ["decode"], None, "records no cache pairing"),
-]
-
-
 @pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
 def test_hostile_decode_section(block_artifact, tmp_path, case):
-    _, path, value, words = case
-    art = tmp_path / "a"
-    shutil.copytree(block_artifact, art)
-    m = json.loads((art / "manifest.json").read_text())
-    doc = m
-    for k in path[:-1]:
-        doc = doc[k]
-    if value is None:
-        del doc[path[-1]]
-    else:
-        doc[path[-1]] = value
-    (art / "manifest.json").write_text(json.dumps(m))
+    art = with_decode_section(block_artifact, tmp_path / "a", case)
     prompt = save_npz(tmp_path / "p.npz", x=np.zeros((1, 1, D), np.float32))
-    assert_user_error(run_cli("run", str(art), "--inputs", str(prompt), "--decode", "2"), words)
+    assert_user_error(run_cli("run", str(art), "--inputs", str(prompt), "--decode", "2"), case[3])

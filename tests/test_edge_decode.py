@@ -5,7 +5,6 @@ pairing that differs from the signature's, a past bound at compile time) in one 
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 
@@ -17,7 +16,7 @@ from blockforge.deploy.package import PackageOptions, package_artifact
 from blockforge.graph.builders import build
 from blockforge.graph.spec import BlockSpec
 from conftest import run_cli, save_npz
-from decode_models import D, H, ort_greedy, tiny_lm
+from decode_models import D, H, HOSTILE, ort_greedy, tiny_lm, with_decode_section
 
 SPEC = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
 
@@ -79,23 +78,15 @@ def test_language_model_tokens_match_ort(tmp_path):
     assert f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout
 
 
-@pytest.mark.parametrize("case", ["swapped", "missing"])
+@pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
 def test_hostile_decode_refused(block_pkg, tmp_path, case):
-    pkg = tmp_path / "pkg"
-    shutil.copytree(block_pkg, pkg, symlinks=True)
-    m = json.loads((pkg / "manifest.json").read_text())
-    if case == "swapped":
-        m["decode"]["pairs"][0]["past"], m["decode"]["pairs"][1]["past"] = "past_value", "past_key"
-        words = "does not match the pairing"
-    else:
-        del m["decode"]
-        words = "records no cache pairing"
-    (pkg / "manifest.json").write_text(json.dumps(m))
+    """The Python loader's table (tests/decode_models.py), refused with the same words."""
+    pkg = with_decode_section(block_pkg, tmp_path / "pkg", case)
     x = np.zeros((1, 1, D), np.float32)
     empty = np.zeros((1, H, 0, D // H), np.float32)
     res = _app(pkg, _npys(tmp_path, x=x, past_key=empty, past_value=empty), "--decode", "2")
     errs = [ln for ln in res.stderr.splitlines() if ln.startswith("edge_app: error:")]
-    assert res.returncode == 2 and len(errs) == 1 and words in errs[0], res.stdout + res.stderr
+    assert res.returncode == 2 and len(errs) == 1 and case[3] in errs[0], res.stdout + res.stderr
     assert "prompt:" not in res.stdout
 
 
