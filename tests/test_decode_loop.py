@@ -137,3 +137,25 @@ def test_hostile_decode_section(block_artifact, tmp_path, case):
     art = with_decode_section(block_artifact, tmp_path / "a", case)
     prompt = save_npz(tmp_path / "p.npz", x=np.zeros((1, 1, D), np.float32))
     assert_user_error(run_cli("run", str(art), "--inputs", str(prompt), "--decode", "2"), case[3])
+
+
+def test_ctrl_c_ends_with_one_line(block_artifact, tmp_path):
+    """SIGINT mid-loop: exit 130, the one line every verb ends with, nothing half-written."""
+    import signal
+    import subprocess
+    import sys
+
+    prompt = save_npz(tmp_path / "p.npz", x=np.zeros((1, 1, D), np.float32))
+    p = subprocess.Popen([sys.executable, "-m", "blockforge", "run", str(block_artifact), "--inputs", str(prompt),
+                          "--decode", "60000", "--json", str(tmp_path / "d.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in p.stdout:
+            if "step 5:" in line:
+                break
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and err == "blockforge: interrupted\n", err
+    assert not (tmp_path / "d.json").exists()
