@@ -5,6 +5,7 @@ pairing that differs from the signature's, a past bound at compile time) in one 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -17,6 +18,7 @@ from blockforge.graph.builders import build
 from blockforge.graph.spec import BlockSpec
 from conftest import run_cli, save_npz
 from decode_models import D, H, HOSTILE, ort_greedy, tiny_lm, with_decode_section
+from test_edge import QEMU, needs_aarch64_gxx, needs_qemu
 
 SPEC = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
 
@@ -24,15 +26,15 @@ if shutil.which("g++") is None or shutil.which("make") is None:
     pytest.skip("edge_app needs make and g++ (Debian packages make, g++)", allow_module_level=True)
 
 
-def _package(tmp, onnx_path, shape: str):
-    art = tmp / "a.host"
-    res = run_cli("compile", str(onnx_path), "--target", "host", "--shape", shape, "-o", str(art))
+def _package(tmp, onnx_path, shape: str, target: str = "host"):
+    art = tmp / f"a.{target}"
+    res = run_cli("compile", str(onnx_path), "--target", target, "--shape", shape, "-o", str(art))
     assert res.rc == 0, res.err
     return package_artifact(PackageOptions(art, output=tmp / "pkg", app=True)).path
 
 
-def _app(pkg, inputs: dict, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [str(pkg / "run.sh")]
+def _app(pkg, inputs: dict, *extra: str, emulate: bool = False) -> subprocess.CompletedProcess:
+    cmd = [*QEMU, str(pkg / "bin" / "edge_app"), str(pkg)] if emulate else [str(pkg / "run.sh")]
     for n, p in inputs.items():
         cmd += ["--input", f"{n}={p}"]
     return subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=300)
@@ -65,17 +67,30 @@ def test_block_loop_matches_python_loop(block_pkg, tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_language_model_tokens_match_ort(tmp_path):
+def _lm_tokens_match_ort(tmp_path, target: str, emulate: bool) -> None:
     tiny_lm(tmp_path / "lm.onnx")
-    pkg = _package(tmp_path, tmp_path / "lm.onnx", "batch=1")
+    pkg = _package(tmp_path, tmp_path / "lm.onnx", "batch=1", target)
     prompt = np.array([[3, 14, 15, 9]], np.int64)
     empty = np.zeros((1, 1, 0, D), np.float32)
     res = _app(pkg, _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 4), np.int64),
                           position_ids=np.arange(4, dtype=np.int64)[None],
-                          **{"past_key_values.0.key": empty, "past_key_values.0.value": empty}), "--decode", "8")
+                          **{"past_key_values.0.key": empty, "past_key_values.0.value": empty}), "--decode", "8",
+               emulate=emulate)
     assert res.returncode == 0, res.stdout + res.stderr
     want = ort_greedy(tmp_path / "lm.onnx", prompt, 8)
     assert f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout
+
+
+def test_language_model_tokens_match_ort(tmp_path):
+    _lm_tokens_match_ort(tmp_path, "host", emulate=False)
+
+
+@needs_aarch64_gxx
+@needs_qemu
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="emulates aarch64 on an x86_64 host")
+def test_language_model_tokens_match_ort_aarch64_under_qemu(tmp_path):
+    # The first run cross-builds the TVM runtime (minutes), as test_edge.py's aarch64 tests.
+    _lm_tokens_match_ort(tmp_path, "aarch64-linux", emulate=True)
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
