@@ -27,6 +27,7 @@ from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
 
 from . import manifest as manifest_io
+from .decode import pairing as decode_pairing
 from .records import open_for_apply
 from .session import open_model
 
@@ -158,6 +159,9 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),
         }
+        decode = decode_pairing.record(manifest["inputs"], manifest["outputs"])
+        if decode:  # present output -> past input of the next step (compile/decode/pairing.py)
+            manifest["decode"] = decode
         data = json_bytes(manifest)
         manifest_io.parse_manifest(data, f"{dest}/{manifest_io.NAME}")  # what the loaders will check, whole
         atomic_write_bytes(tmp / manifest_io.NAME, data)

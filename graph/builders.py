@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import blockforge
 
-from .spec import GELU_OPSET, BlockSpec, FFNSpec, MHASpec, Spec
+from .spec import GELU_OPSET, PAST_DIM, TOTAL_DIM, BlockSpec, FFNSpec, MHASpec, Spec
 from .weights import Weights, make_weights
 
 # onnx 1.23 writes IR 14; onnxruntime 1.31 accepts <= 13. IR 10 covers opsets up to 21.
@@ -85,19 +85,40 @@ def _mask_fill(dtype: str) -> float:
     return float(np.finfo(dtype).min)
 
 
-def _causal_allowed(g: _Graph, query: str) -> str:
+PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE = "past_key", "past_value", "present_key", "present_value"
+
+
+def _causal_allowed(g: _Graph, query: str, keys: str | None = None, key_axis: int = 1) -> str:
     """(S, S) bool, True where key j <= query i. Built in-graph so it follows a symbolic seq;
-    Shape -> ConstantOfShape -> Trilu keeps the shape symbolic in TVM's importer (Range does not)."""
+    Shape -> ConstantOfShape -> Trilu keeps the shape symbolic in TVM's importer (Range does not).
+
+    With a cache (`keys`: the P+S cached and new keys, sequence on `key_axis`), (S, T) with
+    T = P+S: query i sits at absolute position P+i and sees keys j <= P+i. TVM's importer does
+    no arithmetic on shapes (no P = T - S), nor keeps the shape through a reversing Slice, so
+    positions are counted from the end instead: a reversed CumSum of ones gives T-j and S-i,
+    and j <= i + (T-S) is exactly T-j >= S-i."""
     s = g.op("Shape", [query], "causal/seq_len", start=1, end=2)  # (1,) = [S]
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    if keys is not None:
+        t = g.op("Shape", [keys], "causal/total_len", start=key_axis, end=key_axis + 1)  # (1,) = [T]
+        axis = g.init("causal/axis", np.array(0, np.int64))
+        to_end = {}
+        for n, length in (("query", s), ("key", t)):
+            ones = g.op("ConstantOfShape", [length], f"causal/{n}_ones", value=one)  # (S,) | (T,)
+            to_end[n] = g.op("CumSum", [ones, axis], f"causal/{n}_to_end", reverse=1)  # S-i | T-j
+        col = g.init("causal/column", np.array([1], np.int64))
+        rows = g.op("Unsqueeze", [to_end["query"], col], "causal/query_rows")  # (S, 1)
+        return g.op("GreaterOrEqual", [to_end["key"], rows], "causal/allowed")  # (S, T)
     ss = g.op("Concat", [s, s], "causal/square", axis=0)  # (2,) = [S, S]
     ones = g.op("ConstantOfShape", [ss], "causal/ones",
                 value=helper.make_tensor("true", TensorProto.BOOL, [1], [True]))  # (S, S)
     return g.op("Trilu", [ones], "causal/allowed", upper=0)  # (S, S), lower triangle
 
 
-def _attention_mask(g: _Graph, spec: MHASpec, query: str, mask_axes: list[int]) -> tuple[str | None, str | None]:
+def _attention_mask(g: _Graph, spec: MHASpec, query: str, mask_axes: list[int],
+                    keys: str | None = None, key_axis: int = 1) -> tuple[str | None, str | None]:
     """Returns (allowed, additive): a bool mask for Where and/or a float mask to Add."""
-    allowed = _causal_allowed(g, query) if spec.causal else None
+    allowed = _causal_allowed(g, query, keys, key_axis) if spec.causal else None
     additive = None
     if spec.mask is not None:
         axes = g.init("mask/axes", np.array(mask_axes, np.int64))
@@ -127,28 +148,65 @@ def _mha_inputs(g: _Graph, spec: MHASpec) -> tuple[str, str, str]:
         g.input("key_padding_mask", [b, kv], TensorProto.BOOL)
     elif spec.mask == "additive":
         g.input("key_padding_mask", [b, kv])
+    if spec.kv_cache:
+        _cache_inputs(g, spec)
     return q, k, v
+
+
+def _cache_inputs(g: _Graph, spec: MHASpec) -> None:
+    """past_key / past_value: (B, h, P, d_k), the keys and values of the P earlier positions."""
+    b, _ = _dims(spec)
+    for name in (PAST_KEY, PAST_VALUE):
+        g.input(name, [b, spec.heads, PAST_DIM, spec.d_k])
+
+
+def _cache_outputs(spec: Spec) -> list:
+    b, _ = _dims(spec)
+    h, dk = (spec.heads, spec.d_model // spec.heads)
+    return [helper.make_tensor_value_info(n, ONNX_DTYPE[spec.dtype], [b, h, TOTAL_DIM, dk])
+            for n in (PRESENT_KEY, PRESENT_VALUE)]
 
 
 def _mha_per_head(g: _Graph, spec: MHASpec, w: Weights, q_in: str, k_in: str, v_in: str, prefix: str) -> str:
     """The seed, literally: h separate attentions over d_model x d_k projections."""
     scale = g.const(f"{prefix}sqrt_d_k", math.sqrt(spec.d_k))
-    allowed, additive = _attention_mask(g, spec, q_in, [1])
-    heads = []
+    if not spec.kv_cache:
+        allowed, additive = _attention_mask(g, spec, q_in, [1])
+    heads, cached_k, cached_v = [], [], []
     for i in range(spec.heads):
         p = f"{prefix}head_{i}"
         bias = (lambda n: w[n][i]) if spec.bias else (lambda n: None)
         q = g.linear(q_in, w["W_Q"][i], bias("b_Q"), f"{p}/q_proj")  # (B, S, d_k)
         k = g.linear(k_in, w["W_K"][i], bias("b_K"), f"{p}/k_proj")  # (B, S_kv, d_k)
         v = g.linear(v_in, w["W_V"][i], bias("b_V"), f"{p}/v_proj")  # (B, S_kv, d_k)
+        if spec.kv_cache:  # K_i = Concat(past_K_i, X W_K^(i)), V_i likewise
+            k, v = (_per_head_cache(g, spec, past, new, i, f"{p}/{kv}")
+                    for past, new, kv in ((PAST_KEY, k, "k"), (PAST_VALUE, v, "v")))  # (B, P+S, d_k)
+            cached_k.append(k)
+            cached_v.append(v)
+            if i == 0:  # the causal mask spans the cached keys: (S, P+S)
+                allowed, additive = _attention_mask(g, spec, q_in, [1], k, 1)
         kt = g.op("Transpose", [k], f"{p}/k_transpose", perm=[0, 2, 1])  # (B, d_k, S_kv)
         s = g.op("MatMul", [q, kt], f"{p}/scores")  # (B, S, S_kv)
         s = g.op("Div", [s, scale], f"{p}/scale")  # (B, S, S_kv)
         s = _apply_mask(g, s, allowed, additive, p)
         a = g.op("Softmax", [s], f"{p}/softmax", axis=-1)  # (B, S, S_kv)
         heads.append(g.op("MatMul", [a, v], f"{p}/context"))  # (B, S, d_k)
+    if spec.kv_cache:  # present_key = the K_i stacked on the head axis (B, h, P+S, d_k)
+        axis = g.init(f"{prefix}present/head_axis", np.array([1], np.int64))
+        for name, parts in ((PRESENT_KEY, cached_k), (PRESENT_VALUE, cached_v)):
+            stacked = [g.op("Unsqueeze", [t, axis], f"{t}/as_head") for t in parts]  # (B, 1, P+S, d_k)
+            g.op("Concat", stacked, name, axis=1)  # (B, h, P+S, d_k)
     concat = g.op("Concat", heads, f"{prefix}concat_heads", axis=-1)  # (B, S, h*d_k)
     return g.linear(concat, w["W_O"], w.get("b_O"), f"{prefix}out_proj")  # (B, S, d_model)
+
+
+def _per_head_cache(g: _Graph, spec: MHASpec, past: str, new: str, i: int, p: str) -> str:
+    """Concat(past[:, i], new) along the sequence: (B, P, d_k) + (B, S, d_k) -> (B, P+S, d_k)."""
+    head = f"{p}_cache/head_index"
+    g.inits.append(numpy_helper.from_array(np.array(i, np.int64), head))  # 0-d: Gather drops the head axis
+    cached = g.op("Gather", [past, head], f"{p}_cache/past", axis=1)  # (B, P, d_k)
+    return g.op("Concat", [cached, new], f"{p}_cache", axis=1)  # (B, P+S, d_k)
 
 
 def _packed(w: np.ndarray) -> np.ndarray:
@@ -163,7 +221,8 @@ def _mha_packed(g: _Graph, spec: MHASpec, w: Weights, q_in: str, k_in: str, v_in
     scale = g.const(f"{prefix}sqrt_d_k", math.sqrt(dk))
     split = g.init(f"{prefix}split_heads_shape", np.array([0, 0, h, dk], np.int64))
     merge = g.init(f"{prefix}merge_heads_shape", np.array([0, 0, h * dk], np.int64))
-    allowed, additive = _attention_mask(g, spec, q_in, [1, 2])
+    if not spec.kv_cache:
+        allowed, additive = _attention_mask(g, spec, q_in, [1, 2])
     b = (lambda n: w[n].reshape(-1)) if spec.bias else (lambda n: None)
     q = g.linear(q_in, _packed(w["W_Q"]), b("b_Q"), f"{prefix}q_proj")  # (B, S, h*d_k)
     k = g.linear(k_in, _packed(w["W_K"]), b("b_K"), f"{prefix}k_proj")  # (B, S_kv, h*d_k)
@@ -172,8 +231,15 @@ def _mha_packed(g: _Graph, spec: MHASpec, w: Weights, q_in: str, k_in: str, v_in
     k = g.op("Reshape", [k, split], f"{prefix}k/split_heads")  # (B, S_kv, h, d_k)
     v = g.op("Reshape", [v, split], f"{prefix}v/split_heads")  # (B, S_kv, h, d_k)
     q = g.op("Transpose", [q], f"{prefix}q/heads_first", perm=[0, 2, 1, 3])  # (B, h, S, d_k)
-    kt = g.op("Transpose", [k], f"{prefix}k/heads_first_transposed", perm=[0, 2, 3, 1])  # (B, h, d_k, S_kv)
     v = g.op("Transpose", [v], f"{prefix}v/heads_first", perm=[0, 2, 1, 3])  # (B, h, S_kv, d_k)
+    if not spec.kv_cache:
+        kt = g.op("Transpose", [k], f"{prefix}k/heads_first_transposed", perm=[0, 2, 3, 1])  # (B, h, d_k, S_kv)
+    else:  # K = Concat(past_K, X W_K) on the sequence axis: it is present_key
+        k = g.op("Transpose", [k], f"{prefix}k/heads_first", perm=[0, 2, 1, 3])  # (B, h, S, d_k)
+        k = g.op("Concat", [PAST_KEY, k], PRESENT_KEY, axis=2)  # (B, h, P+S, d_k)
+        v = g.op("Concat", [PAST_VALUE, v], PRESENT_VALUE, axis=2)  # (B, h, P+S, d_k)
+        kt = g.op("Transpose", [k], f"{prefix}k/transposed", perm=[0, 1, 3, 2])  # (B, h, d_k, P+S)
+        allowed, additive = _attention_mask(g, spec, q_in, [1, 2], k, 2)
     s = g.op("MatMul", [q, kt], f"{prefix}attn/scores")  # (B, h, S, S_kv)
     s = g.op("Div", [s, scale], f"{prefix}attn/scale")  # (B, h, S, S_kv)
     s = _apply_mask(g, s, allowed, additive, f"{prefix}attn")
@@ -201,8 +267,13 @@ def _mha_attention_op(g: _Graph, spec: MHASpec, w: Weights, q_in: str, k_in: str
         one = g.init("mask/one", np.array([1], np.int64))
         rows = g.op("Concat", [one, one, s, one], "mask/rows", axis=0)  # (4,) = [1, 1, S, 1]
         inputs.append(g.op("Expand", [m, rows], "mask/per_query"))  # (B, 1, S, S_kv)
-    c = g.op("Attention", inputs, f"{prefix}attention", q_num_heads=spec.heads, kv_num_heads=spec.heads,
-             is_causal=int(spec.causal))  # (B, S, h*d_k)
+    attrs = dict(q_num_heads=spec.heads, kv_num_heads=spec.heads, is_causal=int(spec.causal))
+    if spec.kv_cache:  # the op's own cache inputs (4, 5) and outputs (1, 2): (B, h, P[+S], d_k)
+        c = f"{prefix}attention"
+        inputs += [""] * (4 - len(inputs)) + [PAST_KEY, PAST_VALUE]
+        g.nodes.append(helper.make_node("Attention", inputs, [c, PRESENT_KEY, PRESENT_VALUE], name=c, **attrs))
+    else:
+        c = g.op("Attention", inputs, f"{prefix}attention", **attrs)  # (B, S, h*d_k)
     return g.linear(c, w["W_O"], w.get("b_O"), f"{prefix}out_proj")  # (B, S, d_model)
 
 
@@ -250,7 +321,8 @@ def _layer_norm(g: _Graph, x: str, w: Weights, name: str, eps: float) -> str:
 
 def _out(spec: Spec, name: str = "output") -> list:
     b, s = _dims(spec)
-    return [helper.make_tensor_value_info(name, ONNX_DTYPE[spec.dtype], [b, s, spec.d_model])]
+    out = [helper.make_tensor_value_info(name, ONNX_DTYPE[spec.dtype], [b, s, spec.d_model])]
+    return out + (_cache_outputs(spec) if getattr(spec, "kv_cache", False) else [])
 
 
 def _named_output(g: _Graph, y: str) -> None:
@@ -282,6 +354,8 @@ def build_block(spec: BlockSpec, weights: Weights | None = None) -> tuple[onnx.M
     b, s = _dims(spec)
     x = g.input("x", [b, s, spec.d_model])
     mha, ffn = spec.mha_spec(), spec.ffn_spec()
+    if spec.kv_cache:
+        _cache_inputs(g, mha)
     if spec.norm == "pre":  # y = h + FFN(LN2(h)),  h = x + MHA(LN1(x))
         a = _layer_norm(g, x, w, "ln1", spec.eps)
         h = g.op("Add", [x, _mha(g, mha, mw, a, a, a, "mha/")], "residual1")

@@ -28,7 +28,7 @@ from .spec import Spec, spec_from_dict
 MAX_MODEL_BYTES = 4 << 30
 MAX_BOUND_DIM = 1 << 16
 MAX_INPUT_BYTES = 2 << 30  # random inputs beyond this are refused, not allocated
-DEFAULT_DIMS = {"batch": 2, "seq": 32, "kv_seq": 48}
+DEFAULT_DIMS = {"batch": 2, "seq": 32, "kv_seq": 48, "past": 16}  # past: --kv-cache's cached length
 
 NP_DTYPE = {
     TensorProto.FLOAT: "float32",
@@ -306,8 +306,10 @@ def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, see
     return out
 
 
-def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: str = "inputs") -> dict[str, int]:
-    """Names, dtypes and shapes against the signature; returns the symbol bindings found."""
+def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: str = "inputs",
+                 may_be_empty: frozenset = frozenset()) -> dict[str, int]:
+    """Names, dtypes and shapes against the signature; returns the symbol bindings found.
+    may_be_empty: symbolic dims that may be 0 (a decode loop's empty cache, P = 0)."""
     want = {s.name for s in sigs}
     missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
     if missing or extra:
@@ -324,7 +326,7 @@ def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: st
         for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
             if isinstance(d, int) and got != d:
                 raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects {list(s.dims)} (axis {axis})")
-            if not isinstance(d, int) and not 0 < got <= MAX_BOUND_DIM:
+            if not isinstance(d, int) and not (0 if d in may_be_empty else 1) <= got <= MAX_BOUND_DIM:
                 # the --shape bound, and the C++ edge app's: a symbolic dim sizes what the
                 # model allocates inside (attention is quadratic in seq)
                 raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}: dim {d or axis!r} is {got}, "

@@ -27,6 +27,9 @@ ATTENTION_OPSETS = (23, 24)
 # typo like --d-model 1000000 from allocating tens of GB before anything fails.
 MAX_PARAM_BYTES = 1536 << 20  # also keeps the model under protobuf's 2 GiB
 MAX_DIM = 1 << 16
+# --kv-cache: the cached key/value length is the symbolic dim "past"; present_* grow to
+# "total_seq" (= past + seq, a name only: ONNX has no dim arithmetic).
+PAST_DIM, TOTAL_DIM = "past", "total_seq"
 
 
 def _check_dim(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -96,6 +99,17 @@ class Common:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+def _check_kv_cache(spec) -> None:
+    if not isinstance(spec.kv_cache, bool):
+        raise BlockforgeError(f"kv_cache must be true or false, got {spec.kv_cache!r}")
+    if spec.kv_cache and spec.cross:
+        raise BlockforgeError("a key/value cache is for self-attention (the cached keys are this sequence's "
+                              "earlier positions); drop --kv-cache or --kv-seq/--cross")
+    if spec.kv_cache and spec.mask is not None:
+        raise BlockforgeError("--mask with --kv-cache is not supported (the padding mask would have to span "
+                              "past + seq); drop one of them")
+
+
 @dataclass(frozen=True)
 class MHASpec(Common):
     """Multi-Head Attention: Concat(head_1..head_h) W_O, head_i = Attention(qW_Q^i, kW_K^i, vW_V^i)."""
@@ -107,6 +121,7 @@ class MHASpec(Common):
     mask: str | None = None  # key-padding mask input: None | "additive" | "bool"
     bias: bool = True
     layout: str = "per-head"
+    kv_cache: bool = False  # past_key/past_value in, present_key/present_value out (decoding)
 
     kind = "mha"
 
@@ -126,6 +141,7 @@ class MHASpec(Common):
         _check_choice("layout", self.layout, LAYOUTS)
         if not isinstance(self.bias, bool):
             raise BlockforgeError(f"bias must be true or false, got {self.bias!r}")
+        _check_kv_cache(self)
         self._check_param_budget()
 
     @property
@@ -169,6 +185,8 @@ class BlockSpec(Common):
     causal: bool = False
     layout: str = "per-head"
     eps: float = 1e-5
+    kv_cache: bool = False
+
 
     kind = "block"
 
@@ -192,7 +210,7 @@ class BlockSpec(Common):
 
     def mha_spec(self) -> MHASpec:
         return MHASpec(**self._common(), seed=self.seed, heads=self.heads,
-                       causal=self.causal, layout=self.layout, bias=True)
+                       causal=self.causal, layout=self.layout, bias=True, kv_cache=self.kv_cache)
 
     def ffn_spec(self) -> FFNSpec:
         return FFNSpec(**self._common(), seed=self.seed + 1, d_ff=self.d_ff,

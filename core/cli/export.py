@@ -23,6 +23,9 @@ def add(sub) -> None:
     p.add_argument("--cross", action="store_true", help="cross-attention: key/value get their own length")
     p.add_argument("--kv-seq", type=int, default=None, help="static key/value length (implies --cross)")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="mha/block: past_key/past_value inputs (B, h, past, d_k) and present_key/present_value "
+                        "outputs (B, h, past+seq, d_k), for decoding")
     p.add_argument("--mask", choices=[m for m in S.MASKS if m], default=None, help="add a key_padding_mask input")
     p.add_argument("--no-bias", action="store_true")
     p.add_argument("--layout", choices=list(S.LAYOUTS), default=mha["layout"])
@@ -41,16 +44,19 @@ def add(sub) -> None:
 
 
 def spec_from_args(a):
+    from blockforge.errors import BlockforgeError
     from blockforge.graph.spec import BlockSpec, FFNSpec, MHASpec
 
     common = dict(d_model=a.d_model, dtype=a.dtype, opset=a.opset, seed=a.seed, batch=a.batch, seq=a.seq)
     if a.kind == "mha":
         return MHASpec(**common, heads=a.heads, cross=a.cross, kv_seq=a.kv_seq, causal=a.causal,
-                       mask=a.mask, bias=not a.no_bias, layout=a.layout)
+                       mask=a.mask, bias=not a.no_bias, layout=a.layout, kv_cache=a.kv_cache)
     if a.kind == "ffn":
+        if a.kv_cache:
+            raise BlockforgeError("--kv-cache is for mha and block (an FFN has no attention to cache)")
         return FFNSpec(**common, d_ff=a.d_ff, **({"activation": a.activation} if a.activation else {}))
     return BlockSpec(**common, heads=a.heads, d_ff=a.d_ff, **({"activation": a.activation} if a.activation else {}),
-                     norm=a.norm, causal=a.causal, layout=a.layout)
+                     norm=a.norm, causal=a.causal, layout=a.layout, kv_cache=a.kv_cache)
 
 
 def run(a) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_force, check_outputs
+from .common import add_force, check_outputs, write_json
 
 # numpy cannot read back what np.savez writes for ml_dtypes arrays (bfloat16, float8_*,
 # int4, ...: they load as raw void bytes), so such an output is stored as its bits:
@@ -17,8 +17,13 @@ def add(sub) -> None:
                                    "written as their raw bits under '<name>.<dtype>_bits' (uint8/uint16); "
                                    "view them with ml_dtypes: z['y.bfloat16_bits'].view(ml_dtypes.bfloat16).")
     p.add_argument("artifact")
-    p.add_argument("--inputs", required=True)
-    p.add_argument("--output", required=True)
+    p.add_argument("--inputs", required=True, help=".npz of named inputs (with --decode: the prompt)")
+    p.add_argument("--output", default=None, help=".npz of the outputs (with --decode: of the last call; optional)")
+    p.add_argument("--decode", type=int, default=None, metavar="N",
+                   help="run N calls, feeding each call's present outputs back as the next call's past inputs "
+                        "(the pairing recorded in the manifest); for a model with logits and input_ids the argmax "
+                        "token is appended (greedy). Past inputs left out of --inputs start empty")
+    p.add_argument("--json", default=None, help="with --decode: per-token latency and the tokens as JSON here")
     add_force(p)
     p.set_defaults(func=run)
 
@@ -47,17 +52,31 @@ def run(a) -> int:
     import numpy as np
 
     from blockforge.compile import load_artifact
+    from blockforge.compile.decode import DecodeOptions
+    from blockforge.errors import BlockforgeError
     from blockforge.fsutil import atomic_write_bytes, write_error
     from blockforge.graph.model_io import load_npz
     from blockforge.logs import native_output_to_log
 
-    check_outputs(a, [a.artifact, a.inputs], output=a.output)
+    if a.decode is None:
+        if a.output is None:
+            raise BlockforgeError("--output is required (unless --decode)")
+        if a.json is not None:
+            raise BlockforgeError("--json is for --decode")
+    else:
+        DecodeOptions(a.decode)  # the range check before anything is loaded
+    check_outputs(a, [a.artifact, a.inputs], output=a.output, json=a.json)
     inputs = load_npz(a.inputs)
     mod = load_artifact(a.artifact)
-    with native_output_to_log():
-        t0 = time.perf_counter()
-        outs = mod.run(inputs)
-        dt = time.perf_counter() - t0
+    if a.decode is not None:
+        outs = run_decode(a, mod, inputs)
+        if a.output is None:
+            return 0
+    else:
+        with native_output_to_log():
+            t0 = time.perf_counter()
+            outs = mod.run(inputs)
+            dt = time.perf_counter() - t0
     stored = npz_entries(outs)
     buf = io.BytesIO()
     np.savez(buf, **stored)
@@ -65,5 +84,31 @@ def run(a) -> int:
         atomic_write_bytes(a.output, buf.getvalue())
     except OSError as e:
         raise write_error(a.output, e) from None
-    print(f"ran {a.artifact} in {dt * 1e3:.2f} ms -> {a.output} ({', '.join(f'{k} {v.shape}' for k, v in stored.items())})")
+    if a.decode is None:
+        print(f"ran {a.artifact} in {dt * 1e3:.2f} ms -> {a.output} "
+              f"({', '.join(f'{k} {v.shape}' for k, v in stored.items())})")
+    else:
+        print(f"wrote the last call's outputs to {a.output}")
     return 0
+
+
+def run_decode(a, mod, inputs: dict) -> dict:
+    """The loop, one line per call as it runs; a summary, and --json."""
+    from blockforge.compile.decode import DecodeOptions, decode
+
+    def line(r) -> None:
+        tok = "" if r.token is None else f"  token {' '.join(map(str, r.token))}"
+        what = "prompt" if r.step == 0 else f"step {r.step}"
+        print(f"{what:>9}: past {r.past:>5} + {r.seq}  {r.ms:8.3f} ms (call {r.call_ms:.3f} ms){tok}", flush=True)
+
+    # not under native_output_to_log: that redirects stdout, where each step's line goes as it runs
+    res = decode(mod, inputs, DecodeOptions(a.decode), on_step=line)
+    d = res.to_dict()
+    if d["step_ms_mean"] is not None:
+        print(f"{len(res.steps) - 1} steps after the prompt: {d['step_ms_mean']:.3f} ms/token "
+              f"(module call {d['call_ms_mean']:.3f} ms; prompt {d['prompt_ms']:.3f} ms)")
+    if res.tokens is not None:
+        for b, row in enumerate(res.tokens):
+            print(f"tokens[{b}]: {' '.join(map(str, row))}")
+    write_json(a.json, d)
+    return res.outputs

@@ -2,6 +2,13 @@
 // runtime, without Python.
 //
 //   edge_app ARTIFACT_DIR --input NAME=FILE.npy [--input ...] --output OUT.npy [--repeat N]
+//   edge_app ARTIFACT_DIR --input NAME=FILE.npy [--input ...] --decode N [--output OUT.npy]
+//
+// --decode N: N calls, each call's present outputs fed back as the next call's past inputs
+// (the pairing in manifest.json, checked against the signature: decode.h); the tensors the
+// module returned are passed straight back, so the cache never goes through a file or a
+// host copy between steps. A model with logits and input_ids gets the argmax token as its
+// next input_ids (attention_mask and position_ids grow). One line per call, with its latency.
 //
 // Before module.so is loaded (loading runs its native code) the app checks that it
 // matches its sha256 in manifest.json and that it is an ELF for this CPU; inputs are
@@ -47,6 +54,7 @@
 #include <string>
 #include <vector>
 
+#include "decode.h"
 #include "fileio.h"
 #include "json.h"
 #include "manifest.h"
@@ -77,7 +85,7 @@ constexpr uint64_t kMaxInputBytes = uint64_t{2} << 30;
 
 const char* kUsage =
     "usage: edge_app ARTIFACT_DIR --input NAME=FILE.npy [--input ...] --output OUT.npy "
-    "[--repeat N]";
+    "[--repeat N] | --decode N [--output OUT.npy]";
 
 // An error with the exit code it ends the program with; `usage` adds the usage line.
 struct Failure {
@@ -139,6 +147,7 @@ struct Options {
   std::vector<std::pair<std::string, std::string>> inputs;  // name, path
   std::string output;
   int repeat = 1;
+  int decode = 0;  // 0: one call (with --repeat)
 };
 
 Options ParseArgs(int argc, char** argv) {
@@ -176,6 +185,14 @@ Options ParseArgs(int argc, char** argv) {
         Refuse("--repeat takes a positive integer, got '" + v + "'");
       }
       o.repeat = static_cast<int>(n);
+    } else if (is(a, "--decode")) {
+      std::string v = value(i, "--decode");
+      char* end = nullptr;
+      long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n < 1 || n > kMaxSymbolicDim) {
+        Refuse("--decode takes an integer in [1, " + std::to_string(kMaxSymbolicDim) + "], got '" + v + "'");
+      }
+      o.decode = static_cast<int>(n);
     } else if (!a.empty() && a[0] == '-') {
       RefuseUsage("unknown option " + a);
     } else if (o.artifact.empty()) {
@@ -185,7 +202,7 @@ Options ParseArgs(int argc, char** argv) {
     }
   }
   if (o.artifact.empty()) RefuseUsage("no artifact directory given");
-  if (o.output.empty()) RefuseUsage("--output OUT.npy is required");
+  if (o.output.empty() && !o.decode) RefuseUsage("--output OUT.npy is required");
   return o;
 }
 
@@ -389,7 +406,9 @@ struct AlignedCPUAlloc {
 // equal, symbolic dims in [1, kMaxSymbolicDim] and equal wherever the symbol recurs, at
 // most kMaxInputBytes (the header parser has already checked that the data is exactly
 // as long as the shape says, with overflow-checked arithmetic).
-std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<edge::TensorSig>& sigs) {
+// may_be_empty: (input, axis) that may be 0: a decode loop's empty cache (P = 0).
+std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<edge::TensorSig>& sigs,
+                                       const std::set<std::pair<std::string, size_t>>& may_be_empty = {}) {
   using edge::TensorSig;
   std::map<std::string, std::string> given;
   for (const auto& [name, path] : o.inputs) {
@@ -423,7 +442,8 @@ std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<edge:
           ok = got == s.fixed[i];
           continue;
         }
-        if (got < 1 || got > kMaxSymbolicDim) {
+        const bool empty_ok = got == 0 && may_be_empty.count({s.name, i});
+        if ((got < 1 && !empty_ok) || got > kMaxSymbolicDim) {
           Refuse(what + "dim '" + s.dims[i] + "' is " + std::to_string(got) + ", outside [1, " +
                  std::to_string(kMaxSymbolicDim) + "]");
         }
@@ -473,6 +493,168 @@ ffi::Tensor FirstTensor(const ffi::Any& rv, size_t* count) {
   Fail("main returned " + std::string(rv.GetTypeKey()) + ", not a tensor");
 }
 
+// The integer tensors a token feed reads and writes (input_ids, attention_mask, position_ids).
+int64_t IntAt(const DLTensor* t, int64_t i) {
+  const char* d = static_cast<const char*>(t->data) + t->byte_offset;
+  return t->dtype.bits == 64 ? reinterpret_cast<const int64_t*>(d)[i] : reinterpret_cast<const int32_t*>(d)[i];
+}
+
+void SetInt(ffi::Tensor& t, int64_t i, int64_t v) {  // t: a fresh tensor of ours (byte_offset 0)
+  void* d = t.data_ptr();
+  if (t.GetDLTensorPtr()->dtype.bits == 64) {
+    reinterpret_cast<int64_t*>(d)[i] = v;
+  } else {
+    reinterpret_cast<int32_t*>(d)[i] = static_cast<int32_t>(v);
+  }
+}
+
+void CheckIntTensor(const ffi::Tensor& t, const std::string& name, int rank) {
+  const DLTensor* dl = t.GetDLTensorPtr();
+  if (dl->dtype.code != kDLInt || (dl->dtype.bits != 32 && dl->dtype.bits != 64) || dl->dtype.lanes != 1 ||
+      dl->ndim != rank || !t.IsContiguous()) {
+    Refuse("--decode: " + name + " must be an int32 or int64 tensor of rank " + std::to_string(rank));
+  }
+}
+
+// Greedy: the argmax of logits[b, -1, :] becomes input_ids (B, 1); attention_mask gets a
+// column of ones, position_ids the next position. Returns the tokens.
+std::vector<int64_t> FeedTokens(const edge::TokenFeed& feed, const std::vector<ffi::Tensor>& outs,
+                                const edge::Manifest& m, std::vector<ffi::Tensor>& args, DLDevice cpu) {
+  auto in_index = [&](const std::string& n) {
+    for (size_t i = 0; i < m.inputs.size(); ++i)
+      if (m.inputs[i].name == n) return i;
+    Fail("no input " + n);
+  };
+  size_t lo = 0;
+  for (size_t i = 0; i < m.outputs.size(); ++i)
+    if (m.outputs[i].name == feed.logits) lo = i;
+  const DLTensor* lg = outs[lo].GetDLTensorPtr();
+  if (lg->ndim != 3 || lg->dtype.code != kDLFloat || lg->dtype.bits != 32 || !outs[lo].IsContiguous()) {
+    Fail("--decode: logits must be a contiguous float32 (batch, seq, vocab) tensor");
+  }
+  const int64_t b = lg->shape[0], sq = lg->shape[1], v = lg->shape[2];
+  const float* data = reinterpret_cast<const float*>(static_cast<const char*>(lg->data) + lg->byte_offset);
+  std::vector<int64_t> tok(b);
+  for (int64_t r = 0; r < b; ++r) {
+    const float* row = data + (r * sq + sq - 1) * v;
+    tok[r] = std::max_element(row, row + v) - row;  // the first of equal maxima, as numpy's argmax
+  }
+  auto fresh = [&](size_t idx, std::vector<int64_t> shape) {
+    return ffi::Tensor::FromNDAlloc(AlignedCPUAlloc(), ffi::Shape(shape), args[idx].GetDLTensorPtr()->dtype, cpu);
+  };
+  size_t ii = in_index(feed.input_ids);
+  CheckIntTensor(args[ii], feed.input_ids, 2);
+  ffi::Tensor ids = fresh(ii, {b, 1});
+  for (int64_t r = 0; r < b; ++r) SetInt(ids, r, tok[r]);
+  args[ii] = ids;
+  if (!feed.attention_mask.empty()) {
+    size_t mi = in_index(feed.attention_mask);
+    CheckIntTensor(args[mi], feed.attention_mask, 2);
+    const DLTensor* old = args[mi].GetDLTensorPtr();
+    const int64_t t = old->shape[1];
+    ffi::Tensor mask = fresh(mi, {old->shape[0], t + 1});
+    for (int64_t r = 0; r < old->shape[0]; ++r) {
+      for (int64_t j = 0; j < t; ++j) SetInt(mask, r * (t + 1) + j, IntAt(old, r * t + j));
+      SetInt(mask, r * (t + 1) + t, 1);
+    }
+    args[mi] = mask;
+  }
+  if (!feed.position_ids.empty()) {
+    size_t pi = in_index(feed.position_ids);
+    CheckIntTensor(args[pi], feed.position_ids, 2);
+    const DLTensor* old = args[pi].GetDLTensorPtr();
+    const int64_t rows = old->shape[0], cols = old->shape[1];
+    ffi::Tensor pos = fresh(pi, {rows, 1});
+    for (int64_t r = 0; r < rows; ++r) SetInt(pos, r, IntAt(old, r * cols + cols - 1) + 1);
+    args[pi] = pos;
+  }
+  return tok;
+}
+
+// --decode N: the module's present tensors go straight back in as the next pasts.
+int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p, const ffi::Function& main_fn,
+               std::vector<ffi::Tensor> args, DLDevice cpu) {
+  const edge::CachePair& first = p.pairs[0];
+  std::vector<double> step_ms, call_ms;
+  std::vector<std::vector<int64_t>> tokens;
+  std::vector<ffi::Tensor> outs;
+  for (int step = 0; step < o.decode; ++step) {
+    const int64_t past = args[first.in_index].GetDLTensorPtr()->shape[first.axis];
+    std::vector<ffi::AnyView> views(args.begin(), args.end());
+    ffi::Any rv;
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      main_fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &rv);
+    } catch (const ffi::Error& e) {
+      Fail("main failed (step " + std::to_string(step) + "): " + e.kind() + ": " + LastLine(e.message()));
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    outs.clear();
+    auto arr = rv.as<ffi::Array<ffi::Any>>();
+    if (!arr || arr->size() != m.outputs.size()) {
+      Fail("main did not return the " + std::to_string(m.outputs.size()) + " outputs the manifest lists");
+    }
+    for (size_t i = 0; i < arr->size(); ++i) {
+      auto t = (*arr)[i].as<ffi::Tensor>();
+      if (!t || t->GetDLTensorPtr()->device.device_type != kDLCPU || !t->IsContiguous() ||
+          std::string(ffi::DLDataTypeToString(t->GetDLTensorPtr()->dtype)) != m.outputs[i].dtype) {
+        Fail("output " + m.outputs[i].name + " is not a contiguous CPU tensor of the manifest's dtype");
+      }
+      outs.push_back(*t);
+    }
+    const int64_t grown = outs[first.out_index].GetDLTensorPtr()->shape[first.axis];
+    if (grown > kMaxSymbolicDim) {
+      Refuse("--decode: the cache would grow past " + std::to_string(kMaxSymbolicDim) + " positions");
+    }
+    std::string tok_text;
+    if (p.tokens.on) {
+      tokens.push_back(FeedTokens(p.tokens, outs, m, args, cpu));
+      tok_text = "  token";
+      for (int64_t t : tokens.back()) tok_text += " " + std::to_string(t);
+    }
+    for (const auto& c : p.pairs) {
+      const DLTensor* q = outs[c.out_index].GetDLTensorPtr();
+      const DLTensor* was = args[c.in_index].GetDLTensorPtr();
+      bool fits = q->ndim == was->ndim;
+      for (int d = 0; fits && d < q->ndim; ++d) fits = d == c.axis || q->shape[d] == was->shape[d];
+      if (!fits) Fail(c.present + " does not have " + c.past + "'s shape (but along axis " + std::to_string(c.axis) + ")");
+      args[c.in_index] = outs[c.out_index];  // no copy: the next call reads the module's own tensor
+    }
+    auto t2 = std::chrono::steady_clock::now();
+    step_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t0).count());
+    call_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    std::string what = step ? "step " + std::to_string(step) : "prompt";
+    std::printf("%9s: past %5lld + %lld  %8.3f ms (call %.3f ms)%s\n", what.c_str(), static_cast<long long>(past),
+                static_cast<long long>(grown - past), step_ms.back(), call_ms.back(), tok_text.c_str());
+    std::fflush(stdout);
+  }
+  if (o.decode > 1) {
+    double s = 0, c = 0;
+    for (int i = 1; i < o.decode; ++i) s += step_ms[i], c += call_ms[i];
+    std::printf("%d steps after the prompt: %.3f ms/token (module call %.3f ms; prompt %.3f ms)\n", o.decode - 1,
+                s / (o.decode - 1), c / (o.decode - 1), step_ms[0]);
+  }
+  if (!tokens.empty()) {
+    for (size_t r = 0; r < tokens[0].size(); ++r) {
+      std::string row;
+      for (const auto& t : tokens) row += (row.empty() ? "" : " ") + std::to_string(t[r]);
+      std::printf("tokens[%zu]: %s\n", r, row.c_str());
+    }
+  }
+  if (!o.output.empty()) {
+    const DLTensor* dl = outs[0].GetDLTensorPtr();
+    std::vector<int64_t> shape(dl->shape, dl->shape + dl->ndim);
+    try {
+      edge::WriteNpy(o.output, m.outputs[0].dtype, shape, static_cast<const char*>(dl->data) + dl->byte_offset,
+                     ffi::GetDataSize(*dl));
+    } catch (const std::exception& e) {
+      Refuse(e.what());
+    }
+    std::printf("wrote %s: the last call's %s\n", o.output.c_str(), m.outputs[0].name.c_str());
+  }
+  return 0;
+}
+
 int Run(int argc, char** argv) {
   Options o = ParseArgs(argc, argv);
   const edge::Manifest manifest = ReadManifest(o.artifact);
@@ -485,10 +667,24 @@ int Run(int argc, char** argv) {
   CheckTarget(manifest);
   const std::vector<edge::TensorSig>& in_sigs = manifest.inputs;
   const std::vector<edge::TensorSig>& out_sigs = manifest.outputs;
-  if (out_sigs.size() != 1) {
+  edge::Pairing pairing;
+  std::set<std::pair<std::string, size_t>> empty_ok;
+  if (o.decode) {
+    try {
+      pairing = edge::InferPairing(manifest);
+    } catch (const edge::DecodeError& e) {
+      Refuse(o.artifact + ": cannot decode: " + e.what());
+    }
+    try {
+      edge::CheckRecorded(manifest.has_decode ? &manifest.decode : nullptr, pairing);
+    } catch (const edge::DecodeError& e) {
+      Refuse(o.artifact + ": " + e.what());
+    }
+    for (const auto& c : pairing.pairs) empty_ok.insert({c.past, static_cast<size_t>(c.axis)});
+  } else if (out_sigs.size() != 1) {
     Refuse("the model has " + std::to_string(out_sigs.size()) + " outputs; edge_app writes exactly one");
   }
-  std::vector<edge::NpyArray> host_inputs = LoadInputs(o, in_sigs);
+  std::vector<edge::NpyArray> host_inputs = LoadInputs(o, in_sigs, empty_ok);
 
   SetThreadsFromCpus();
   const DLDevice cpu{kDLCPU, 0};
@@ -517,6 +713,7 @@ int Run(int argc, char** argv) {
     Fail("cannot load " + module + ": " + e.kind() + ": " + LastLine(e.message()));
   }
 
+  if (o.decode) return DecodeLoop(o, manifest, pairing, main_fn, std::move(args), cpu);
   std::vector<ffi::AnyView> views(args.begin(), args.end());
   ffi::Any rv;
   std::vector<double> ms;

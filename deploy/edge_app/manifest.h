@@ -51,6 +51,9 @@ struct Manifest {
   // A package's bin/ and lib/ files: "bin/NAME" or "lib/NAME" -> sha256.
   bool has_package_files = false;
   std::map<std::string, std::string> package_files;
+  // 'decode', as written: checked only by a decode loop (decode.h), as in the Python loader.
+  bool has_decode = false;
+  json::Value decode;
 };
 
 // A file name inside the artifact: no separators, no "." or "..", no leading dot,
@@ -221,6 +224,10 @@ inline Manifest ParseManifest(const std::string& text) {
     m.package_files = manifest_detail::Digests(*pf, "package_files", kMaxPackageFiles, IsPackageName,
                                                "bin/NAME or lib/NAME", "bin/ or lib/ file name");
     m.has_package_files = true;
+  }
+  if (const json::Value* d = root.get("decode")) {
+    m.has_decode = true;
+    m.decode = *d;
   }
   return m;
 }
