@@ -209,6 +209,19 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
                                      dynamic_shapes=(shapes,), opset_version=opset, dynamo=True, optimize=True,
                                      verify=False, external_data=False)
             prog.save(str(path), external_data=False)
+    config = dict(size["swin"]) if kind == "swin" else \
+        {**_config(base, size), **({"audio": dict(size["audio"])} if base in AUDIO_MODELS else {})}
+    entry = _finish_export(path, kind, exporter, opset, config)
+    if entry.get("file"):
+        entry.update(attention="sdpa" if kind.endswith(SDPA_SUFFIX) else "eager",
+                     attention_layers=_attention_layers(base, size))
+    return entry
+
+
+def _finish_export(path: Path, kind: str, exporter: str, opset: int, config: dict) -> dict:
+    """The written file checked (opset, IR version, onnx checker) and its index entry."""
+    import onnx
+
     m = onnx.load(str(path))
     for node in m.graph.node:
         # The dynamo exporter records each node's Python stack trace (paths of this machine).
@@ -238,11 +251,8 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
     sig = [{"name": i.name, "shape": [d.dim_value if d.HasField("dim_value") else d.dim_param
                                       for d in i.type.tensor_type.shape.dim]} for i in m.graph.input]
     return {"file": path.name, "model": kind, "exporter": exporter, "opset": opset, "ir_version": m.ir_version,
-            "inputs": sig, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "config": dict(size["swin"]) if kind == "swin" else
-            {**_config(base, size), **({"audio": dict(size["audio"])} if base in AUDIO_MODELS else {})},
-            "attention": "sdpa" if kind.endswith(SDPA_SUFFIX) else "eager",
-            "attention_layers": _attention_layers(base, size)}
+            "inputs": sig, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "config": config}
+
 
 
 def _attention_layers(base: str, size: dict) -> int:
@@ -257,10 +267,112 @@ def _config(base: str, size: dict) -> dict:
     return cfg
 
 
+# ------------------------------------------------------------------ decoders with their KV cache
+# Causal LMs exported for decoding: inputs input_ids (batch, seq), attention_mask
+# (batch, past + seq) and past_key_values.{i}.key / .value (batch, kv_heads, past, head_dim);
+# outputs logits and present.{i}.key / .value (batch, kv_heads, past + seq, head_dim), the
+# names Hugging Face's own ONNX exports use. Llama and Qwen2 are GQA (kv_heads < heads; Qwen2
+# has q/k/v biases). The past length is symbolic ("past" in the legacy export); a dynamo export
+# names its dims itself, bound by whole input shapes (--shape input_ids=1x1,...).
+DECODERS = ("gpt2_past", "llama_past", "qwen2_past")
+DECODER_TINY = dict(hidden=32, heads=4, kv_heads=2, layers=2, ff=64, vocab=128, positions=512)  # P + S <= 512
+DECODER_FULL = {"gpt2_past": dict(hidden=768, heads=12, kv_heads=12, layers=12, ff=3072, vocab=50257, positions=2048),
+                "llama_past": dict(hidden=768, heads=12, kv_heads=4, layers=12, ff=2048, vocab=32000, positions=2048),
+                "qwen2_past": dict(hidden=768, heads=12, kv_heads=4, layers=12, ff=2048, vocab=32000, positions=2048)}
+EXAMPLE_PAST, EXAMPLE_SEQ = 5, 3  # > 1 each: the exporters specialise dims of size 0 and 1
+
+
+def make_decoder(kind: str, s: dict):
+    """A random-weight causal LM (eval mode, eager attention) and its config."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(attn_implementation="eager", use_cache=True)
+    if kind == "gpt2_past":
+        cfg = tf.GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+                            n_inner=s["ff"], n_positions=s["positions"], **common)
+        model = tf.GPT2LMHeadModel(cfg)
+    elif kind in ("llama_past", "qwen2_past"):
+        cls, mcls = (tf.LlamaConfig, tf.LlamaForCausalLM) if kind == "llama_past" else (tf.Qwen2Config, tf.Qwen2ForCausalLM)
+        cfg = cls(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], intermediate_size=s["ff"],
+                  max_position_embeddings=s["positions"], tie_word_embeddings=False, **common)
+        model = mcls(cfg)
+    else:
+        raise ValueError(kind)
+    return model.eval(), cfg
+
+
+def _decoder_wrapper(model, layers: int):
+    """forward(input_ids, attention_mask, k0, v0, k1, v1, ...) -> (logits, k0', v0', ...):
+    flat past tensors in, a DynamicCache built from them (transformers 5 takes Cache objects
+    only), flat present tensors out."""
+    import torch
+    from transformers import DynamicCache
+
+    class W(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, *past):
+            cache = DynamicCache(config=model.config)
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                             use_cache=True, return_dict=True)
+            present = out.past_key_values
+            flat = []
+            for i in range(layers):
+                layer = present.layers[i]
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+    return W().eval()
+
+
+def export_decoder(kind: str, exporter: str, opset: int, size: dict, path: Path) -> dict:
+    import torch
+
+    model, cfg = make_decoder(kind, size)
+    layers, kv, d = size["layers"], size["kv_heads"] if kind != "gpt2_past" else size["heads"], size["hidden"] // size["heads"]
+    batch = 2
+    past = [torch.randn(batch, kv, EXAMPLE_PAST, d) for _ in range(2 * layers)]
+    ids = torch.randint(0, size["vocab"], (batch, EXAMPLE_SEQ))
+    mask = torch.ones(batch, EXAMPLE_PAST + EXAMPLE_SEQ, dtype=torch.int64)
+    args = (ids, mask, *past)
+    past_names = [f"past_key_values.{i}.{w}" for i in range(layers) for w in ("key", "value")]
+    present_names = [f"present.{i}.{w}" for i in range(layers) for w in ("key", "value")]
+    names, outputs = ["input_ids", "attention_mask", *past_names], ["logits", *present_names]
+    wrapped = _decoder_wrapper(model, layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "legacy":
+            axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "past_seq"},
+                    "logits": {0: "batch", 1: "seq"}}
+            axes.update({n: {0: "batch", 2: "past"} for n in past_names})
+            axes.update({n: {0: "batch", 2: "past_seq"} for n in present_names})
+            torch.onnx.export(wrapped, args, str(path), input_names=names, output_names=outputs, dynamic_axes=axes,
+                              opset_version=opset, dynamo=False, do_constant_folding=True)
+        else:
+            dyn = torch.export.Dim.DYNAMIC
+            shapes = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in past_names))  # *past: one tuple
+            prog = torch.onnx.export(wrapped, args, input_names=names, output_names=outputs, dynamic_shapes=shapes,
+                                     opset_version=opset, dynamo=True, optimize=True, verify=False, external_data=False)
+            prog.save(str(path), external_data=False)
+    config = {k: size[k] for k in ("hidden", "heads", "layers", "ff")}
+    config["kv_heads"] = kv
+    entry = _finish_export(path, kind, exporter, opset, config)
+    entry["past"] = {"layers": layers, "kv_heads": kv, "head_dim": d}
+    return entry
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["tiny", "full"])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(MODELS + DECODERS))
     ap.add_argument("--exporters", default=",".join(EXPORTERS))
     ap.add_argument("--opsets", default=None, help="comma list (tiny default 17,18; full default 17)")
     ap.add_argument("--layers", type=int, default=None, help="full: layers (default the real model's: 12, DistilBERT 6)")
@@ -278,11 +390,15 @@ def main(argv=None) -> int:
         if not tiny:
             kind_size["layers"] = a.layers or FULL_LAYERS.get(kind, size["layers"])
             kind_size["vocab"] = FULL_VOCAB.get(kind, size["vocab"])
+        if kind in DECODERS:
+            kind_size = dict(DECODER_TINY if tiny else DECODER_FULL[kind])
+            kind_size["layers"] = a.layers or kind_size["layers"]
         for exporter in a.exporters.split(","):
             newer = kind.endswith(SDPA_SUFFIX) or kind in DEFAULT_EAGER
             for opset in ([o for o in opsets if o in SDPA_OPSETS] if newer else opsets):
                 name = f"{kind}_{exporter}_op{opset}.onnx"
-                entry = export_one(kind, exporter, opset, kind_size, out / name)
+                export = export_decoder if kind in DECODERS else export_one
+                entry = export(kind, exporter, opset, kind_size, out / name)
                 index.append(entry)
                 if entry.get("skipped"):
                     print(f"skipped {name}: {entry['skipped']}", flush=True)
@@ -296,7 +412,7 @@ def main(argv=None) -> int:
         kinds = set(a.models.split(","))
         old = out / "index.json"
         kept = [e for e in json.loads(old.read_text())["models"] if e["model"] not in kinds] if old.exists() else []
-        order = {k: i for i, k in enumerate(MODELS)}
+        order = {k: i for i, k in enumerate(MODELS + DECODERS)}
         index = sorted(kept + index, key=lambda e: order.get(e["model"], len(order)))
         doc = {"generated_by": "benchmarks/export_models.py tiny",
                "versions": {"torch": torch.__version__, "transformers": transformers.__version__},

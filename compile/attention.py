@@ -151,7 +151,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    qt, kt = tiles = tiles or default_tiles(lanes)
+    qt, kt = tiles or default_tiles(lanes)
+    if spec.sq is not None and spec.sq < qt:
+        # A decode step (Sq = 1, or a short chunk): a full query tile would compute qt rows
+        # (clamped to the last, not stored) for the Sq real ones, qt/Sq times the work.
+        qt = spec.sq
+    tiles = (qt, kt)
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     neg_inf = f32(-math.inf)

@@ -289,7 +289,10 @@ def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, see
         if nbytes > MAX_INPUT_BYTES:
             raise BlockforgeError(f"input {s.name!r} of shape {list(shape)} would need {nbytes / 2**30:.1f} GiB "
                                   f"(limit {MAX_INPUT_BYTES >> 30} GiB); bind smaller dims with --shape")
-        if any(d <= 0 for d in shape):
+        # Zero is a length (an empty KV cache: a decoder's first step); masks below keep a
+        # row's first key, so their last axis must have one.
+        masked = s.dtype == "bool" or s.name == "key_padding_mask"
+        if any(d < 0 for d in shape) or (masked and shape and shape[-1] == 0):
             raise BlockforgeError(f"input {s.name!r} has a non-positive dim in {list(shape)}")
         if s.dtype == "bool":
             m = rng.random(shape) < 0.75

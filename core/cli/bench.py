@@ -28,6 +28,11 @@ def add(sub) -> None:
     add_precision(p)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG bar chart (ratio to the best peer) here")
+    p.add_argument("--decode", action="store_true",
+                   help="a decoder with past_key_values inputs: per-token latency at each --past, prefill of "
+                        "--prompt tokens, bytes read per token against a memory bandwidth measured in the run")
+    p.add_argument("--past", default="16,128,512,1024", help="--decode: cached lengths (comma list)")
+    p.add_argument("--prompt", type=int, default=128, help="--decode: prefill length (0: none)")
     add_force(p)
     p.set_defaults(func=run)
 
@@ -43,6 +48,8 @@ def default_dims(a) -> dict:
 
 def run(a) -> int:
     check_outputs(a, [a.model, a.tuning_db], json=a.json, plot=a.plot)  # before the import, too
+    if a.decode:
+        return run_decode(a)
     from blockforge.bench import BenchOptions, bench, plot
     from blockforge.fsutil import write_error
 
@@ -60,4 +67,26 @@ def run(a) -> int:
             plot([rep], Path(a.plot))
         except OSError as e:
             raise write_error(a.plot, e) from None
+    return 0
+
+
+def run_decode(a) -> int:
+    from blockforge.bench.decode import DecodeOptions, bench_decode
+    from blockforge.errors import BlockforgeError
+
+    for flag, given in (("--shape", a.shape is not None), ("--plot", a.plot is not None), ("--profile", a.profile)):
+        if given:
+            raise BlockforgeError(f"--decode binds its own shapes and reports a table: drop {flag}")
+    try:
+        pasts = tuple(int(x) for x in a.past.split(",") if x.strip())
+    except ValueError:
+        raise BlockforgeError(f"--past {a.past!r}: expected a comma list of lengths, e.g. 16,128,512") from None
+    rep = bench_decode(DecodeOptions(model=a.model, target=a.target,
+                                     against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
+                                     repeat=a.repeat, pasts=pasts, prompt=a.prompt,
+                                     tuning_db=path_or_none(a.tuning_db, "--tuning-db")))
+    print(rep.markdown())
+    for n in rep.notes:
+        print(f"note: {n}")
+    write_json(a.json, rep.to_dict())
     return 0

@@ -1,0 +1,204 @@
+"""`bench --decode`: a decoder exported with its KV cache (inputs past_key_values.{i}.key /
+.value, as tests/fixtures/models/*_past_* and Hugging Face's exports have them), timed as it
+decodes: one token (seq 1) after P cached positions, for each P, and the prompt (prefill: seq =
+the prompt length, an empty cache), every contender interleaved per point as `bench` does.
+
+A decode step is bound by memory bandwidth, not FLOPs: it reads every weight matrix once and
+the whole cache. The roofline is the bytes it must read over a bandwidth measured in the same
+run (a STREAM triad, a[i] = b[i] + s * c[i], compiled with TVM for the target, on all its
+cores), as the SGEMM ceiling is for prefill. Bytes read per token: the weights (initializers,
+except tables only gathered from: an embedding reads one row per token) plus every past input.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from blockforge.errors import BlockforgeError
+from blockforge.graph.model_io import TensorSig, load_model, signature
+from blockforge.targets import resolve
+
+from .contenders import CONTENDERS
+from .harness import BenchOptions, bench, host_facts
+from .report import ContenderResult
+
+SCHEMA = "blockforge.bench-decode/1"
+PASTS = (16, 128, 512, 1024)
+
+
+@dataclass
+class DecodeOptions:
+    model: Path
+    target: str = "host"
+    against: tuple[str, ...] = CONTENDERS
+    repeat: int = 20
+    warmup: int = 2
+    pasts: tuple[int, ...] = PASTS
+    prompt: int = 128  # prefill length (0: no prefill row)
+    tuning_db: Path | None = None
+    stream_mib: int = 64  # each of the triad's three arrays: well past any cache
+
+
+@dataclass
+class DecodePoint:
+    phase: str  # "decode" (seq 1 after `past` cached positions) or "prefill" (seq = prompt, empty cache)
+    past: int
+    seq: int
+    bytes_read: int  # weights + the past inputs
+    results: list[ContenderResult]
+    best_peer: str | None
+    roofline_ms: float  # bytes_read over the measured bandwidth
+
+    def pct_of_roofline(self, r: ContenderResult) -> float:
+        return 100 * self.roofline_ms / r.median_ms
+
+
+@dataclass
+class DecodeReport:
+    model: str
+    target: str
+    threads: int
+    weight_bytes: int
+    bandwidth_gbs: float  # the triad's best, before and after the points
+    points: list[DecodePoint]
+    notes: list[str] = field(default_factory=list)
+    host: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["schema"] = SCHEMA
+        for p, dp in zip(self.points, d["points"]):
+            for r, dr in zip(p.results, dp["results"]):
+                dr["pct_of_roofline"] = p.pct_of_roofline(r) if p.phase == "decode" else None
+        return d
+
+    def markdown(self) -> str:
+        cpu = self.host.get("cpu_model")
+        load = self.host.get("load_avg_1m")
+        lines = [f"{Path(self.model).name} on {self.target}{f' ({cpu})' if cpu else ''}, {self.threads} threads"
+                 f"{f', load average {load:.2f}' if load is not None else ''}; weights read per token "
+                 f"{self.weight_bytes / 1e6:.1f} MB; memory bandwidth (triad) {self.bandwidth_gbs:.1f} GB/s", "",
+                 "| phase | past | seq | MB read | contender | median ms | vs best peer | % of roofline |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for p in self.points:
+            for r in p.results:
+                ratio = f"{r.ratio_to_best_peer:.2f}x" if r.ratio_to_best_peer is not None else "-"
+                if r.name == p.best_peer:
+                    ratio += " (best peer)"
+                roof = f"{p.pct_of_roofline(r):.0f}%" if p.phase == "decode" else "-"
+                lines.append(f"| {p.phase} | {p.past} | {p.seq} | {p.bytes_read / 1e6:.1f} | {r.name} | "
+                             f"{r.median_ms:.3f} | {ratio} | {roof} |")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Cache:
+    """Where the model keeps its cache: the past inputs (rank 4, axis 2 the past length)."""
+    past: list[TensorSig]
+    others: list[TensorSig]
+
+
+def cache_layout(model: onnx.ModelProto) -> _Cache:
+    ins, _ = signature(model)
+    past = [s for s in ins if "past" in s.name and len(s.dims) == 4]
+    if not past:
+        raise BlockforgeError(f"--decode needs a decoder exported with its KV cache (past_key_values.N.key / "
+                              f".value inputs); its inputs are {', '.join(s.name for s in ins)}")
+    for s in past:
+        if not (isinstance(s.dims[1], int) and isinstance(s.dims[3], int)):
+            raise BlockforgeError(f"--decode: past input {s.name!r} {list(s.dims)} needs fixed heads and head size "
+                                  "(axes 1 and 3)")
+    others = [s for s in ins if s not in past]
+    if not any(s.name == "input_ids" for s in others):
+        raise BlockforgeError(f"--decode needs an input_ids input; its inputs are {', '.join(s.name for s in ins)}")
+    return _Cache(past, others)
+
+
+def shapes(cache: _Cache, past: int, seq: int) -> dict[str, tuple]:
+    """Whole input shapes at batch 1: the attention mask spans past + seq, the rest seq."""
+    out = {s.name: (1, s.dims[1], past, s.dims[3]) for s in cache.past}
+    for s in cache.others:
+        if len(s.dims) != 2:
+            raise BlockforgeError(f"--decode: input {s.name!r} {list(s.dims)} is not (batch, length)")
+        out[s.name] = (1, past + seq) if s.name == "attention_mask" else (1, seq)
+    return out
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers a token reads: all but those only ever gathered from (an
+    embedding table is read one row per token; a tied LM head reads it all, so counts it)."""
+    gathered, used = set(), set()
+    for n in model.graph.node:
+        for i, name in enumerate(n.input):
+            (gathered if n.op_type == "Gather" and i == 0 else used).add(name)
+    total = 0
+    for t in model.graph.initializer:
+        if t.name in used or t.name not in gathered:
+            total += int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
+def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
+    """GB/s of a[i] = b[i] + s * c[i] over three float32 arrays of `mib` MiB each, compiled
+    for `target` (parallel over its cores, vectorised): 12 bytes moved per element, as
+    STREAM counts them (the write-allocate read not counted)."""
+    import tvm
+    from tvm import s_tir, te, tirx
+
+    n = (mib << 20) // 4
+    b = te.placeholder((n,), "float32", name="b")
+    c = te.placeholder((n,), "float32", name="c")
+    a = te.compute((n,), lambda i: b[i] + tirx.const(3.0, "float32") * c[i], name="a")
+    sch = s_tir.Schedule(te.create_prim_func([b, c, a]))
+    (i,) = sch.get_loops(sch.get_sblock("a"))
+    outer, inner = sch.split(i, factors=[None, 64])
+    sch.parallel(outer)
+    sch.vectorize(inner)
+    lib = tvm.compile(sch.mod, target=target.tvm_target())
+    dev = tvm.cpu(0)
+    rng = np.random.default_rng(0)
+    bufs = [tvm.runtime.tensor(rng.standard_normal(n, dtype=np.float32), dev) for _ in range(2)]
+    out = tvm.runtime.tensor(np.empty(n, np.float32), dev)
+    lib["main"](*bufs, out)
+    np.testing.assert_allclose(out.numpy()[:64], bufs[0].numpy()[:64] + 3 * bufs[1].numpy()[:64], rtol=1e-6)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        lib["main"](*bufs, out)
+        best = min(best, time.perf_counter() - t0)
+    return 12 * n / best / 1e9
+
+
+def bench_decode(opts: DecodeOptions) -> DecodeReport:
+    if any(p < 1 for p in opts.pasts) or not opts.pasts or opts.prompt < 0:
+        raise BlockforgeError("--past needs lengths >= 1 and --prompt >= 0")
+    target = resolve(opts.target)
+    if target.is_gpu:
+        raise BlockforgeError("--decode measures a CPU's memory bandwidth: use a CPU target")
+    problem = target.run_problem()
+    if problem:
+        raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
+    model = load_model(opts.model)
+    cache = cache_layout(model)
+    wbytes = weight_bytes(model)
+    bandwidth = [triad_bandwidth(target, opts.stream_mib)]
+    plan = [("decode", p, 1) for p in opts.pasts] + ([("prefill", 0, opts.prompt)] if opts.prompt else [])
+    points, notes, threads = [], [], 1
+    for phase, past, seq in plan:
+        rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
+                                 warmup=opts.warmup, dims=shapes(cache, past, seq), tuning_db=opts.tuning_db,
+                                 gemm_n=256))  # the SGEMM ceiling is not this report's roofline
+        threads = rep.threads
+        notes += [f"{phase} P={past}: {n}" for n in rep.notes]
+        cached = sum(int(np.prod((1, s.dims[1], past, s.dims[3]))) * np.dtype(s.dtype).itemsize for s in cache.past)
+        points.append(DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, 0.0))
+    bandwidth.append(triad_bandwidth(target, opts.stream_mib))
+    bw = max(bandwidth)
+    for p in points:
+        p.roofline_ms = p.bytes_read / (bw * 1e9) * 1e3
+    return DecodeReport(str(opts.model), target.name, threads, wbytes, bw, points, notes, host_facts())

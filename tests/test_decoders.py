@@ -1,0 +1,132 @@
+"""Decoders exported with their KV cache (tests/fixtures/models/*_past_*, made by
+benchmarks/export_models.py): GPT-2 (MHA), Llama and Qwen2 (GQA, 4 query heads over 2 kv
+heads), both torch exporters. Inputs input_ids, attention_mask (batch, past + seq),
+past_key_values.{i}.key / .value (batch, kv_heads, past, head_dim); outputs logits and
+present.{i}.key / .value (batch, kv_heads, past + seq, head_dim).
+
+Each (past, seq) point is its own build: TVM's ONNX importer cannot take these exports with
+the past length left symbolic (Reshape/Unsqueeze of a shape computed from it), so a build per
+bound past is what works today (~5-9 s each here). The default run checks one point per file
+(nine builds); `-m long` (make test-long) adds the rest of P = 0, 1, 17, 128, 500 and the chunk (seq 5) for
+every decoder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import run_cli, save_npz
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+INDEX = json.loads((FIXTURES / "index.json").read_text())
+DECODERS = ("gpt2_past", "llama_past", "qwen2_past")
+ENTRIES = [e for e in INDEX["models"] if e["model"] in DECODERS and e.get("file")]
+
+# (past, seq) points per file: over a decoder's three files, the default points cover an
+# empty cache (P = 0: the first step), a chunk (seq 5) and a longer cache; long, the rest.
+POINTS = {"legacy_op17": [(128, 1)], "legacy_op18": [(17, 5)], "dynamo_op18": [(0, 1)]}
+LONG_POINTS = {"legacy_op17": [(1, 1), (500, 1)], "legacy_op18": [(0, 5)], "dynamo_op18": [(17, 1), (500, 5)]}
+
+
+def _cases(points: dict) -> list:
+    out = []
+    for e in ENTRIES:
+        for p, s in points.get(f"{e['exporter']}_op{e['opset']}", []):
+            out.append(pytest.param(e, p, s, id=f"{e['file'][:-5]}-P{p}-S{s}"))
+    return out
+
+
+def _feeds(entry: dict, past: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    kv, d = entry["past"]["kv_heads"], entry["past"]["head_dim"]
+    feeds = {"input_ids": rng.integers(0, 128, (1, seq)).astype(np.int64),
+             "attention_mask": np.ones((1, past + seq), np.int64)}
+    for i in range(entry["past"]["layers"]):
+        for w in ("key", "value"):
+            feeds[f"past_key_values.{i}.{w}"] = rng.standard_normal((1, kv, past, d)).astype(np.float32)
+    return feeds
+
+
+def test_decoder_corpus():
+    """Each decoder by both exporters (dynamo at opset 18: its down-conversion to 17 fails, a
+    recorded skip), the cache names Hugging Face's exports use, the past length symbolic."""
+    for kind in DECODERS:
+        files = {(e["exporter"], e["opset"]) for e in ENTRIES if e["model"] == kind}
+        assert files == {("legacy", 17), ("legacy", 18), ("dynamo", 18)}, kind
+        skip = [e for e in INDEX["models"] if e["model"] == kind and not e.get("file")]
+        assert [(e["exporter"], e["opset"]) for e in skip] == [("dynamo", 17)] and skip[0]["skipped"]
+    for e in ENTRIES:
+        data = (FIXTURES / e["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == e["sha256"] and len(data) < 300 * 1024, e["file"]
+        m = onnx.load_from_string(data)
+        layers, kv, d = e["past"]["layers"], e["past"]["kv_heads"], e["past"]["head_dim"]
+        ins = {i.name: [x.dim_value or x.dim_param for x in i.type.tensor_type.shape.dim] for i in m.graph.input}
+        outs = {o.name: [x.dim_value or x.dim_param for x in o.type.tensor_type.shape.dim] for o in m.graph.output}
+        past_names = [f"past_key_values.{i}.{w}" for i in range(layers) for w in ("key", "value")]
+        assert list(ins) == ["input_ids", "attention_mask", *past_names], e["file"]
+        assert list(outs) == ["logits", *(f"present.{i}.{w}" for i in range(layers) for w in ("key", "value"))]
+        past_dim = ins[past_names[0]][2]
+        assert isinstance(past_dim, str) and ins[past_names[0]][1::2] == [kv, d], (e["file"], ins[past_names[0]])
+        assert all(ins[n][2] == past_dim for n in past_names), "one past length for every layer"
+        if e["model"] != "gpt2_past":
+            assert kv < e["config"]["heads"], "GQA"
+        if e["exporter"] == "legacy":
+            assert past_dim == "past" and ins["input_ids"] == ["batch", "seq"]
+
+
+def _check_point(entry: dict, past: int, seq: int, monkeypatch) -> None:
+    """Build at (past, seq) and match ONNX Runtime on every output: the logits and each
+    layer's present key / value (the cached rows carried through, the new ones appended)."""
+    import onnxruntime as ort
+
+    from blockforge.bench.contenders import tvm_device
+    from blockforge.compile import open_model
+    from blockforge.compile.runtime import run_vm
+    from tvm import relax
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")  # in-process: the CLI test below runs the child
+    path = FIXTURES / entry["file"]
+    feeds = _feeds(entry, past, seq, seed=past + seq)
+    session = open_model(path, "host", {n: a.shape for n, a in feeds.items()})
+    dev = tvm_device("cpu")
+    got = run_vm(relax.VirtualMachine(session.build().executable, dev), dev, session.inputs, session.outputs, feeds)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert list(got) == [o.name for o in session.outputs]
+    for (name, g), w in zip(got.items(), want):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+    kv0 = got["present.0.key"]
+    assert kv0.shape == (1, entry["past"]["kv_heads"], past + seq, entry["past"]["head_dim"])
+    # present = Concat(past, new): the cached rows come back unchanged (GPT-2 caches K before
+    # any rotation; Llama/Qwen2 cache the rotated K as given)
+    np.testing.assert_array_equal(kv0[:, :, :past], feeds["past_key_values.0.key"])
+
+
+@pytest.mark.parametrize("entry,past,seq", _cases(POINTS))
+def test_decode_step_matches_ort(entry, past, seq, monkeypatch):
+    _check_point(entry, past, seq, monkeypatch)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("entry,past,seq", _cases(LONG_POINTS))
+def test_decode_step_matches_ort_sweep(entry, past, seq, monkeypatch, request):
+    if "long" not in (request.config.getoption("-m") or ""):
+        pytest.skip("long (15 builds, ~2 min on 2 quiet cores): run with -m long / make test-long")
+    _check_point(entry, past, seq, monkeypatch)
+
+
+def test_cli_verify_decode_shape(tmp_path):
+    """As a user binds a decode step: --shape batch=1,seq=1,past=P plus the mask's length
+    (the legacy export names it past_seq = P + 1; the exporter does not relate the two)."""
+    model = FIXTURES / "llama_past_legacy_op17.onnx"
+    r = run_cli("verify", model, "--target", "host", "--shape", "batch=1,seq=1,past=17,past_seq=18", cwd=tmp_path)
+    assert r.rc == 0 and r.out.strip().endswith("PASS") and "tvm vs ort" in r.out, r.text
+    entry = next(e for e in ENTRIES if e["file"] == model.name)
+    npz = save_npz(tmp_path / "in.npz", **_feeds(entry, 9, 1))
+    r = run_cli("verify", model, "--target", "host", "--inputs", npz, cwd=tmp_path)
+    assert r.rc == 0 and r.out.strip().endswith("PASS"), r.text
