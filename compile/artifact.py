@@ -22,6 +22,7 @@ import blockforge
 from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
 from blockforge.fsutil import (INTO, TREE, Output, atomic_directory, atomic_write_bytes, check_outputs, json_bytes,
                                sha256_file)
+from blockforge.graph.shape import ShapeRequest
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
@@ -35,7 +36,7 @@ from .session import open_model
 class CompileOptions:
     model: Path
     target: str | dict = "host"
-    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
+    shape: ShapeRequest | dict | None = None  # dim names and/or whole input shapes (graph/shape.py)
     output: Path | None = None
     dump_ir: Path | None = None
     tuning_db: Path | None = None  # None: the device's default database, if any
@@ -116,7 +117,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     target = resolve(opts.target)
     if opts.output is None:
         dest = _check_outputs(opts, default_output(Path(opts.model), target))
-    session = open_model(opts.model, target, opts.dims)
+    session = open_model(opts.model, target, opts.shape)
     target, ins, outs = session.target, session.inputs, session.outputs
     manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)

@@ -72,7 +72,7 @@ def test_export_compiles_and_matches_ort(entry, workdir, monkeypatch):
         assert sum(s.add is not None for s in specs) == 1, "the shifted-window mask"
         assert not any(getattr(getattr(b.value, "op", None), "name", None) == "relax.nn.softmax"
                        for blk in fused["main"].body.blocks for b in blk.bindings), "every attention fused"
-    report = verify(VerifyOptions(model=path, target="host", dims=_shapes(entry), use_tuning=False))
+    report = verify(VerifyOptions(model=path, target="host", shape=_shapes(entry), use_tuning=False))
     pairs = {c.pair for c in report.comparisons}
     assert pairs == {"tvm vs ort"}, report
     assert report.passed, [c for c in report.comparisons if not c.passed]
@@ -198,8 +198,8 @@ def test_tune_an_export_tiny_budget(tmp_path, request):
     model = FIXTURES / "vit_legacy_op17.onnx"
     dims = parse_dims("pixel_values=1x3x32x32")
     db = tmp_path / "db"
-    s = tune(TuneOptions(model=model, target="host", dims=dims, trials_per_task=2, tuning_db=db,
+    s = tune(TuneOptions(model=model, target="host", shape=dims, trials_per_task=2, tuning_db=db,
                          measure=False, progress=False, population=16, round_trials=2))
     assert len(s.tasks) >= 8 and all(t.trials_new == 2 for t in s.tasks), s
-    rep = verify(VerifyOptions(model=model, target="host", dims=dims, tuning_db=db))
+    rep = verify(VerifyOptions(model=model, target="host", shape=dims, tuning_db=db))
     assert any("tuning records applied" in n for n in rep.notes) and rep.passed, rep
