@@ -107,6 +107,11 @@ class Session:
         external_data_helper.load_external_data_for_model(m, str(self.weights_dir))
         return m
 
+    def forget_imports(self) -> None:
+        """Drop the imported Relax modules (their weights): a verb that builds once frees
+        them before exporting (the executable holds its own, prepacked, copy)."""
+        self._relax.clear()
+
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
               without=frozenset()) -> BuildResult:
         if dump_ir:  # the ONNX-level phase: what TVM imported, and what prepare did

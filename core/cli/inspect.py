@@ -39,8 +39,8 @@ def run(a) -> int:
     print(f"model: {a.model}  (opset {facts.opset}, {'blockforge ' + spec.kind if spec else 'foreign model'})")
     for label, sigs in (("input", facts.inputs), ("output", facts.outputs)):
         for s in sigs:
-            shape = "[" + ", ".join(str(d) if isinstance(d, int) else printable(repr(d)) for d in s.dims) + "]"
-            print(f"  {label:6} {printable(s.name):18} {s.dtype:8} {shape}")
+            axes = "[" + ", ".join(str(d) if isinstance(d, int) else printable(repr(d)) for d in s.dims) + "]"
+            print(f"  {label:6} {printable(s.name):18} {s.dtype:8} {axes}")
     print(f"  params {facts.params:,} ({facts.param_bytes / 2**20:.2f} MiB)")
     print(f"  MatMul/Gemm/Conv/attention FLOPs {facts.flops:,} at {facts.dims}")
     if open_dims:
