@@ -75,6 +75,20 @@ def _nvcc_fatbin(source: str, arch: str, out: Path) -> None:
             raise BlockforgeError(f"nvcc failed for {arch}: {(r.stderr.strip().splitlines() or ['?'])[-1][:300]}")
 
 
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the system (glibc's malloc_trim): the Relax module's
+    weights, freed, stay in the process's heap otherwise (allocations of a few MB are not
+    mmapped once one has been freed), and the export's serialized copy is allocated anew."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def pack_imports_incbin(mod, is_system_lib: bool, prefix: str, workspace_dir: str) -> str:
     """export_library's fpack_imports: the imports blob (the VM executable, weights included)
     written to a file once and assembled with `.incbin`. TVM's LLVM packer holds it three
@@ -158,6 +172,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
     res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None)
     session.forget_imports()  # the executable holds the weights now; the Relax module's copy goes
+    release_freed_memory()
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
         with native_output_to_log():
