@@ -75,10 +75,11 @@ class Session:
         int8 = int8 and self.target.kind == "llvm" and target_has_vnni(self.target)
         if int8 not in self._relax:
             rewritten = 0
-            if int8:
+            # the rewrite reads the quantized weights: loaded (a copy) only for a model with QDQ
+            if int8 and any(n.op_type == "DequantizeLinear" for n in self.prepared.graph.node):
                 from .quant.qdq import qdq_matmuls_as_integer
 
-                model, rewritten = qdq_matmuls_as_integer(self.prepared)
+                model, rewritten = qdq_matmuls_as_integer(self.prepared_with_weights())
             if rewritten:
                 try:
                     with native_output_to_log():
