@@ -191,7 +191,7 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
     points, notes, threads = [], [], 1
     for phase, past, seq in plan:
         rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
-                                 warmup=opts.warmup, dims=shapes(cache, past, seq), tuning_db=opts.tuning_db,
+                                 warmup=opts.warmup, shape=shapes(cache, past, seq), tuning_db=opts.tuning_db,
                                  gemm_n=256))  # the SGEMM ceiling is not this report's roofline
         threads = rep.threads
         notes += [f"{phase} P={past}: {n}" for n in rep.notes]

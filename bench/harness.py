@@ -27,6 +27,7 @@ from blockforge.graph.analysis import matmul_flops
 from blockforge.graph.model_io import bind_dims, model_spec, random_inputs
 from blockforge.graph.parity import model_precision, oracle_outputs
 from blockforge.graph.tolerance import compare, compare_accuracy, output_tolerance
+from blockforge.graph.shape import ShapeRequest
 from blockforge.compile.session import open_model
 from blockforge.logs import native_output_to_log
 from blockforge.settings import physical_cores
@@ -46,7 +47,7 @@ class BenchOptions:
     against: tuple[str, ...] = CONTENDERS
     repeat: int = 30
     warmup: int = 2
-    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
+    shape: ShapeRequest | dict | None = None  # dim names and/or whole input shapes (graph/shape.py)
     # Bound only where the model has such a dim and `dims` left it open: the CLI's default
     # batch=1,seq=128 then fits blockforge's blocks without breaking a static model or an
     # export whose dims are named otherwise (s33, s50: those need --shape).
@@ -213,7 +214,7 @@ def bench(opts: BenchOptions) -> BenchReport:
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")
     # static: every dim must be bound for a benchmark; a clear error names the missing one.
-    session = open_model(opts.model, target, opts.dims, default_dims=opts.default_dims, static=True,
+    session = open_model(opts.model, target, opts.shape, default_dims=opts.default_dims, static=True,
                          precision=opts.precision)
     inputs = random_inputs(session.inputs, {}, seed=0)
     flops = matmul_flops(session.prepared, session.dims)  # after prepare: shapes are static

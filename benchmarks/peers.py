@@ -87,7 +87,7 @@ def main() -> int:
         path = models / f"{name}.onnx"
         if not path.exists():
             export(spec, path)
-        rep = bench(BenchOptions(model=path, target="host", dims={"batch": 1, "seq": seq}, repeat=a.repeat,
+        rep = bench(BenchOptions(model=path, target="host", shape={"batch": 1, "seq": seq}, repeat=a.repeat,
                                  against=tuple(x for x in a.against.split(",") if x),
                                  tuning_db=Path(a.tuning_db) if a.tuning_db else None))
         print(f"### {case}\n\n{rep.markdown()}\n" + "".join(f"\nnote: {n}" for n in rep.notes) + "\n", flush=True)

@@ -59,14 +59,14 @@ def main() -> int:
 
             t0 = time.time()
             # measure=True also A/B-tests every tuned record inside the whole model.
-            s = tune(TuneOptions(model=path, target="host", trials_per_task=a.trials_per_task, dims=dims,
+            s = tune(TuneOptions(model=path, target="host", trials_per_task=a.trials_per_task, shape=dims,
                                  measure=True, progress=False))
             tune_log.append({"case": case, "new_trials": s.trials_new, "reused": s.trials_reused,
                              "tasks": len(s.tasks), "wall_s": round(time.time() - t0, 1),
                              "kept_default": s.kept_default, "naive_ms": s.naive_ms,
                              "untuned_ms": s.untuned_ms, "tuned_ms": s.tuned_ms})
             print(f"tuned {case}: {s.trials_new} new trials over {len(s.tasks)} tasks", flush=True)
-        rep = bench(BenchOptions(model=path, target="host", dims=dims, repeat=a.repeat, profile=True))
+        rep = bench(BenchOptions(model=path, target="host", shape=dims, repeat=a.repeat, profile=True))
         print(rep.markdown(), flush=True)
         reports.append((case, rep))
     data = {"host": host, "target": target.target_json, "python": sys.version.split()[0],

@@ -51,7 +51,7 @@ def main() -> int:
         if not path.exists():
             export(spec, path)
         s = tune(TuneOptions(model=path, target=PRESET, trials_per_task=a.trials_per_task,
-                             dims={"batch": 1, "seq": 8 if a.smoke else 128}, measure=True, progress=False))
+                             shape={"batch": 1, "seq": 8 if a.smoke else 128}, measure=True, progress=False))
         print(f"{name}: {s.trials_new} new trials, {s.trials_reused} reused")
     n = DeviceDB(default_db_dir(target), target).export_best(a.dest)
     print(f"wrote {n} records to {a.dest}, judged inside the models on {cpu_id()}")

@@ -22,6 +22,7 @@ import blockforge
 from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
 from blockforge.fsutil import (INTO, TREE, Output, atomic_directory, atomic_write_bytes, check_outputs, json_bytes,
                                sha256_file)
+from blockforge.graph.shape import ShapeRequest
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
@@ -36,7 +37,7 @@ from .session import open_model
 class CompileOptions:
     model: Path
     target: str | dict = "host"
-    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
+    shape: ShapeRequest | dict | None = None  # dim names and/or whole input shapes (graph/shape.py)
     output: Path | None = None
     dump_ir: Path | None = None
     tuning_db: Path | None = None  # None: the device's default database, if any
@@ -76,12 +77,61 @@ def _nvcc_fatbin(source: str, arch: str, out: Path) -> None:
             raise BlockforgeError(f"nvcc failed for {arch}: {(r.stderr.strip().splitlines() or ['?'])[-1][:300]}")
 
 
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the system (glibc's malloc_trim): the Relax module's
+    weights, freed, stay in the process's heap otherwise (allocations of a few MB are not
+    mmapped once one has been freed), and the export's serialized copy is allocated anew."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def pack_imports_incbin(mod, is_system_lib: bool, prefix: str, workspace_dir: str) -> str:
+    """export_library's fpack_imports: the imports blob (the VM executable, weights included)
+    written to a file once and assembled with `.incbin`. TVM's LLVM packer holds it three
+    times over (the serialized string, an LLVM constant, the object being emitted): 2.7 GB
+    of a BERT-base compile's peak came from there. The bytes and the symbol are the ones
+    TVM's C packer writes (ModulePackImportsToC), so the runtime finds the same blob."""
+    import numpy as np
+    import tvm_ffi
+    from tvm.runtime import _ffi_api
+
+    if is_system_lib:  # the blob is registered by a constructor there: TVM's own C form
+        path = Path(workspace_dir) / f"{prefix}devc.c"
+        path.write_text(_ffi_api.ModulePackImportsToC(mod, is_system_lib, prefix))
+        return str(path)
+    blob = _ffi_api.ModulePackImportsToTensor(mod)
+    data = Path(workspace_dir) / f"{prefix}devc.bin"
+    np.from_dlpack(blob).tofile(data)  # a view: not a second copy
+    size = int(blob.shape[0])
+    del blob
+    symbol = prefix + tvm_ffi.get_global_func("runtime.ModuleImportsBlobName")()
+    asm = Path(workspace_dir) / f"{prefix}devc.S"
+    asm.write_text(f'''.section .rodata
+.globl {symbol}
+.type {symbol}, %object
+.balign 16
+{symbol}:
+.incbin "{data.resolve()}"
+.size {symbol}, {size}
+.section .note.GNU-stack,"",%progbits
+''')
+    return str(asm)
+
+
 def export_module(executable, target: ResolvedTarget, path: Path) -> None:
     from tvm.support import cc
 
     kwargs = {}
     if target.cross_compiler:
         kwargs["fcompile"] = cc.cross_compiler(target.cross_compiler)
+    else:  # the native compiler assembles the blob (a cross toolchain keeps TVM's LLVM packer)
+        kwargs["fpack_imports"] = pack_imports_incbin
     # TVM's intermediates (lib0.o, devc.o) go beside the output, not to a tmp* directory of
     # TVM's in TMPDIR that an interrupted export leaves behind.
     try:
@@ -118,11 +168,13 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     target = resolve(opts.target)
     if opts.output is None:
         dest = _check_outputs(opts, default_output(Path(opts.model), target))
-    session = open_model(opts.model, target, opts.dims, precision=opts.precision)
+    session = open_model(opts.model, target, opts.shape, precision=opts.precision)
     target, ins, outs = session.target, session.inputs, session.outputs
     manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
     res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None)
+    session.forget_imports()  # the executable holds the weights now; the Relax module's copy goes
+    release_freed_memory()
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
         with native_output_to_log():

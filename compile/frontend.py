@@ -9,23 +9,23 @@ from blockforge.errors import BlockforgeError, error_line
 from blockforge.graph.model_io import bind_dims, check_model, signature
 
 
-def bound_signature(model: onnx.ModelProto, dims: dict[str, int]):
-    """(inputs, outputs) of `model` with `dims` bound: what a build for those dims takes."""
-    return signature(bind_dims(model, dims))
-
-
-def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None):
+def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None, *, check: bool = True,
+                weights_dir=None):
     """Checked import: returns a Relax IRModule with weights embedded as constants.
 
     TVM's importer plus blockforge's converters (compile/onnx_ops.py: the standard ONNX
-    Attention op). An op it cannot import is one line naming the op, its node and the opset."""
+    Attention op). An op it cannot import is one line naming the op, its node and the opset.
+    check=False: the caller has checked this very model (prepare ends with the checker).
+    weights_dir: where the model's external tensors are (the prelude's child wrote them)."""
     from .onnx_ops import OnnxImportError, from_onnx
 
-    check_model(model)
+    if check:
+        check_model(model)
     model = _shape_constants(bind_dims(model, dims or {}))
     ins, _ = signature(model)
     try:
-        mod = from_onnx(model, dtype_dict={s.name: _tvm_dtype(s.dtype) for s in ins}, keep_params_in_input=True)
+        mod = from_onnx(model, dtype_dict={s.name: _tvm_dtype(s.dtype) for s in ins}, keep_params_in_input=True,
+                        weights_dir=weights_dir)
     except OnnxImportError as e:
         raise BlockforgeError(f"TVM cannot import this model: {e}") from None
     except Exception as e:

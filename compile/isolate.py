@@ -1,18 +1,21 @@
 """Untrusted models are parsed, checked and imported by TVM in a child process first.
 
 The ONNX checker and TVM's importer are native code; a malformed model that crashes or
-hangs them must not take down a long job (a tuning run, a service). The child does the
-same work the parent is about to do; only when it exits cleanly does the parent repeat
-it in-process. A crash (signal) or a hang (time limit) becomes one clear error.
+hangs them must not take down a long job (a tuning run, a service). The child loads,
+checks, binds and prepares the model once and hands back what it made (prepare_untrusted):
+the parent reads the prepared model and its binding instead of redoing them. A crash
+(signal) or a hang (time limit) becomes one clear error.
 
-    python -m blockforge.compile.isolate MODEL.onnx [--sizes | --prepare | --tvm] [--request JSON]
+    python -m blockforge.compile.isolate MODEL.onnx (--sizes | --prepare | --tvm) --request JSON --out DIR
     python -m blockforge.compile.isolate MODEL.onnx --ort FOLDER [--device cpu|cuda]
 
---prepare: the child also resolves the request's dims (--shape, input shapes, defaults) and
-runs prepare (compile/prepare.py: its constant folding evaluates subgraphs natively);
---tvm: prepare and TVM's import, the whole prelude; --sizes: only bind and check the sizes
-folding would materialise (prepare.check_sizes); --ort FOLDER: run the model in ONNX
-Runtime on FOLDER/in.npz (verify's reference run).
+--sizes: bind the request (the shape, input shapes, defaults) and refuse the sizes folding
+would materialise (prepare.check_sizes); --prepare: also run prepare (compile/prepare.py:
+its constant folding evaluates subgraphs natively); --tvm: prepare and TVM's import, the
+whole prelude. DIR gets result.json (the binding, prepare's report) and prepared.onnx with
+its weights as external data (the parent's importer reads them a tensor at a time: the
+model is never held twice). --ort FOLDER: run the model in ONNX Runtime on FOLDER/in.npz
+(verify's reference run).
 
 The child's data memory is limited (settings.memory_limit_bytes(), RLIMIT_DATA): a model
 that needs more ends in "the model needs more than N GiB to ..." instead of taking the
@@ -140,21 +143,6 @@ def _run_checked(path: Path, cmd: list[str], what: str, verb: str, timeout: floa
     return c
 
 
-def probe(path: Path, *, tvm: bool = False, prepare: bool = False, sizes: bool = False,
-          request: dict | None = None, timeout: float | None = None) -> None:
-    """Raise BlockforgeError unless a child process loads (and TVM-imports) the model cleanly.
-    sizes: the child also binds the request's dims and refuses a tensor folding would make
-    above the size cap (prepare.check_sizes; prepare and tvm include it)."""
-    if not settings.isolate():
-        return
-    cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path)]
-    mode = "--tvm" if tvm else ("--prepare" if prepare else ("--sizes" if sizes else None))
-    if mode:
-        cmd += [mode, "--request", json.dumps(request or {})]
-    what = "TVM's importer" if tvm else ("prepare (constant folding)" if prepare else "the ONNX parser/checker")
-    _run_checked(path, cmd, what, "import" if tvm else ("prepare" if prepare else "load"), timeout)
-
-
 def run_ort(path: str | Path, model, inputs: dict, device: str = "cpu") -> dict:
     """ONNX Runtime's outputs for the model at `path` (= `model`, as loaded), run in a child
     process under the memory limit: the model is untrusted, and ORT's session setup folds
@@ -180,26 +168,120 @@ def run_ort(path: str | Path, model, inputs: dict, device: str = "cpu") -> dict:
                                   f"from its child process: {e}") from None
 
 
-def load_untrusted(path: str | Path, *, tvm: bool = False, prepare: bool = False, sizes: bool = False,
-                   request: dict | None = None):
-    """probe() then load in-process; returns the checked ModelProto. `request`: open_model's
-    dims/input_shapes/default_dims/static, as the child needs them to prepare and import.
-    sizes: the size check (see probe) for verbs that do not prepare; the parent skips it
-    when the child made it (its shape inference is part of what is bounded)."""
+@dataclass
+class Prepared:
+    """What the prelude's child hands back: the binding, and (unless only sizes were
+    checked) the prepared model and its report. The prepared model's weights stay in
+    `weights_dir` (ONNX external data, read by the importer a tensor at a time), which
+    lives as long as this object (`_dir`)."""
+    binding: "Binding"
+    model: "onnx.ModelProto | None" = None
+    report: "PrepareReport | None" = None
+    weights_dir: Path | None = None
+    _dir: object = None  # the TemporaryDirectory holding weights_dir
+
+
+def prepare_untrusted(path: str | Path, request: dict, *, mode: str = "tvm") -> Prepared:
+    """Load, check, bind and (mode "prepare"/"tvm") prepare the model once, in a child
+    process when isolation is on; mode "tvm" also imports it into TVM there (whether it
+    imports is part of what is checked), "sizes" only binds and refuses a tensor folding
+    would make above the size cap. The child writes what it made (PREPARED, RESULT) and
+    the parent reads it back instead of doing it again.
+
+    request: the ShapeRequest as a dict (`shape`), input_shapes, defaults, static."""
+    if not settings.isolate():
+        return _prepare(Path(path), str(path), request, mode, out=None)
+    out = tempfile.TemporaryDirectory(prefix="blockforge-prepared-")
+    try:
+        cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path), f"--{mode}",
+               "--request", json.dumps(request), "--out", out.name]
+        what = {"tvm": "TVM's importer", "prepare": "prepare (constant folding)"}.get(mode, "the ONNX parser/checker")
+        _run_checked(Path(path), cmd, what, {"tvm": "import", "prepare": "prepare"}.get(mode, "load"))
+        got = _read_back(Path(out.name), str(path))
+    except BaseException:
+        out.cleanup()
+        raise
+    if got.model is None:
+        out.cleanup()
+    else:
+        got._dir = out
+    return got
+
+
+PREPARED, RESULT = "prepared.onnx", "result.json"
+
+
+def _prepare(path: Path, label: str, request: dict, mode: str, out: Path | None) -> Prepared:
+    """The prelude's work, once: in the child (out: the folder it hands back through) or,
+    isolation off, in-process (out None: nothing written, the weights stay in memory)."""
+    from blockforge.graph.model_io import check_model, load_model, signature
+    from blockforge.graph.shape import Binding, ShapeRequest
+
+    from .prepare import check_sizes, prepare
+
+    model = load_model(path, check=out is None)
+    if out is not None:
+        # Weights out of the proto before anything copies it (the checker serializes the
+        # model, bind/shape inference/onnxslim copy it): every later copy is of the graph only.
+        model = externalize(model, out, "weights.bin")
+        os.chdir(out)  # this child's: onnxslim and the checker resolve external data from here
+        check_model(model, label)
+    ins, outs = signature(model)
+    binding = Binding.resolve(ins, outs, ShapeRequest.of(request.get("shape")), input_shapes=request.get("input_shapes"),
+                              defaults=request.get("defaults"), static=bool(request.get("static")))
+    if mode == "sizes":
+        check_sizes(model, binding.as_dict(), label)
+        return Prepared(binding)
+    prepared, report = prepare(model, binding.as_dict(), label)
+    del model
+    if mode == "tvm" and out is not None:  # in-process, the caller's import is the check
+        from .session import import_prepared
+
+        import_prepared(prepared, binding, out)  # output captured by the parent
+    return Prepared(binding, prepared, report, out)
+
+
+def externalize(model, folder: Path, location: str):
+    """`model` with every tensor over 1 KiB written to folder/location (ONNX external data)
+    and a fresh proto of the rest: the weights' bytes leave memory (a protobuf message keeps
+    its arena until it is freed whole, so clearing fields would not)."""
+    import onnx
+    from onnx import external_data_helper as edh
+
+    edh.convert_model_to_external_data(model, all_tensors_to_one_file=True, location=location, size_threshold=1024)
+    edh.write_external_data_tensors(model, str(folder))
+    light = onnx.ModelProto()
+    light.ParseFromString(model.SerializeToString())
+    return light
+
+
+def _write_back(p: Prepared, out: Path) -> None:
+    if p.model is not None:
+        light = externalize(p.model, out, "prepared.bin")
+        (out / PREPARED).write_bytes(light.SerializeToString())
+    (out / RESULT).write_text(json.dumps({"binding": p.binding.to_dict(),
+                                          "report": p.report.to_dict() if p.report else None}))
+
+
+def _read_back(folder: Path, label: str) -> Prepared:
+    """The child's result. Its folder is ours, but the child worked on an untrusted model:
+    the JSON is validated, and external tensors are read only from regular files inside the
+    folder (model_io.load_model's policy), sizes checked when the importer reads them."""
     from blockforge.graph.model_io import load_model
+    from blockforge.graph.shape import Binding
 
-    probe(Path(path), tvm=tvm, prepare=prepare, sizes=sizes, request=request)
-    model = load_model(path)
-    if sizes and not settings.isolate():
-        _check_sizes(model, str(path), request or {})
-    return model
+    from .prepare import PrepareReport
 
-
-def _check_sizes(model, label: str, request: dict) -> None:
-    from .prepare import check_sizes
-    from .session import bind_request
-
-    check_sizes(model, bind_request(model, **request), label)
+    try:
+        doc = json.loads((folder / RESULT).read_text())
+        binding = Binding.from_dict(doc["binding"])
+        report = PrepareReport(**doc["report"]) if doc.get("report") else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BlockforgeError(f"{label}: the child process's result could not be read back: {e}") from None
+    if report is None:
+        return Prepared(binding)
+    model = load_model(folder / PREPARED, check=False, external_data=False)  # the child checked it
+    return Prepared(binding, model, report, folder)
 
 
 def _limit_memory() -> None:
@@ -235,27 +317,20 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--prepare", action="store_true")
     ap.add_argument("--sizes", action="store_true")
     ap.add_argument("--request", default="{}")
+    ap.add_argument("--out", default=None, help="folder: what the child made, for the parent (_read_back)")
     ap.add_argument("--ort", default=None, help="folder: run in ONNX Runtime, in.npz -> out.npz + names.json")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     _limit_memory()
-    from blockforge.graph.model_io import load_model
-
     try:
-        model = load_model(a.model)
         if a.ort:
-            _run_ort(model, Path(a.ort), a.device)
-        elif a.sizes:
-            _check_sizes(model, a.model, json.loads(a.request))
-        elif a.tvm or a.prepare:
-            from .frontend import bound_signature
-            from .prepare import prepare
-            from .session import bind_request, import_prepared
+            from blockforge.graph.model_io import load_model
 
-            dims = bind_request(model, **json.loads(a.request))
-            prepared, _ = prepare(model, dims, a.model)
-            if a.tvm:
-                import_prepared(prepared, bound_signature(model, dims)[0])  # output captured by the parent
+            _run_ort(load_model(a.model), Path(a.ort), a.device)
+        else:
+            mode = "tvm" if a.tvm else ("prepare" if a.prepare else "sizes")
+            out = Path(a.out).resolve()
+            _write_back(_prepare(Path(a.model), a.model, json.loads(a.request), mode, out), out)
     except BlockforgeError as e:
         print(str(e))
         return 2

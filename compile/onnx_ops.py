@@ -432,6 +432,16 @@ class _Importer(tvm_onnx.ONNXGraphImporter):
     failure can name it."""
 
     node: onnx.NodeProto | None = None
+    weights_dir = None  # where the model's external tensors are (isolate.prepare_untrusted's folder)
+
+    def _parse_array(self, tensor_proto):
+        """An external tensor is read from weights_dir into TVM a tensor at a time; onnx's
+        to_array would load it into the proto itself, where it stays (the whole model twice)."""
+        if self.weights_dir is not None and tensor_proto.data_location == onnx.TensorProto.EXTERNAL:
+            from blockforge.graph.model_io import read_external
+
+            return tvm.runtime.tensor(read_external(tensor_proto, self.weights_dir))
+        return super()._parse_array(tensor_proto)
 
     def _parse_value_proto(self, value_proto):
         if isinstance(value_proto, onnx.NodeProto):  # called once per node, before converting it
@@ -471,9 +481,11 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 1
 
 
-def from_onnx(model: onnx.ModelProto, dtype_dict: dict[str, str], keep_params_in_input: bool = True):
+def from_onnx(model: onnx.ModelProto, dtype_dict: dict[str, str], keep_params_in_input: bool = True,
+              weights_dir=None):
     """Like tvm.relax.frontend.onnx.from_onnx (the ONNX checker is the caller's), with the
-    converters above. Unnamed nodes are named '#<index>' so an error can point at them."""
+    converters above. Unnamed nodes are named '#<index>' so an error can point at them.
+    weights_dir: the folder of the model's external tensors (model_io.read_external)."""
     import contextlib
     import io
 
@@ -484,6 +496,7 @@ def from_onnx(model: onnx.ModelProto, dtype_dict: dict[str, str], keep_params_in
             n.name = n.name or f"#{i}"
         model = m
     importer = _Importer(None, dtype_dict, keep_params_in_input=keep_params_in_input)
+    importer.weights_dir = weights_dir
     opset = default_opset(model)
     try:
         # TVM prints "Error converting operator ..." on stdout before re-raising: the error says it.

@@ -1,33 +1,39 @@
 """The prelude every verb shares: one entry from a model path to a buildable model.
 
-    resolve target -> can it build here? -> isolated load + check (+ prepare + import in a
-    child) -> resolve dims -> prepare (bind, fold shape arithmetic) -> import (once)
+    resolve target -> can it build here? -> in a child process: load, check, bind the
+    shape, prepare (bind, fold shape arithmetic), import into TVM -> the child's prepared
+    model and binding read back -> import (once)
 
-`open_model()` returns a `Session`; `Session.relax()` imports the prepared model into Relax
-the first time it is asked and reuses that module for every later build (compile, verify,
-bench's untuned/tuned contenders, tune's A/B builds), instead of re-importing per build.
-Relax passes are functional (they return new modules), so reuse is safe.
+`open_model()` returns a `Session`; the child's work is not redone in the parent (it reads
+the prepared model, its weights left in the child's folder until the importer reads them a
+tensor at a time). `Session.relax()` imports the prepared model into Relax the first time
+it is asked and reuses that module for every later build (compile, verify, bench's
+untuned/tuned contenders, tune's A/B builds), instead of re-importing per build. Relax
+passes are functional (they return new modules), so reuse is safe. The original model (what
+ONNX Runtime runs) is loaded only when a verb asks for it (`Session.model`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import onnx
 
 from blockforge.errors import BlockforgeError, printable
 from blockforge.fsutil import atomic_write_bytes, atomic_write_json
-from blockforge.graph.model_io import TensorSig, resolve_dims, signature, unbound_dims
+from blockforge.graph.model_io import TensorSig, load_model
+from blockforge.graph.shape import Binding, ShapeRequest
 from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.precision import PRECISIONS, Precision, resolve_precision
 
-from .frontend import bound_signature, import_onnx
-from .isolate import load_untrusted
+from .frontend import import_onnx
+from .isolate import prepare_untrusted
 from .pipeline import BuildResult, build, target_has_vnni
-from .prepare import PrepareReport, prepare
+from .prepare import PrepareReport
 
 _log = logging.getLogger("blockforge.compile")
 
@@ -35,15 +41,33 @@ _log = logging.getLogger("blockforge.compile")
 @dataclass
 class Session:
     path: Path
-    model: onnx.ModelProto  # as loaded and checked (dims not bound): what ONNX Runtime runs
-    dims: dict[str, int]  # resolved: symbolic dim name -> value
-    target: ResolvedTarget
-    inputs: list[TensorSig]  # the signature at the bound dims
-    outputs: list[TensorSig]
+    target: ResolvedTarget | None  # None: a verb that builds nothing (inspect, verify without a target)
+    binding: Binding  # the shape resolved against the model: symbolic dim name -> value
     prepared: onnx.ModelProto | None = field(default=None, repr=False)  # what TVM imports
     prepare_report: PrepareReport | None = None
+    weights_dir: Path | None = None  # where `prepared`'s external tensors are (None: in memory)
+    _keep: object = field(default=None, repr=False)  # keeps weights_dir (isolate.Prepared)
     _relax: dict = field(default_factory=dict, repr=False)
     precision: Precision = PRECISIONS["fp32"]  # resolved against the target (targets.precision)
+
+    @cached_property
+    def model(self) -> onnx.ModelProto:
+        """The model as written (dims not bound): what ONNX Runtime runs. Loaded and checked
+        here on first use; compile never asks for it."""
+        return load_model(self.path)
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The binding's values (symbolic dim name -> value)."""
+        return self.binding.as_dict()
+
+    @cached_property
+    def inputs(self) -> list[TensorSig]:  # the signature at the bound dims
+        return self.binding.signature()[0]
+
+    @cached_property
+    def outputs(self) -> list[TensorSig]:
+        return self.binding.signature()[1]
 
     def relax(self, int8: bool = True):
         """The imported Relax module (weights embedded), imported once. On a target with
@@ -53,14 +77,15 @@ class Session:
         int8 = int8 and self.target.kind == "llvm" and target_has_vnni(self.target)
         if int8 not in self._relax:
             rewritten = 0
-            if int8:
+            # the rewrite reads the quantized weights: loaded (a copy) only for a model with QDQ
+            if int8 and any(n.op_type == "DequantizeLinear" for n in self.prepared.graph.node):
                 from .quant.qdq import qdq_matmuls_as_integer
 
-                model, rewritten = qdq_matmuls_as_integer(self.prepared)
+                model, rewritten = qdq_matmuls_as_integer(self.prepared_with_weights())
             if rewritten:
                 try:
                     with native_output_to_log():
-                        self._relax[int8] = import_prepared(model, self.inputs)
+                        self._relax[int8] = import_prepared(model, self.binding, self.weights_dir)
                 except BlockforgeError as e:
                     # The model as written imported in the isolated probe; the rewrite must
                     # not make a model uncompilable: fall back to it (dequantize + fp32 GEMM).
@@ -72,12 +97,28 @@ class Session:
 
     def _import_as_written(self):
         with native_output_to_log():
-            return import_prepared(self.prepared, self.inputs)
+            return import_prepared(self.prepared, self.binding, self.weights_dir)
+
+    def prepared_with_weights(self) -> onnx.ModelProto | None:
+        """`prepared` with its weights in memory (a copy, when they are on disk)."""
+        if self.weights_dir is None or self.prepared is None:
+            return self.prepared
+        from onnx import external_data_helper
+
+        m = onnx.ModelProto()
+        m.CopyFrom(self.prepared)
+        external_data_helper.load_external_data_for_model(m, str(self.weights_dir))
+        return m
+
+    def forget_imports(self) -> None:
+        """Drop the imported Relax modules (their weights): a verb that builds once frees
+        them before exporting (the executable holds its own, prepacked, copy)."""
+        self._relax.clear()
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
               without=frozenset()) -> BuildResult:
         if dump_ir:  # the ONNX-level phase: what TVM imported, and what prepare did
-            atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared.SerializeToString())
+            atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared_with_weights().SerializeToString())
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
             res = build(self.relax(int8="int8-gemm" not in without), self.target, database=database, dump_ir=dump_ir,
@@ -86,54 +127,46 @@ class Session:
         return res
 
 
-def bind_request(model: onnx.ModelProto, dims: dict | None = None, input_shapes: dict | None = None,
-                 default_dims: dict | None = None, static: bool = False) -> dict[str, int]:
-    """The model's symbolic dims bound from what the user gave (see model_io.resolve_dims);
-    static: every dim must be bound (bench), else one clear error naming the inputs."""
-    ins = signature(model)[0]
-    bound = resolve_dims(ins, dims, input_shapes=input_shapes, defaults=default_dims)
-    if static:
-        for s in ins:
-            s.bind(bound)  # raises, naming the input, the dim and both ways to give it
-    return bound
-
-
-def import_prepared(prepared: onnx.ModelProto, inputs: list[TensorSig]):
-    """import_onnx of a prepared model; an import failure with dims left unbound says so."""
+def import_prepared(prepared: onnx.ModelProto, binding: Binding, weights_dir: Path | None = None):
+    """import_onnx of a prepared model (prepare ran the checker on it); an import failure
+    with dims left unbound says so."""
     try:
-        return import_onnx(prepared, {})
+        return import_onnx(prepared, {}, check=False, weights_dir=weights_dir)
     except BlockforgeError as e:
-        open_dims = unbound_dims(inputs, {})
+        open_dims = binding.unbound()
         if not open_dims:
             raise
         example = ",".join(f"{printable(s.name)}={'x'.join(str(d) if isinstance(d, int) else 'N' for d in s.dims)}"
-                           for s in inputs)
+                           for s in binding.signature()[0])
         raise BlockforgeError(f"{e} (dims {', '.join(open_dims)} are unbound: exports often import only with "
                               f"static shapes, e.g. --shape {example})") from None
 
 
-def open_model(model: str | Path, target: str | dict | ResolvedTarget = "host",
-               dims: dict | None = None, *, input_shapes: dict | None = None,
+def open_model(model: str | Path, target: str | dict | ResolvedTarget | None = "host",
+               shape: ShapeRequest | dict | str | None = None, *, input_shapes: dict | None = None,
                default_dims: dict[str, int] | None = None, static: bool = False,
-               tvm_probe: bool = True, precision: str | None = None) -> Session:
-    """Resolve the target, check it can be built here, load the model (checked in a child
-    process first: `tvm_probe` also prepares and imports it there), bind its dims and
-    prepare it. precision: a name from targets.precision (None: fp32), refused here, before
-    the model is read, when the target cannot compute in it.
+               tvm_probe: bool = True, prepare: bool = True, precision: str | None = None) -> Session:
+    """Resolve the target, check it can be built here, then load, check, bind and prepare
+    the model once, in a child process (isolate.prepare_untrusted; `tvm_probe`: it also
+    imports the prepared model into TVM there), and read back what it made.
 
-    dims: --shape as parsed (dim names and/or whole input shapes); input_shapes: shapes of
-    user-supplied arrays, binding what dims leaves open; default_dims: bound only where the
-    model has such a dim and nothing else bound it; static: every dim must end up bound."""
-    t = target if isinstance(target, ResolvedTarget) else resolve(target)
-    problem = t.build_problem()
-    if problem:
-        raise BlockforgeError(f"cannot build for {t.name}: {problem}")
-    prec = resolve_precision(precision, t)
-    request = dict(dims=dict(dims or {}), input_shapes=dict(input_shapes or {}),
-                   default_dims=dict(default_dims or {}), static=static)
-    proto = load_untrusted(model, tvm=tvm_probe, request=request)
-    bound = bind_request(proto, **request)
-    ins, outs = bound_signature(proto, bound)
+    shape: the ShapeRequest (dim names and/or whole input shapes; a parse_dims mapping or
+    text is taken too); input_shapes: shapes of user-supplied arrays, binding what the shape
+    leaves open; default_dims: bound only where the model has such a dim and nothing else
+    bound it; static: every dim must end up bound. target None: nothing is built (inspect,
+    verify without a target); prepare=False: the model is only bound and its folded sizes
+    checked (Session.prepared is None). precision: a name from targets.precision (None:
+    fp32), refused here, before the model is read, when the target cannot compute in it."""
+    t = None
+    if target is not None:
+        t = target if isinstance(target, ResolvedTarget) else resolve(target)
+        problem = t.build_problem()
+        if problem:
+            raise BlockforgeError(f"cannot build for {t.name}: {problem}")
+    prec = resolve_precision(precision, t) if t is not None else PRECISIONS["fp32"]
+    request = dict(shape=ShapeRequest.of(shape).to_dict(), input_shapes={k: list(v) for k, v in (input_shapes or {}).items()},
+                   defaults=dict(default_dims or {}), static=static)
+    mode = ("tvm" if tvm_probe else "prepare") if prepare else "sizes"
     with native_output_to_log():
-        prepared, report = prepare(proto, bound, str(model))
-    return Session(Path(model), proto, bound, t, ins, outs, prepared, report, precision=prec)
+        got = prepare_untrusted(model, request, mode=mode)
+    return Session(Path(model), t, got.binding, got.model, got.report, got.weights_dir, got, precision=prec)

@@ -7,17 +7,19 @@ from pathlib import Path
 
 from blockforge.errors import BlockforgeError
 from blockforge.graph.model_io import load_npz, model_spec
+from blockforge.graph.shape import ShapeRequest
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
 
-from .isolate import load_untrusted, run_ort
+from .isolate import run_ort
+from .session import open_model
 
 
 @dataclass
 class VerifyOptions:
     model: Path
     inputs: Path | None = None
-    dims: dict = field(default_factory=dict)  # model_io.parse_dims(): dim names and/or input shapes
+    shape: ShapeRequest | dict | None = None  # dim names and/or whole input shapes (graph/shape.py)
     seed: int = 0
     target: str | dict | None = None  # None: ORT vs the oracle only
     tuning_db: Path | None = None  # None: the device's default database, if any
@@ -36,9 +38,8 @@ def verify(opts: VerifyOptions) -> ParityReport:
     if opts.target:
         from .records import open_for_apply
         from .runtime import run_vm, tvm_device
-        from .session import open_model
 
-        session = open_model(opts.model, opts.target, opts.dims, input_shapes=shapes, precision=opts.precision)
+        session = open_model(opts.model, opts.target, opts.shape, input_shapes=shapes, precision=opts.precision)
         model, target = session.model, session.target
         inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         problem = target.run_problem()
@@ -69,11 +70,11 @@ def verify(opts: VerifyOptions) -> ParityReport:
             with native_output_to_log():
                 extra["tvm"] = run_vm(relax.VirtualMachine(ex, dev), dev, session.inputs, session.outputs, inputs)
     else:
-        from .session import bind_request
-
-        # the child refuses what ORT's session setup would fold above the size cap
-        model = load_untrusted(opts.model, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
-        inputs = prepare_inputs(model, npz, bind_request(model, opts.dims, shapes), opts.seed)
+        # the prelude without a target: the child binds and refuses what ORT's session setup
+        # would fold above the size cap
+        session = open_model(opts.model, None, opts.shape, input_shapes=shapes, prepare=False)
+        model = session.model
+        inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         ort = run_ort(opts.model, model, inputs, ort_device)  # the untrusted model runs in the bounded child
         if model_spec(model) is None and opts.reference is None:  # no oracle, no float original
             raise BlockforgeError(f"{opts.model}: ONNX Runtime runs it, but it is not a blockforge model (no spec in "
@@ -83,7 +84,8 @@ def verify(opts: VerifyOptions) -> ParityReport:
 
     quant = model_precision(model)
     if opts.reference is not None:
-        ref_model = load_untrusted(opts.reference, sizes=True, request=dict(dims=dict(opts.dims), input_shapes=shapes))
+        # the one prelude, as for the model itself: bound, its folded sizes checked, in the child
+        ref_model = open_model(opts.reference, None, opts.shape, input_shapes=shapes, prepare=False).model
         from blockforge.graph.model_io import check_inputs, signature
 
         check_inputs(signature(ref_model)[0], inputs,

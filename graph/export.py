@@ -88,7 +88,7 @@ def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
         from .quantize import QuantizeOptions, quantize_model
 
         opts = QuantizeOptions(model=path, output=path, mode=quantize, per_channel=per_channel,
-                               dims={k: v for k, v in (("batch", spec.batch), ("seq", spec.seq)) if v}, seed=spec.seed)
+                               shape={k: v for k, v in (("batch", spec.batch), ("seq", spec.seq)) if v}, seed=spec.seed)
         qdata, qres = quantize_model(model, opts)
         model = onnx.load_from_string(qdata)
     data = model.SerializeToString()  # weights inline: no external-data files to trust

@@ -51,6 +51,11 @@ class TensorSig:
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.dims), "dtype": self.dtype}
 
+    def at(self, values: dict[str, int]) -> "TensorSig":
+        """This signature with the symbolic dims `values` names replaced by their values (what
+        bind_dims does to the model's inputs/outputs, without copying the model)."""
+        return TensorSig(self.name, tuple(values.get(d, d) if isinstance(d, str) else d for d in self.dims), self.dtype)
+
     def bind(self, dims: dict[str, int]) -> tuple[int, ...]:
         out = []
         for d in self.dims:
@@ -93,8 +98,9 @@ def _check_external(path: Path, model: onnx.ModelProto) -> None:
             raise BlockforgeError(f"{path}: external data {loc!r} is a hardlink; refusing it")
 
 
-def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
-    """Read and check an ONNX model; every failure is one BlockforgeError line."""
+def load_model(path: str | os.PathLike, *, check: bool = True, external_data: bool = True) -> onnx.ModelProto:
+    """Read and check an ONNX model; every failure is one BlockforgeError line.
+    external_data=False: external tensors are checked (policy above) but left on disk."""
     path = Path(path)
     if not path.exists():
         raise BlockforgeError(f"{path}: no such file")
@@ -113,6 +119,8 @@ def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProt
         raise BlockforgeError(f"{path}: parses as protobuf but is not an ONNX model (no graph or opset)")
     if _external_locations(model):
         _check_external(path, model)
+        if not external_data:
+            return model
         try:
             external_data_helper.load_external_data_for_model(model, str(path.parent))
         except Exception as e:
@@ -120,6 +128,34 @@ def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProt
     if check:
         check_model(model, str(path))
     return model
+
+
+def read_external(t: onnx.TensorProto, folder: str | os.PathLike) -> np.ndarray:
+    """The array of external tensor `t` from its file in `folder`, read alone (onnx's
+    to_array loads it into the proto, where it stays). The location is held to the folder
+    (_check_external's policy) and the bytes to what the dims and dtype need."""
+    info = {e.key: e.value for e in t.external_data}
+    name = printable(t.name)
+    base = Path(folder).resolve()
+    loc = Path(info.get("location", ""))
+    full = base / loc
+    if not loc.parts or loc.is_absolute() or ".." in loc.parts or full.is_symlink() or not full.is_file() \
+            or full.resolve().parent != base:
+        raise BlockforgeError(f"tensor {name}: external data location {str(loc)!r} is not a file in {folder}")
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+        offset, length = int(info.get("offset", 0)), info.get("length")
+    except (KeyError, TypeError, ValueError) as e:
+        raise BlockforgeError(f"tensor {name}: unreadable external data ({error_line(e)})") from None
+    need = math.prod(t.dims) * dtype.itemsize
+    if t.data_type in (TensorProto.STRING, TensorProto.INT4, TensorProto.UINT4) or \
+            (length is not None and int(length) != need) or offset < 0 or offset + need > full.stat().st_size:
+        raise BlockforgeError(f"tensor {name}: external data of {length} bytes at offset {offset}, "
+                              f"its dims {list(t.dims)} ({dtype}) need {need}")
+    with open(full, "rb") as f:
+        f.seek(offset)
+        data = f.read(need)
+    return np.frombuffer(data, dtype=dtype).reshape(tuple(t.dims))
 
 
 def check_model(model: onnx.ModelProto, label: str = "model") -> None:

@@ -51,7 +51,7 @@ class QuantizeOptions:
     calibration: Path | None = None  # static: .npz of inputs (one batch, or batches stacked on a new axis 0)
     per_channel: bool = False
     activation_type: str = "s8"  # static only
-    dims: dict = field(default_factory=dict)  # random calibration: symbolic dims (model_io.parse_dims)
+    shape: object = None  # random calibration: the shape request (graph/shape.ShapeRequest, a mapping or text)
     batches: int = RANDOM_BATCHES
     seed: int = 0
     force: bool = False
@@ -133,7 +133,9 @@ def _calibration_batches(opts: QuantizeOptions, model: onnx.ModelProto) -> tuple
         return batches, f"{len(batches)} batch(es) from {opts.calibration}"
     if opts.batches < 1:
         raise BlockforgeError("the number of random calibration batches must be at least 1")
-    dims = resolve_dims(ins, opts.dims)
+    from .shape import ShapeRequest
+
+    dims = resolve_dims(ins, ShapeRequest.of(opts.shape).to_dict())
     batches = [random_inputs(ins, dims, seed=opts.seed + i) for i in range(opts.batches)]
     shapes = ", ".join(f"{s.name}={'x'.join(map(str, batches[0][s.name].shape))}" for s in ins)
     return batches, (f"{opts.batches} RANDOM batches drawn from the model's signature ({shapes}); give "

@@ -324,7 +324,7 @@ def test_fused_builds_match_ort_and_oracle(tmp_path, kw, dims):
     # that leaves around a bool mask, so that build is the unfused one. Known gap (README).
     fused = kw.get("dtype", "float32") == "float32"
     assert len(attention.kernel_specs(mod)) == (1 if fused else 0), "the build under test is the expected one"
-    rep = verify(VerifyOptions(model=path, target="host", dims=d, use_tuning=False))
+    rep = verify(VerifyOptions(model=path, target="host", shape=d, use_tuning=False))
     assert {c.pair for c in rep.comparisons} == {"tvm vs ort", "tvm vs oracle", "ort vs oracle"}
     assert rep.passed, [c for c in rep.comparisons if not c.passed]
 
@@ -432,6 +432,6 @@ def test_distinct_attention_variants_get_distinct_kernels(tmp_path, monkeypatch)
     symbols = {str(f.attrs["global_symbol"]) for f in kernels}
     assert len(symbols) == 4 and all(s.startswith("fused_attention") for s in symbols), symbols
     assert "relax.nn.softmax" not in _ops(mod), "every attention is fused"
-    rep = verify(VerifyOptions(model=path, target="host", dims={}, use_tuning=False))
+    rep = verify(VerifyOptions(model=path, target="host", shape={}, use_tuning=False))
     assert {c.pair for c in rep.comparisons} == {"tvm vs ort"}
     assert rep.passed, [c for c in rep.comparisons if not c.passed]

@@ -160,7 +160,7 @@ def test_layout_parity_tvm_ort_oracle(workdir, kw, dims):
     from blockforge.graph.model_io import parse_dims
 
     res = export(MHASpec(d_model=64, heads=4, layout="attention-op", **kw), workdir / "m.onnx")
-    rep = verify(VerifyOptions(model=res.model_path, target="host", dims=parse_dims(dims), use_tuning=False))
+    rep = verify(VerifyOptions(model=res.model_path, target="host", shape=parse_dims(dims), use_tuning=False))
     pairs = {c.pair: c for c in rep.comparisons}
     assert set(pairs) == {"tvm vs ort", "tvm vs oracle", "ort vs oracle"}, rep
     assert rep.passed, [c for c in rep.comparisons if not c.passed]
@@ -204,7 +204,7 @@ def test_layout_builds_for_cuda(tmp_path):
 
     path = export(MHASpec(d_model=64, heads=4, layout="attention-op", causal=True, mask="bool"),
                   tmp_path / "m.onnx").model_path
-    res = compile_model(CompileOptions(model=path, target="cuda-sm90", dims={"batch": 1}, output=tmp_path / "art"))
+    res = compile_model(CompileOptions(model=path, target="cuda-sm90", shape={"batch": 1}, output=tmp_path / "art"))
     assert {"module.so", "kernels.cu", "device.fatbin"} <= set(res.manifest["files"])
 
 
@@ -215,6 +215,6 @@ def test_layout_runs_on_cuda_and_matches_ort(tmp_path, dtype):
 
     path = export(MHASpec(d_model=256, heads=4, layout="attention-op", causal=True, mask="bool", dtype=dtype),
                   tmp_path / "m.onnx").model_path
-    rep = verify(VerifyOptions(model=path, target="cuda-sm90", dims={"batch": 2, "seq": 64}))
+    rep = verify(VerifyOptions(model=path, target="cuda-sm90", shape={"batch": 2, "seq": 64}))
     assert {"tvm vs ort", "tvm vs oracle"} <= {c.pair for c in rep.comparisons}, rep.notes
     assert rep.passed, rep.to_dict()

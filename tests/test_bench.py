@@ -131,7 +131,7 @@ def test_missing_or_refusing_peers_are_notes(tiny_mha, monkeypatch):
         return m, "perturbed"
 
     monkeypatch.setattr("blockforge.bench.ort_fused.fused_model", wrong_math)
-    rep = bench(BenchOptions(model=tiny_mha, against=("ort", "ort-fused", "openvino"), dims={"batch": 1, "seq": 16},
+    rep = bench(BenchOptions(model=tiny_mha, against=("ort", "ort-fused", "openvino"), shape={"batch": 1, "seq": 16},
                              repeat=3, gemm_n=256))
     assert [r.name for r in rep.results] == ["ort"] and rep.best_peer == "ort"
     notes = "\n".join(rep.notes)
@@ -145,7 +145,7 @@ def test_missing_or_refusing_peers_are_notes(tiny_mha, monkeypatch):
     monkeypatch.setattr(REGISTRY["ort"], "make_runner", boom)
     with pytest.raises(BlockforgeError, match="no contender could run the model: ort: cannot take this model: "
                                                 r"\[ONNXRuntimeError\] cannot handle this graph; skipped"):
-        bench(BenchOptions(model=tiny_mha, against=("ort", "openvino"), dims={"batch": 1, "seq": 16}, repeat=3))
+        bench(BenchOptions(model=tiny_mha, against=("ort", "openvino"), shape={"batch": 1, "seq": 16}, repeat=3))
 
 
 def _foreign(tmp_path, name: str, nodes: list, outputs: list, dtype=None, inits=()) -> str:

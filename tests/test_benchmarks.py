@@ -126,12 +126,17 @@ def test_int8_gemm(tmp_path):
     assert "no AVX-512 VNNI" in out or ("exact int32 vs numpy: True" in out and out.count("blockforge int8 (after)") == 2), out
 
 
+def test_compile_memory(tmp_path):
+    out = _run("compile_memory.py", "--smoke", "--shape", "batch=1,seq=8", cwd=tmp_path)
+    assert "compile peak RSS (parent + children)" in out and "x the weights" in out, out
+
+
 def test_bf16_gemm(tmp_path):
     out = _run("bf16_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
     assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and "blockforge bf16:" in out), out
 
 
-SMOKED = {"bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "peers.py", "run.py", "ship_records.py", "export_models.py"}
 
 

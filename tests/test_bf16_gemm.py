@@ -172,7 +172,7 @@ def test_bench_holds_bf16_builds_to_the_bf16_row(workdir):
 
     _need_bf16_host()
     model = export(FFNSpec(d_model=64, d_ff=128), workdir / "ffn.onnx").model_path
-    rep = bench(BenchOptions(model=model, against=("ort", "untuned"), repeat=3, dims={"batch": 1, "seq": 16},
+    rep = bench(BenchOptions(model=model, against=("ort", "untuned"), repeat=3, shape={"batch": 1, "seq": 16},
                              precision="bf16"))
     assert "untuned" in {r.name for r in rep.results}, rep.notes
 

@@ -30,7 +30,7 @@ def test_host_parity(workdir, cls, kw, dtype, shape):
     if shape and not getattr(spec, "cross", False) or (shape and getattr(spec, "kv_seq", None)):
         shape = shape.replace(",kv_seq=6", "").replace(",kv_seq=5", "")
     res = export(spec, workdir / "m.onnx")
-    rep = verify(VerifyOptions(model=res.model_path, target="host", dims=parse_dims(shape), use_tuning=False))
+    rep = verify(VerifyOptions(model=res.model_path, target="host", shape=parse_dims(shape), use_tuning=False))
     pairs = {c.pair: c for c in rep.comparisons}
     assert set(pairs) == {"tvm vs ort", "tvm vs oracle", "ort vs oracle"}, rep
     assert rep.passed, [c for c in rep.comparisons if not c.passed]

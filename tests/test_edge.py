@@ -59,7 +59,7 @@ def built(tmp_path_factory):
             model = root / f"{name}.onnx"
             if not model.exists():
                 export(SPECS[name], model)
-            res = compile_model(CompileOptions(model=model, target=target, dims=DIMS,
+            res = compile_model(CompileOptions(model=model, target=target, shape=DIMS,
                                                output=root / f"{name}.{target}", use_tuning=False))
             cache[(name, target)] = res.artifact
         return cache[(name, target)]

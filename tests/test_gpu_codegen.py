@@ -46,7 +46,7 @@ def _no_nvcc():
 @pytest.mark.parametrize("kind", ["mha", "ffn"])
 @pytest.mark.parametrize("preset, arch", [("cuda-sm90", "sm_90"), ("cuda-sm80", "sm_80")])
 def test_cuda_build_carries_device_code(models, tmp_path, kind, preset, arch):
-    res = compile_model(CompileOptions(model=models[kind], target=preset, dims={"batch": 1},
+    res = compile_model(CompileOptions(model=models[kind], target=preset, shape={"batch": 1},
                                        output=tmp_path / "art"))
     files = res.manifest["files"]
     assert {"module.so", "kernels.cu", "device.fatbin"} <= set(files)
@@ -62,7 +62,7 @@ def test_cuda_build_carries_device_code(models, tmp_path, kind, preset, arch):
 
 @pytest.mark.parametrize("preset, marker", [("opencl", "__kernel"), ("metal", "kernel void"), ("webgpu", "@compute")])
 def test_build_only_codegens_emit_source(models, tmp_path, preset, marker):
-    res = compile_model(CompileOptions(model=models["ffn"], target=preset, dims={"batch": 1, "seq": 16},
+    res = compile_model(CompileOptions(model=models["ffn"], target=preset, shape={"batch": 1, "seq": 16},
                                        output=tmp_path / "art"))
     ext = {"opencl": "cl", "metal": "metal", "webgpu": "wgsl"}[preset]
     src = (tmp_path / "art" / f"kernels.{ext}").read_text()
@@ -73,7 +73,7 @@ def test_build_only_codegens_emit_source(models, tmp_path, preset, marker):
 @pytest.mark.skipif(bool(_no_nvcc()), reason=f"CUDA builds need nvcc: {_no_nvcc()}")
 @pytest.mark.skipif(gpu_present(), reason="a GPU is present: the build runs here")
 def test_verify_on_build_only_target_says_so(models):
-    rep = verify(VerifyOptions(model=models["ffn"], target="cuda-sm90", dims={"batch": 1, "seq": 8}))
+    rep = verify(VerifyOptions(model=models["ffn"], target="cuda-sm90", shape={"batch": 1, "seq": 8}))
     assert rep.notes and "not run" in rep.notes[0] and "no CUDA GPU" in rep.notes[0], rep.notes
     assert {c.pair for c in rep.comparisons} == {"ort vs oracle"} and rep.passed
 
@@ -85,7 +85,7 @@ def test_cuda_runs_and_matches_ort(tmp_path, kind, dtype):
     spec = (MHASpec(d_model=256, heads=4, causal=True, dtype=dtype) if kind == "mha"
             else FFNSpec(d_model=256, activation="gelu", dtype=dtype))
     path = export(spec, tmp_path / "m.onnx").model_path
-    rep = verify(VerifyOptions(model=path, target="cuda-sm90", dims={"batch": 2, "seq": 64}))
+    rep = verify(VerifyOptions(model=path, target="cuda-sm90", shape={"batch": 2, "seq": 64}))
     assert {"tvm vs ort", "tvm vs oracle"} <= {c.pair for c in rep.comparisons}, rep.notes
     assert rep.passed, rep.to_dict()
 

@@ -340,6 +340,21 @@ def test_qdq_ffn_matches_ort_on_the_int8_kernel(qdq_ffn, monkeypatch):
         assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
 
 
+def test_qdq_rewrite_reads_weights_the_child_left_on_disk(qdq_ffn, monkeypatch):
+    """Isolation on, the prepared model's weights are external data in the child's folder:
+    the QDQ rewrite still reads them (Session.prepared_with_weights) and imports MatMulInteger."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "1")
+    from blockforge.compile.quant.gemm import kernel_specs
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+
+    s = open_model(qdq_ffn, "host", {"batch": 1, "seq": 16})
+    assert s.weights_dir is not None
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    assert len(kernel_specs(mod)) == 2
+
+
 def test_qdq_imported_as_written_where_no_vnni(qdq_ffn, monkeypatch):
     """x86-64-avx512 (Skylake) has no VNNI: the QDQ model imports as before (no int32
     matmul, which would run as a scalar int32 loop there)."""

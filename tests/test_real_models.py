@@ -95,7 +95,7 @@ def test_export_compiles_and_matches_ort(entry, workdir, monkeypatch, caplog):
         conv, names = run_phases(session.relax(), session.target, stop_after="conv-gemm")
         text = conv.script()
         assert "conv-gemm" in names and "R.nn.conv1d" not in text and "conv_im2col" in text
-    report = verify(VerifyOptions(model=path, target="host", dims=_shapes(entry), use_tuning=False))
+    report = verify(VerifyOptions(model=path, target="host", shape=_shapes(entry), use_tuning=False))
     pairs = {c.pair for c in report.comparisons}
     assert pairs == {"tvm vs ort"}, report
     assert report.passed, [c for c in report.comparisons if not c.passed]
@@ -251,10 +251,10 @@ def test_tune_an_export_tiny_budget(tmp_path, request):
     model = FIXTURES / "vit_legacy_op17.onnx"
     dims = parse_dims("pixel_values=1x3x32x32")
     db = tmp_path / "db"
-    s = tune(TuneOptions(model=model, target="host", dims=dims, trials_per_task=2, tuning_db=db,
+    s = tune(TuneOptions(model=model, target="host", shape=dims, trials_per_task=2, tuning_db=db,
                          measure=False, progress=False, population=16, round_trials=2))
     assert len(s.tasks) >= 8 and all(t.trials_new == 2 for t in s.tasks), s
-    rep = verify(VerifyOptions(model=model, target="host", dims=dims, tuning_db=db))
+    rep = verify(VerifyOptions(model=model, target="host", shape=dims, tuning_db=db))
     assert any("tuning records applied" in n for n in rep.notes) and rep.passed, rep
 
 

@@ -65,7 +65,7 @@ class TuneOptions:
     tuning_db: Path | None = None  # None: the device's database in the per-user cache
     rpc_tracker: str | None = None
     rpc_key: str | None = None
-    dims: dict[str, int] = field(default_factory=dict)
+    shape: "ShapeRequest | dict | None" = None  # dim names and/or whole input shapes (graph/shape.py)
     round_trials: int = DEFAULT_ROUND_TRIALS
     measure: bool = True
     progress: bool = True
@@ -545,7 +545,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
     db_arg = opts.tuning_db if opts.tuning_db is not None else default_db_dir(target, opts.rpc_key)
     check_outputs([Output("--tuning-db", db_arg, INTO, "tuning database")], [opts.model])  # refused: costs nothing
     db_dir = Path(db_arg)
-    session = open_model(opts.model, target, opts.dims)
+    session = open_model(opts.model, target, opts.shape)
     local = not opts.rpc_tracker and target.run_problem() is None
     db = DeviceDB(db_dir, target, create=not opts.check_only, cpu=cpu_id() if local else None)
     term = _terminal()

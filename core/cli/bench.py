@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_force, add_precision, add_shape, check_outputs, dims, path_or_none, write_json
+from .common import add_force, add_precision, add_shape, check_outputs, shape, path_or_none, write_json
 
 
 DEFAULT_SHAPE = "batch=1,seq=128"
@@ -55,7 +55,7 @@ def run(a) -> int:
 
     rep = bench(BenchOptions(model=a.model, target=a.target,
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
-                             repeat=a.repeat, dims=dims(a), default_dims=default_dims(a),
+                             repeat=a.repeat, shape=shape(a), default_dims=default_dims(a),
                              tuning_db=path_or_none(a.tuning_db, "--tuning-db"), profile=a.profile,
                              precision=a.precision))
     print(rep.markdown())

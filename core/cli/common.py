@@ -29,16 +29,26 @@ def path_or_none(v: str | None, flag: str) -> Path | None:
     return None if v is None else Path(v)
 
 
-def dims(a: argparse.Namespace) -> dict:
-    """--shape as parsed: dim names (batch=1) and/or whole input shapes (input_ids=1x128);
-    resolved against the model by open_model (model_io.resolve_dims)."""
-    from blockforge.graph.model_io import parse_dims
+def shape(a: argparse.Namespace):
+    """--shape as parsed (a ShapeRequest: dim names, batch=1, and/or whole input shapes,
+    input_ids=1x128); resolved against the model by the prelude (graph/shape.py Binding)."""
+    from blockforge.graph.shape import ShapeRequest
 
-    return parse_dims(getattr(a, "shape", None))
+    return getattr(a, "shape", None) or ShapeRequest()
+
+
+def _shape_type(text: str):
+    """argparse `type=` for --shape: the request parsed once, its error one line naming the flag."""
+    from blockforge.graph.shape import ShapeRequest
+
+    try:
+        return ShapeRequest.parse(text)
+    except BlockforgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_shape(p: argparse.ArgumentParser, default_note: str | None = None) -> None:
-    p.add_argument("--shape", default=None,
+    p.add_argument("--shape", default=None, type=_shape_type,
                    help="bind symbolic dims by name (batch=1,seq=128) or by whole input shapes "
                         "(input_ids=1x128,attention_mask=1x128; pixel_values=1x3x224x224)"
                         + (f" (default {default_note})" if default_note else ""))

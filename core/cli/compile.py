@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_force, add_precision, add_shape, add_tuning, dims, path_or_none
+from .common import add_force, add_precision, add_shape, add_tuning, shape, path_or_none
 
 
 def add(sub) -> None:
@@ -24,7 +24,7 @@ def run(a) -> int:
     from blockforge.compile import CompileOptions, compile_model
 
     res = compile_model(CompileOptions(
-        model=a.model, target=a.target, dims=dims(a), output=a.output,
+        model=a.model, target=a.target, shape=shape(a), output=a.output,
         dump_ir=a.dump_ir, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
         precision=a.precision, force=a.force))
     m = res.manifest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import add_shape, dims
+from .common import add_shape, shape
 
 
 def add(sub) -> None:
@@ -16,32 +16,20 @@ def add(sub) -> None:
 
 
 def run(a) -> int:
-    from pathlib import Path
-
-    from blockforge.compile.isolate import load_untrusted, probe
-    from blockforge.compile.prepare import SHAPE_OPS, prepare
-    from blockforge.compile.session import bind_request
+    from blockforge.compile.session import open_model
     from blockforge.errors import printable
     from blockforge.graph.analysis import analyze
-    from blockforge.graph.model_io import DEFAULT_DIMS, model_spec, signature, unbound_dims
-    from blockforge.logs import native_output_to_log
+    from blockforge.graph.model_io import DEFAULT_DIMS, model_spec
 
     # FLOPs on the prepared model: exports compute their shapes at run time (Shape ->
-    # Concat -> Reshape), which shape inference alone cannot see through. Prepare's folding
-    # evaluates subgraphs natively: a child process runs it on the untrusted model first.
-    # Graphs without shape arithmetic skip it (the folder's import alone costs ~1 s).
-    request = dict(dims=dims(a), default_dims=DEFAULT_DIMS)
-    # The child also refuses a model whose folding would materialise a tensor above the cap.
-    model = load_untrusted(a.model, sizes=True, request=request)
-    bound = bind_request(model, **request)
-    prepared, report = None, None
-    if any(n.op_type in SHAPE_OPS for n in model.graph.node):
-        probe(Path(a.model), prepare=True, request=request)
-        with native_output_to_log():
-            prepared, report = prepare(model, bound, a.model)
-    facts = analyze(model, bound, prepared)
+    # Concat -> Reshape), which shape inference alone cannot see through. The prelude
+    # (without a target) prepares in a child process: its folding evaluates subgraphs
+    # natively, and it refuses a model whose folding would materialise a tensor above the cap.
+    session = open_model(a.model, None, shape(a), default_dims=DEFAULT_DIMS, tvm_probe=False)
+    model, report = session.model, session.prepare_report
+    facts = analyze(model, session.dims, session.prepared)
     spec = model_spec(model)
-    open_dims = unbound_dims(signature(model)[0], bound)
+    open_dims = session.binding.unbound()
     if a.json:
         print(json.dumps({**facts.to_dict(), "spec": spec.to_dict() if spec else None,
                           "unbound_dims": open_dims, "prepare": report.to_dict() if report else None}, indent=2))
@@ -51,8 +39,8 @@ def run(a) -> int:
     print(f"model: {a.model}  (opset {facts.opset}, {'blockforge ' + spec.kind if spec else 'foreign model'})")
     for label, sigs in (("input", facts.inputs), ("output", facts.outputs)):
         for s in sigs:
-            shape = "[" + ", ".join(str(d) if isinstance(d, int) else printable(repr(d)) for d in s.dims) + "]"
-            print(f"  {label:6} {printable(s.name):18} {s.dtype:8} {shape}")
+            axes = "[" + ", ".join(str(d) if isinstance(d, int) else printable(repr(d)) for d in s.dims) + "]"
+            print(f"  {label:6} {printable(s.name):18} {s.dtype:8} {axes}")
     print(f"  params {facts.params:,} ({facts.param_bytes / 2**20:.2f} MiB)")
     print(f"  MatMul/Gemm/Conv/attention FLOPs {facts.flops:,} at {facts.dims}")
     if open_dims:

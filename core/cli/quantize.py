@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_force, add_shape, dims, path_or_none
+from .common import add_force, add_shape, path_or_none, shape
 
 
 def add(sub) -> None:
@@ -36,7 +36,7 @@ def run(a) -> int:
 
     opts = QuantizeOptions(model=Path(a.model), output=Path(a.output), mode=a.mode,
                            calibration=path_or_none(a.calibration, "--calibration"), per_channel=a.per_channel,
-                           activation_type=a.activation_type, dims=dims(a), seed=a.seed, force=a.force)
+                           activation_type=a.activation_type, shape=shape(a), seed=a.seed, force=a.force)
     res = quantize(opts, progress=lambda s: print(f"quantize: {s}", file=sys.stderr, flush=True))
     for note in res.notes:
         print(f"note: {printable(note, limit=None)}")

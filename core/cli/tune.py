@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_force, add_shape, check_outputs, dims, print_table, write_json
+from .common import add_force, add_shape, check_outputs, shape, print_table, write_json
 
 
 def add(sub) -> None:
@@ -45,7 +45,7 @@ def run(a) -> int:
 
     s = tune(TuneOptions(model=a.model, target=a.target, trials=a.trials, trials_per_task=a.trials_per_task,
                          tuning_db=a.tuning_db, rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
-                         dims=dims(a), round_trials=a.round_trials, measure=not a.no_measure,
+                         shape=shape(a), round_trials=a.round_trials, measure=not a.no_measure,
                          progress=not a.no_progress, rpc_wait_s=a.rpc_wait, check_only=a.check_only))
     rows = [[t.name, f"{t.flops / 1e6:.2f}", f"{t.best_us:.1f}" if t.best_us else "-",
              f"{t.gflops:.1f}" if t.gflops else "-", f"{min(t.trials_before, t.budget) + t.trials_new}/{t.budget}",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_force, add_precision, add_shape, add_tuning, check_outputs, dims, path_or_none, print_table, write_json
+from .common import add_force, add_precision, add_shape, add_tuning, check_outputs, shape, path_or_none, print_table, write_json
 
 
 def add(sub) -> None:
@@ -27,7 +27,7 @@ def run(a) -> int:
     from blockforge.compile.verify import VerifyOptions, verify
     from blockforge.errors import printable
 
-    report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs, "--inputs"), dims=dims(a), seed=a.seed,
+    report = verify(VerifyOptions(model=a.model, inputs=path_or_none(a.inputs, "--inputs"), shape=shape(a), seed=a.seed,
                                   target=a.target, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
                                   precision=a.precision, reference=path_or_none(a.reference, "--reference")))
     for note in report.notes:

@@ -103,7 +103,7 @@ def symbolic_artifact(tmp_path_factory) -> Path:
 
         root = tmp_path_factory.mktemp("edge-artifact")
         export(FFNSpec(d_model=64, d_ff=128), root / "ffn.onnx")
-        res = compile_model(CompileOptions(model=root / "ffn.onnx", target="host", dims={},
+        res = compile_model(CompileOptions(model=root / "ffn.onnx", target="host", shape={},
                                            output=root / "ffn.host", use_tuning=False))
         assert json.loads((res.artifact / "manifest.json").read_text())["inputs"][0]["shape"] == ["batch", "seq", 64]
         _cache["artifact"] = res.artifact

@@ -87,7 +87,7 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tuning_db, "atomic_write_group", flaky)
     with pytest.raises(BlockforgeError, match="No space left on device.*intact"):
-        tune(TuneOptions(model=model, target="host", dims=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
+        tune(TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
                          measure=False, progress=False))
     before = (db / RECORDS).read_text().splitlines()
     assert len(before) >= 2
@@ -97,7 +97,7 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
-    s = tune(TuneOptions(model=model, target="host", dims=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
+    s = tune(TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
                          measure=False, progress=False))
     after = (db / RECORDS).read_text().splitlines()
     assert after[: len(before)] == before and s.trials_new > 0
