@@ -19,6 +19,11 @@ PYTEST_ARGS ?=
 # edit is tested at once, nothing reinstalled. Tests marked slow are left to `make test`.
 # Picked by measured time per file (`pytest --durations=0` of the whole suite).
 DEV_SRC := build/dev-src
+# `make test` and `make check` run two pytest-xdist workers (TEST_WORKERS=1: one process), each
+# taking a whole file at a time (its module fixtures built once; files marked slow as a whole
+# first: tests/conftest.py).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 CHECK_TESTS := tests/test_architecture.py tests/test_spec.py tests/test_targets.py \
 	tests/test_graph_structure.py tests/test_graph_parity.py tests/test_tolerance_report.py \
 	tests/test_skip_summary.py tests/test_schedules.py tests/test_schedule_ir.py tests/test_ablations.py \
@@ -71,11 +76,7 @@ demo: install
 # The aarch64 edge tests' Debian packages are installed first where that is possible (root and
 # apt-get; EDGE_DEPS=0 skips it). The last thing printed is which test groups were skipped and
 # what enables each (tests/conftest.py). pytest exits 5 when it collected nothing: a failure.
-# Two pytest-xdist workers (TEST_WORKERS=1: one process), each taking a whole file at a time
-# (its module fixtures built once; files marked slow first: tests/conftest.py).
 SKIP_SUMMARY := build/skipped-groups.txt
-TEST_WORKERS ?= 2
-XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install
 	@set +e; status=$$(.ci/edge-deps); rm -f $(SKIP_SUMMARY); \
 	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest $(XDIST) --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
@@ -84,7 +85,7 @@ test: install
 
 check: $(DEPS_STAMP)
 	@$(BIN)/python tests/devtree.py $(DEV_SRC) >/dev/null
-	PYTHONPATH=$(CURDIR)/$(DEV_SRC) $(BIN)/python -m pytest -q -m "not slow and not long" $(CHECK_TESTS) $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/$(DEV_SRC) $(BIN)/python -m pytest -q $(XDIST) -m "not slow and not long" $(CHECK_TESTS) $(PYTEST_ARGS)
 
 # Tests too long for `make test` (tuning a whole real export: ~11 min on 2 cores).
 # The edge app's parser fuzz and the .npz fuzz of `run`, longer than make test's 20 s.
