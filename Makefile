@@ -26,7 +26,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 CHECK_TESTS := tests/test_architecture.py tests/test_spec.py tests/test_targets.py \
 	tests/test_graph_structure.py tests/test_graph_parity.py tests/test_tolerance_report.py \
-	tests/test_skip_summary.py tests/test_schedules.py tests/test_schedule_ir.py tests/test_ablations.py \
+	tests/test_skip_summary.py tests/test_devtree.py tests/test_schedules.py tests/test_schedule_ir.py tests/test_ablations.py \
 	tests/test_artifacts.py tests/test_bench.py tests/test_records_cpu.py tests/test_cli_graph.py \
 	tests/test_attention_fusion.py tests/robustness/test_outputs.py tests/robustness/test_fuzz.py \
 	tests/robustness/test_fp16_overflow.py

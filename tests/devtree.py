@@ -22,12 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DEST = REPO / "build" / "dev-src"
 
 
-def package_dirs(pyproject: Path = REPO / "pyproject.toml") -> dict[str, str]:
+def setuptools_config(pyproject: Path = REPO / "pyproject.toml") -> dict:
+    """pyproject.toml's [tool.setuptools] table (package-dir, packages)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10: the same parser, vendored by setuptools
         from setuptools.extern import tomli as tomllib  # type: ignore[no-redef]
-    return dict(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-dir"])
+    return tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+
+
+def package_dirs(pyproject: Path = REPO / "pyproject.toml") -> dict[str, str]:
+    return dict(setuptools_config(pyproject)["package-dir"])
 
 
 def build(dest: Path = DEFAULT_DEST, repo: Path = REPO) -> Path:
