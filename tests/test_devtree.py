@@ -20,8 +20,8 @@ def test_every_wheel_package_is_in_the_dev_tree(tmp_path):
 
 def test_dev_tree_is_imported_before_the_installed_copy(tmp_path):
     dest = build(tmp_path / "dev-src")
-    p = subprocess.run([sys.executable, "-c", "import blockforge.graph, blockforge.cli; print(blockforge.graph.__file__)"],
-                       capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(dest), "PATH": "/usr/bin:/bin"},
-                       timeout=120)
+    code = "import blockforge.graph, blockforge.cli; print(blockforge.graph.__file__)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={"PYTHONPATH": str(dest), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(dest / "blockforge" / "graph" / "__init__.py")

@@ -220,7 +220,8 @@ CASES = [
          outputs=("m.onnx",)),
     Case("spec-opset-range", lambda b, d: ["export", "ffn", "--opset", "7", "-o", d / "m.onnx"], "opset",
          outputs=("m.onnx",)),
-    Case("bench-unknown-contender", lambda b, d: ["bench", b["ffn"], "--against", "ort,magic"], "unknown contender", process=True),
+    Case("bench-unknown-contender", lambda b, d: ["bench", b["ffn"], "--against", "ort,magic"], "unknown contender",
+         process=True),
     # bench's default batch=1,seq=128 binds only those names: a cross-attention's kv_seq stays open
     Case("bench-symbolic-dim", lambda b, d: ["bench", b["cross"]], "kv_seq"),
 ]
