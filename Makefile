@@ -13,11 +13,20 @@ NOBLAS := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 PYTEST_ARGS ?=
 
 # The fast tier: unit and in-process tests (no tuning, no cross builds, no wheel, few TVM
-# builds), for the loop after an edit: `make check` reinstalls the package (~1 s, no deps) and
-# runs them. Picked by measured time per file (`pytest --durations=0` of the whole suite).
+# builds), for the loop after an edit. `make check` runs them against the source tree, not the
+# installed copy: tests/devtree.py lays the package-dir mapping out as links under
+# build/dev-src and PYTHONPATH puts it first (the CLI and isolation children see it too), so an
+# edit is tested at once, nothing reinstalled. Tests marked slow are left to `make test`.
+# Picked by measured time per file (`pytest --durations=0` of the whole suite).
+DEV_SRC := build/dev-src
+# `make test` and `make check` run two pytest-xdist workers (TEST_WORKERS=1: one process), each
+# taking a whole file at a time (its module fixtures built once; files marked slow as a whole
+# first: tests/conftest.py).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 CHECK_TESTS := tests/test_architecture.py tests/test_spec.py tests/test_targets.py \
 	tests/test_graph_structure.py tests/test_graph_parity.py tests/test_tolerance_report.py \
-	tests/test_skip_summary.py tests/test_schedules.py tests/test_schedule_ir.py tests/test_ablations.py \
+	tests/test_skip_summary.py tests/test_devtree.py tests/test_schedules.py tests/test_schedule_ir.py tests/test_ablations.py \
 	tests/test_artifacts.py tests/test_bench.py tests/test_records_cpu.py tests/test_cli_graph.py \
 	tests/test_attention_fusion.py tests/robustness/test_outputs.py tests/robustness/test_fuzz.py \
 	tests/robustness/test_fp16_overflow.py
@@ -70,12 +79,13 @@ demo: install
 SKIP_SUMMARY := build/skipped-groups.txt
 test: install
 	@set +e; status=$$(.ci/edge-deps); rm -f $(SKIP_SUMMARY); \
-	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
+	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest $(XDIST) --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
 	if [ -s $(SKIP_SUMMARY) ]; then cat $(SKIP_SUMMARY); fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-check: install
-	$(BIN)/pytest -q $(CHECK_TESTS) $(PYTEST_ARGS)
+check: $(DEPS_STAMP)
+	@$(BIN)/python tests/devtree.py $(DEV_SRC) >/dev/null
+	PYTHONPATH=$(CURDIR)/$(DEV_SRC) $(BIN)/python -m pytest -q $(XDIST) -m "not slow and not long" $(CHECK_TESTS) $(PYTEST_ARGS)
 
 # Tests too long for `make test` (tuning a whole real export: ~11 min on 2 cores).
 # The edge app's parser fuzz and the .npz fuzz of `run`, longer than make test's 20 s.

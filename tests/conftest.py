@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import shutil
 import subprocess
@@ -33,7 +36,12 @@ def pytest_configure(config):
 
     import blockforge
 
-    if "BLOCKFORGE_CACHE_DIR" not in os.environ:
+    if hasattr(config, "workerinput"):
+        # A pytest-xdist worker (`make test` runs two): the controller made the cache (the
+        # workers inherit its environment) and must be the only one to empty it. Two workers
+        # on two cores: one TVM thread each, not two pools spinning against each other.
+        os.environ.setdefault("TVM_NUM_THREADS", "1")
+    elif "BLOCKFORGE_CACHE_DIR" not in os.environ:
         cache = REPO / "build" / "test-cache"
         shutil.rmtree(cache / "tuning", ignore_errors=True)
         cache.mkdir(parents=True, exist_ok=True)
@@ -62,6 +70,54 @@ def run_cli(*args, cwd: Path | None = None, timeout: float = 600, env: dict | No
     return CliResult(p.returncode, p.stdout, p.stderr)
 
 
+def run_cli_in_process(*args, cwd: Path | None = None, env: dict | None = None) -> CliResult:
+    """`blockforge ARGS` through blockforge.cli.main in this process: what run_cli returns,
+    without an interpreter start and a TVM import per call (~2-3 s of CPU each). For error
+    tables and verbs whose output is under test; keep run_cli (a real process) where the exit
+    status of the process, signals, isolation or the entry point are. The verb still starts
+    its own children (the isolation check). The process-wide state the CLI sets up (cwd,
+    environment, the log handler, settings.STATE, signal handlers) is restored afterwards."""
+    from blockforge import settings
+    from blockforge.cli import main
+
+    env = dict(env or {})
+    if cwd is not None:
+        env.setdefault("BLOCKFORGE_LOG", str(Path(cwd) / "blockforge.log"))
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_state = dict(vars(settings.STATE))
+    saved_cwd = os.getcwd()
+    root = logging.getLogger()
+    saved_level = root.level
+
+    def drop_log_handlers():  # each call logs to its own BLOCKFORGE_LOG, as a process would
+        for h in [h for h in root.handlers if getattr(h, "_blockforge", False)]:
+            root.removeHandler(h)
+            h.close()
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.update({k: str(v) for k, v in env.items()})
+        if cwd is not None:
+            os.chdir(cwd)
+        drop_log_handlers()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's --help and usage errors
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        drop_log_handlers()
+        root.setLevel(saved_level)
+        os.chdir(saved_cwd)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        vars(settings.STATE).update(saved_state)
+    return CliResult(rc, out.getvalue(), err.getvalue())
+
+
 def assert_user_error(res: CliResult, *fragments: str, rc: int = 2) -> None:
     """One clear error line, the expected exit code, no traceback."""
     assert res.rc == rc, f"rc={res.rc}\n{res.text}"
@@ -78,7 +134,29 @@ def gpu_present() -> bool:
     return cuda_device_present()
 
 
+def pytest_report_header(config):
+    import blockforge
+
+    where = Path(blockforge.__file__).parent
+    kind = "source tree (tests/devtree.py)" if "dev-src" in where.parts else "installed package"
+    return f"blockforge under test: {where} ({kind})"
+
+
+def _heavy_first(items) -> None:
+    """Files marked slow as a whole (module pytestmark) run first, in their order: with
+    `make test`'s two workers (one file each at a time, pytest-xdist --dist loadfile) the long
+    files start at once and the short ones fill the gaps, instead of a long file at the end
+    running alone. Same order on every worker (xdist checks that)."""
+    def module_slow(item) -> bool:
+        marks = getattr(getattr(item, "module", None), "pytestmark", [])
+        marks = marks if isinstance(marks, list) else [marks]
+        return any(m.name == "slow" for m in marks)
+
+    items.sort(key=lambda item: not module_slow(item))  # stable: order within each part kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _heavy_first(items)
     if gpu_present():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU on this machine (gpu tests run where one is present)")

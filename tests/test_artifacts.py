@@ -8,7 +8,7 @@ import pytest
 
 from blockforge.graph import FFNSpec, MHASpec, export, reference
 
-from conftest import assert_user_error, run_cli, save_npz
+from conftest import assert_user_error, run_cli, run_cli_in_process, save_npz
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_tampered_module_refused(built, tmp_path):
     (bad / "module.so").write_bytes(bytes(data))
     x = np.zeros((1, 3, 64), np.float32)
     npz = save_npz(tmp_path / "in.npz", query=x, key=x, value=x)
-    assert_user_error(run_cli("run", bad, "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path),
+    assert_user_error(run_cli_in_process("run", bad, "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path),
                       "sha256")
     assert not (tmp_path / "o.npz").exists()
 
@@ -95,7 +95,7 @@ def test_bad_manifest_refused(built, tmp_path, mutate, fragment):
     (bad / "manifest.json").write_text(json.dumps(m))
     x = np.zeros((1, 3, 64), np.float32)
     npz = save_npz(tmp_path / "in.npz", query=x, key=x, value=x)
-    assert_user_error(run_cli("run", bad, "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path), fragment)
+    assert_user_error(run_cli_in_process("run", bad, "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path), fragment)
 
 
 def test_corrupt_manifest_and_missing_dir(built, tmp_path):
@@ -104,8 +104,8 @@ def test_corrupt_manifest_and_missing_dir(built, tmp_path):
     shutil.copytree(d / "art", bad)
     (bad / "manifest.json").write_text("{oops")
     npz = save_npz(tmp_path / "in.npz", query=np.zeros((1, 3, 64), np.float32))
-    assert_user_error(run_cli("run", bad, "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path), "corrupt")
-    assert_user_error(run_cli("run", tmp_path / "none", "--inputs", npz, "--output", tmp_path / "o.npz",
+    assert_user_error(run_cli_in_process("run", bad, "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path), "corrupt")
+    assert_user_error(run_cli_in_process("run", tmp_path / "none", "--inputs", npz, "--output", tmp_path / "o.npz",
                               cwd=tmp_path), "not an artifact")
 
 
@@ -119,17 +119,17 @@ def test_corrupt_manifest_and_missing_dir(built, tmp_path):
 def test_wrong_inputs_refused(built, tmp_path, arrays, fragment):
     d, _, _ = built
     npz = save_npz(tmp_path / "in.npz", **arrays)
-    assert_user_error(run_cli("run", d / "art", "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path),
+    assert_user_error(run_cli_in_process("run", d / "art", "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path),
                       fragment)
 
 
 def test_compile_bad_inputs(tmp_path):
     export(FFNSpec(d_model=16), tmp_path / "f.onnx")
-    assert_user_error(run_cli("compile", tmp_path / "f.onnx", "--target", "nope", cwd=tmp_path), "unknown target")
-    assert_user_error(run_cli("compile", tmp_path / "f.onnx", "--target", "{bad", cwd=tmp_path), "malformed")
-    assert_user_error(run_cli("compile", tmp_path / "f.onnx", "--target", "host", "--shape", "heads=2",
+    assert_user_error(run_cli_in_process("compile", tmp_path / "f.onnx", "--target", "nope", cwd=tmp_path), "unknown target")
+    assert_user_error(run_cli_in_process("compile", tmp_path / "f.onnx", "--target", "{bad", cwd=tmp_path), "malformed")
+    assert_user_error(run_cli_in_process("compile", tmp_path / "f.onnx", "--target", "host", "--shape", "heads=2",
                               cwd=tmp_path), "symbolic dims are batch, seq")
-    assert_user_error(run_cli("compile", tmp_path / "missing.onnx", "--target", "host", cwd=tmp_path), "no such file")
+    assert_user_error(run_cli_in_process("compile", tmp_path / "missing.onnx", "--target", "host", cwd=tmp_path), "no such file")
 
 
 def test_unsupported_op_named(tmp_path):
@@ -142,6 +142,6 @@ def test_unsupported_op_named(tmp_path):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     onnx.save(m, tmp_path / "dft.onnx")
-    r = run_cli("compile", tmp_path / "dft.onnx", "--target", "host", cwd=tmp_path)
+    r = run_cli_in_process("compile", tmp_path / "dft.onnx", "--target", "host", cwd=tmp_path)
     assert_user_error(r, "DFT")
     assert not (tmp_path / "artifacts").exists() or not list((tmp_path / "artifacts").glob("dft*"))

@@ -18,6 +18,10 @@ import pytest
 
 from conftest import REPO
 
+# Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
+# _heavy_first) and `make check` never picks it up.
+pytestmark = pytest.mark.slow
+
 BENCH = REPO / "benchmarks"
 
 

@@ -1,4 +1,7 @@
-"""CLI round trips (export -> inspect -> verify) and every bad-input case, as a user runs them."""
+"""CLI round trips (export -> inspect -> verify) and every bad-input case, as a user runs them.
+
+The round trip and argparse's usage errors run `blockforge` as a process; the rest call the CLI
+in-process (run_cli_in_process: same output and exit code, no interpreter + TVM import each)."""
 
 import json
 
@@ -6,13 +9,13 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import assert_user_error, run_cli, save_npz
+from conftest import assert_user_error, run_cli, run_cli_in_process, save_npz
 
 
 @pytest.fixture(scope="module")
 def mha(tmp_path_factory):
     d = tmp_path_factory.mktemp("mha")
-    r = run_cli("export", "mha", "--d-model", 64, "--heads", 4, "--mask", "bool", "-o", d / "mha.onnx", cwd=d)
+    r = run_cli_in_process("export", "mha", "--d-model", 64, "--heads", 4, "--mask", "bool", "-o", d / "mha.onnx", cwd=d)
     assert r.rc == 0, r.text
     return d / "mha.onnx"
 
@@ -38,11 +41,11 @@ def test_export_inspect_verify_roundtrip(tmp_path):
 
 
 def test_export_default_path_and_fp16_block(tmp_path):
-    r = run_cli("export", "block", "--d-model", 32, "--heads", 2, "--dtype", "float16", "--norm", "post", cwd=tmp_path)
+    r = run_cli_in_process("export", "block", "--d-model", 32, "--heads", 2, "--dtype", "float16", "--norm", "post", cwd=tmp_path)
     assert r.rc == 0, r.text
     files = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
     assert files == ["block_d32_h2_gelu_postln_fp16.json", "block_d32_h2_gelu_postln_fp16.onnx"]
-    r = run_cli("verify", tmp_path / "artifacts" / files[1], cwd=tmp_path)
+    r = run_cli_in_process("verify", tmp_path / "artifacts" / files[1], cwd=tmp_path)
     assert r.rc == 0, r.text
 
 
@@ -51,7 +54,7 @@ def test_verify_with_npz_inputs(mha, tmp_path):
     x = rng.standard_normal((2, 5, 64)).astype("float32")
     mask = np.ones((2, 5), bool)
     npz = save_npz(tmp_path / "in.npz", query=x, key=x, value=x, key_padding_mask=mask)
-    r = run_cli("verify", mha, "--inputs", npz, cwd=tmp_path)
+    r = run_cli_in_process("verify", mha, "--inputs", npz, cwd=tmp_path)
     assert r.rc == 0, r.text
 
 
@@ -63,15 +66,15 @@ def test_verify_detects_tampered_weights(mha, tmp_path):
     arr[0, 0] += 0.5
     w.CopyFrom(onnx.numpy_helper.from_array(arr, w.name))
     onnx.save(m, str(tmp_path / "bad.onnx"))
-    r = run_cli("verify", tmp_path / "bad.onnx", cwd=tmp_path)
+    r = run_cli_in_process("verify", tmp_path / "bad.onnx", cwd=tmp_path)
     assert r.rc == 1 and "FAIL" in r.out and "Traceback" not in r.text, r.text
 
 
 def test_verify_reports_nan_inputs(tmp_path):
-    run_cli("export", "ffn", "--d-model", 16, "-o", tmp_path / "f.onnx", cwd=tmp_path)
+    run_cli_in_process("export", "ffn", "--d-model", 16, "-o", tmp_path / "f.onnx", cwd=tmp_path)
     x = np.ones((1, 3, 16), np.float32)
     x[0, 1, 2] = np.nan
-    r = run_cli("verify", tmp_path / "f.onnx", "--inputs", save_npz(tmp_path / "n.npz", x=x), cwd=tmp_path)
+    r = run_cli_in_process("verify", tmp_path / "f.onnx", "--inputs", save_npz(tmp_path / "n.npz", x=x), cwd=tmp_path)
     assert "NaN" in r.out and "Traceback" not in r.text, r.text
 
 
@@ -86,20 +89,20 @@ def test_verify_reports_nan_inputs(tmp_path):
     (["export", "ffn", "-o", "out.txt"], ".onnx"),
 ])
 def test_export_bad_spec(tmp_path, args, fragment):
-    r = run_cli(*args, cwd=tmp_path)
+    r = run_cli_in_process(*args, cwd=tmp_path)
     assert_user_error(r, fragment)
     assert not list(tmp_path.glob("**/*.onnx")) and not list(tmp_path.glob("**/*.tmp"))
 
 
 def test_export_refuses_directory_and_keeps_existing(tmp_path):
     (tmp_path / "d.onnx").mkdir()
-    assert_user_error(run_cli("export", "ffn", "-o", tmp_path / "d.onnx", cwd=tmp_path), "directory")
+    assert_user_error(run_cli_in_process("export", "ffn", "-o", tmp_path / "d.onnx", cwd=tmp_path), "directory")
 
 
 def test_failed_export_leaves_existing_file(tmp_path):
     target = tmp_path / "keep.onnx"
     target.write_bytes(b"precious")
-    r = run_cli("export", "mha", "--d-model", "100", "--heads", "8", "-o", target, cwd=tmp_path)
+    r = run_cli_in_process("export", "mha", "--d-model", "100", "--heads", "8", "-o", target, cwd=tmp_path)
     assert r.rc == 2 and target.read_bytes() == b"precious"
 
 
@@ -113,15 +116,15 @@ def test_failed_export_leaves_existing_file(tmp_path):
 def test_bad_model_files(tmp_path, content, fragment, verb):
     p = tmp_path / "bad.onnx"
     p.write_bytes(content)
-    assert_user_error(run_cli(verb, p, cwd=tmp_path), fragment)
+    assert_user_error(run_cli_in_process(verb, p, cwd=tmp_path), fragment)
 
 
 def test_missing_and_truncated_model(mha, tmp_path):
-    assert_user_error(run_cli("inspect", tmp_path / "nope.onnx", cwd=tmp_path), "no such file")
+    assert_user_error(run_cli_in_process("inspect", tmp_path / "nope.onnx", cwd=tmp_path), "no such file")
     data = mha.read_bytes()
     (tmp_path / "t.onnx").write_bytes(data[: len(data) // 2])
-    assert_user_error(run_cli("verify", tmp_path / "t.onnx", cwd=tmp_path))
-    assert_user_error(run_cli("inspect", tmp_path, cwd=tmp_path), "not a regular file")
+    assert_user_error(run_cli_in_process("verify", tmp_path / "t.onnx", cwd=tmp_path))
+    assert_user_error(run_cli_in_process("inspect", tmp_path, cwd=tmp_path), "not a regular file")
 
 
 @pytest.mark.parametrize("arrays, fragment", [
@@ -140,19 +143,19 @@ def test_missing_and_truncated_model(mha, tmp_path):
 ])
 def test_verify_bad_npz_inputs(mha, tmp_path, arrays, fragment):
     npz = save_npz(tmp_path / "in.npz", **arrays)
-    assert_user_error(run_cli("verify", mha, "--inputs", npz, cwd=tmp_path), fragment)
+    assert_user_error(run_cli_in_process("verify", mha, "--inputs", npz, cwd=tmp_path), fragment)
 
 
 def test_verify_bad_npz_file_and_shape_flag(mha, tmp_path):
     (tmp_path / "x.npz").write_bytes(b"garbage")
-    assert_user_error(run_cli("verify", mha, "--inputs", tmp_path / "x.npz", cwd=tmp_path), "npz")
-    assert_user_error(run_cli("verify", mha, "--shape", "seq", cwd=tmp_path), "NAME=INT")
-    assert_user_error(run_cli("verify", mha, "--shape", "seq=abc", cwd=tmp_path), "not an integer")
-    assert_user_error(run_cli("verify", mha, "--shape", "seq=0", cwd=tmp_path), "[1,")
+    assert_user_error(run_cli_in_process("verify", mha, "--inputs", tmp_path / "x.npz", cwd=tmp_path), "npz")
+    assert_user_error(run_cli_in_process("verify", mha, "--shape", "seq", cwd=tmp_path), "NAME=INT")
+    assert_user_error(run_cli_in_process("verify", mha, "--shape", "seq=abc", cwd=tmp_path), "not an integer")
+    assert_user_error(run_cli_in_process("verify", mha, "--shape", "seq=0", cwd=tmp_path), "[1,")
 
 
 def test_no_stray_files_after_errors(tmp_path):
-    run_cli("export", "mha", "--d-model", "100", "--heads", "8", cwd=tmp_path)
+    run_cli_in_process("export", "mha", "--d-model", "100", "--heads", "8", cwd=tmp_path)
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "blockforge.log"]
     assert leftovers == []
 
@@ -166,8 +169,8 @@ def test_verify_without_target_refuses_a_model_it_has_no_oracle_for(tmp_path):
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(tmp_path / "r.onnx"))
-    assert_user_error(run_cli("verify", tmp_path / "r.onnx", cwd=tmp_path), "not a blockforge model", "target")
-    r = run_cli("verify", tmp_path / "r.onnx", "--target", "host", cwd=tmp_path)
+    assert_user_error(run_cli_in_process("verify", tmp_path / "r.onnx", cwd=tmp_path), "not a blockforge model", "target")
+    r = run_cli_in_process("verify", tmp_path / "r.onnx", "--target", "host", cwd=tmp_path)
     assert r.rc == 0 and "tvm vs ort" in r.out and "PASS" in r.out, r.text
 
 
@@ -177,7 +180,7 @@ def test_verify_without_target_refuses_a_model_it_has_no_oracle_for(tmp_path):
 def test_an_empty_optional_path_is_refused(argv, mha, tmp_path):
     """An empty --inputs once meant random inputs, an empty --tuning-db the default database."""
     args = [a.format(m=mha, d=tmp_path) for a in argv]
-    assert_user_error(run_cli(*args, cwd=tmp_path), argv[argv.index("") - 1], "the path is empty")
+    assert_user_error(run_cli_in_process(*args, cwd=tmp_path), argv[argv.index("") - 1], "the path is empty")
 
 
 @pytest.mark.parametrize("argv", [["compile", "x.onnx"], ["frobnicate"], ["verify", "m.onnx", "--shape"],

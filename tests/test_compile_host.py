@@ -8,6 +8,10 @@ from blockforge.graph import BlockSpec, FFNSpec, MHASpec, export
 
 from test_graph_parity import BLOCK_VARIANTS, FFN_VARIANTS, MHA_VARIANTS
 
+# Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
+# _heavy_first) and `make check` never picks it up.
+pytestmark = pytest.mark.slow
+
 
 def _variants():
     for name, kw in MHA_VARIANTS.items():

@@ -21,6 +21,10 @@ from blockforge.fsutil import sha256_file
 from blockforge.graph import FFNSpec, MHASpec, export, ort, tolerance_for
 from blockforge.targets.toolchain import host_arch
 
+# Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
+# _heavy_first) and `make check` never picks it up.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 EDGE_APP = REPO / "deploy" / "edge_app"
 QEMU = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]

@@ -17,6 +17,10 @@ from blockforge.graph.model_io import TensorSig, parse_dims, resolve_dims, signa
 
 from conftest import assert_user_error, run_cli, save_npz
 
+# Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
+# _heavy_first) and `make check` never picks it up.
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 INDEX = json.loads((FIXTURES / "index.json").read_text())
 DECODERS = ("gpt2_past", "llama_past", "qwen2_past")  # with their KV cache: tests/test_decoders.py

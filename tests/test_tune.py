@@ -18,7 +18,7 @@ from blockforge.targets.toolchain import cpu_id
 
 from blockforge.targets import resolve
 
-from conftest import BLOCKFORGE, assert_user_error, gpu_present, run_cli
+from conftest import BLOCKFORGE, assert_user_error, gpu_present, run_cli, run_cli_in_process
 
 pytestmark = pytest.mark.slow
 SHAPE = "batch=1,seq=16"
@@ -30,9 +30,14 @@ def ffn(tmp_path_factory):
     return export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
 
 
-def _tune(model, db, *extra, cwd):
-    return run_cli("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", *extra,
-                   cwd=cwd)
+def _tune(model, db, *extra, cwd, run=run_cli):
+    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", *extra, cwd=cwd)
+
+
+def _refused(model, db, *extra, cwd):
+    """A tune the CLI refuses before any search: in-process (the refusals, not the process, are
+    under test here; test_second_job_refused_while_first_runs runs one as a process)."""
+    return _tune(model, db, *extra, cwd=cwd, run=run_cli_in_process)
 
 
 def _summary(db: Path, model: Path) -> dict:
@@ -129,12 +134,12 @@ def test_second_job_refused_while_first_runs(ffn, tmp_path):
     (["--rpc-key", "x"], "go together"),
 ])
 def test_tune_bad_input(ffn, tmp_path, args, fragment):
-    r = _tune(ffn, tmp_path / "db", *args, cwd=tmp_path)
+    r = _refused(ffn, tmp_path / "db", *args, cwd=tmp_path)
     assert_user_error(r, fragment)
 
 
 def test_tune_unknown_target(ffn, tmp_path):
-    assert_user_error(run_cli("tune", ffn, "--target", "nope", cwd=tmp_path), "unknown target")
+    assert_user_error(run_cli_in_process("tune", ffn, "--target", "nope", cwd=tmp_path), "unknown target")
 
 
 @pytest.mark.skipif(gpu_present() or resolve("cuda-sm90").build_problem() is not None,
@@ -152,7 +157,7 @@ def test_corrupt_or_foreign_db_refused_untouched(ffn, tmp_path, content, fragmen
     db = tmp_path / "db"
     db.mkdir()
     (db / WORKLOADS).write_text(content)
-    r = _tune(ffn, db, "--trials-per-task", 2, cwd=tmp_path)
+    r = _refused(ffn, db, "--trials-per-task", 2, cwd=tmp_path)
     assert_user_error(r, fragment)
     assert (db / WORKLOADS).read_text() == content
 
@@ -161,8 +166,9 @@ def test_db_for_another_device_refused(ffn, tmp_path):
     db = tmp_path / "db"
     db.mkdir()
     (db / "device.json").write_text(json.dumps({"format": "blockforge.tuning-db/1", "key": "cuda-sm90"}))
-    assert_user_error(_tune(ffn, db, "--trials-per-task", 2, cwd=tmp_path), "is for device")
-    assert_user_error(run_cli("compile", ffn, "--target", "host", "--tuning-db", db, cwd=tmp_path), "is for device")
+    assert_user_error(_refused(ffn, db, "--trials-per-task", 2, cwd=tmp_path), "is for device")
+    assert_user_error(run_cli_in_process("compile", ffn, "--target", "host", "--tuning-db", db, cwd=tmp_path),
+                      "is for device")
 
 
 def _free_port() -> int:

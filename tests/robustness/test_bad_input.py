@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from blockforge.graph import FFNSpec, MHASpec, export
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_in_process
 
 
 @pytest.fixture(scope="session")
@@ -118,14 +118,18 @@ class Case:
     fragment: str
     rc: int = 2
     outputs: tuple[str, ...] = ()  # files that must not exist afterwards
+    # The table runs in-process (run_cli_in_process: no interpreter + TVM import per case);
+    # one case per verb also runs as a real `blockforge` process, so each verb's refusal is
+    # seen as the user sees it (the process's stderr and exit status).
+    process: bool = False
 
 
 X = np.zeros((1, 4, 16), np.float32)
 CASES = [
     # --- model files -------------------------------------------------------------------
-    Case("onnx-empty", lambda b, d: ["inspect", _write(d, "e.onnx", b"")], "empty file"),
+    Case("onnx-empty", lambda b, d: ["inspect", _write(d, "e.onnx", b"")], "empty file", process=True),
     Case("onnx-random-bytes", lambda b, d: ["verify", _write(d, "r.onnx", np.random.default_rng(1).bytes(4096))],
-         "not an onnx model"),
+         "not an onnx model", process=True),
     Case("onnx-truncated", lambda b, d: ["compile", _write(d, "t.onnx", b["ffn"].read_bytes()[:700]),
                                          "--target", "host", "-o", d / "o"], "", outputs=("o",)),
     Case("protobuf-not-a-model", lambda b, d: ["inspect", _write(
@@ -151,7 +155,7 @@ CASES = [
     Case("unsupported-op", lambda b, d: ["compile", _write(d, "dft.onnx", _model(
         [helper.make_node("DFT", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 2])]).SerializeToString()),
-        "--target", "host", "-o", d / "o"], "unsupported ONNX op(s): DFT", outputs=("o",)),
+        "--target", "host", "-o", d / "o"], "unsupported ONNX op(s): DFT", outputs=("o",), process=True),
     Case("huge-declared-dims", lambda b, d: ["verify", _write(d, "h.onnx", _model(
         [helper.make_node("Relu", ["x"], ["y"])],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [100000, 100000, 768])],
@@ -168,7 +172,7 @@ CASES = [
                                              (np.savez(d / "o.npz", x=np.array([{"a": 1}], dtype=object)),
                                               d / "o.npz")[1]], "npz"),
     Case("run-wrong-shape", lambda b, d: ["run", b["art"], "--inputs", _npz(d, x=np.zeros((2, 4, 16), np.float32)),
-                                          "--output", d / "out.npz"], "shape", outputs=("out.npz",)),
+                                          "--output", d / "out.npz"], "shape", outputs=("out.npz",), process=True),
     Case("bad-shape-flag", lambda b, d: ["verify", b["ffn"], "--shape", "seq=-1"], "[1,"),
     Case("shape-unknown-dim", lambda b, d: ["compile", b["ffn"], "--target", "host", "--shape", "heads=2",
                                             "-o", d / "o"], "symbolic dims", outputs=("o",)),
@@ -179,7 +183,7 @@ CASES = [
                                                 "--output", d / "out.npz"], "is for aarch64", outputs=("out.npz",)),
     Case("artifact-without-manifest", lambda b, d: ["run", (d / "empty").mkdir() or d / "empty", "--inputs",
                                                     _npz(d, x=X), "--output", d / "out.npz"], "no manifest.json"),
-    Case("package-not-an-artifact", lambda b, d: ["package", d / "nothing"], "not an artifact"),
+    Case("package-not-an-artifact", lambda b, d: ["package", d / "nothing"], "not an artifact", process=True),
     # --- targets --------------------------------------------------------------------------
     Case("unknown-target", lambda b, d: ["compile", b["ffn"], "--target", "tpu9", "-o", d / "o"], "unknown target",
          outputs=("o",)),
@@ -195,7 +199,7 @@ CASES = [
          outputs=("o",)),
     Case("db-other-device", lambda b, d: ["tune", b["ffn"], "--target", "host", "--db",
                                           _db(d, device={"format": "blockforge.tuning-db/1", "key": "cuda-sm90"})],
-         "is for device"),
+         "is for device", process=True),
     Case("db-empty", lambda b, d: ["compile", b["ffn"], "--target", "host", "--tuning-db", _db(d, "", ""),
                                    "-o", d / "o"], "no records", outputs=("o",)),
     Case("db-is-a-file", lambda b, d: ["tune", b["ffn"], "--target", "host", "--db", _write(d, "db", b"x")],
@@ -209,14 +213,15 @@ CASES = [
                                           "--rpc-tracker", "127.0.0.1:9", "--rpc-key", "k"], "no RPC tracker"),
     # --- specs ----------------------------------------------------------------------------
     Case("spec-heads-zero", lambda b, d: ["export", "mha", "--heads", "0", "-o", d / "m.onnx"], "positive",
-         outputs=("m.onnx",)),
+         outputs=("m.onnx",), process=True),
     Case("spec-not-divisible", lambda b, d: ["export", "mha", "--d-model", "100", "--heads", "8", "-o", d / "m.onnx"],
          "divisible", outputs=("m.onnx",)),
     Case("spec-too-big", lambda b, d: ["export", "ffn", "--d-model", "30000", "--d-ff", "30000", "-o", d / "m.onnx"], "GiB",
          outputs=("m.onnx",)),
     Case("spec-opset-range", lambda b, d: ["export", "ffn", "--opset", "7", "-o", d / "m.onnx"], "opset",
          outputs=("m.onnx",)),
-    Case("bench-unknown-contender", lambda b, d: ["bench", b["ffn"], "--against", "ort,magic"], "unknown contender"),
+    Case("bench-unknown-contender", lambda b, d: ["bench", b["ffn"], "--against", "ort,magic"], "unknown contender",
+         process=True),
     # bench's default batch=1,seq=128 binds only those names: a cross-attention's kv_seq stays open
     Case("bench-symbolic-dim", lambda b, d: ["bench", b["cross"]], "kv_seq"),
 ]
@@ -224,7 +229,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(base, tmp_path, case):
-    r = run_cli(*case.args(base, tmp_path), cwd=tmp_path)
+    r = (run_cli if case.process else run_cli_in_process)(*case.args(base, tmp_path), cwd=tmp_path)
     assert r.rc == case.rc, f"rc={r.rc}\n{r.text}"
     assert "Traceback" not in r.text and "internal error" not in r.text, r.text
     errors = [ln for ln in r.err.splitlines() if ln.startswith("blockforge: error:")]
@@ -243,7 +248,7 @@ def test_case_count():
 def test_non_finite_inputs_are_reported(base, tmp_path, values, word):
     x = np.ones((1, 4, 16), np.float32)
     x[0, 1, 3] = values
-    r = run_cli("verify", base["ffn"], "--inputs", _npz(tmp_path, x=x), cwd=tmp_path)
+    r = run_cli_in_process("verify", base["ffn"], "--inputs", _npz(tmp_path, x=x), cwd=tmp_path)
     assert "Traceback" not in r.text and r.rc in (0, 1), r.text
     assert f"1 {word}" in r.out or "holds 0 NaN and 1 Inf" in r.out, r.out
 
@@ -251,5 +256,5 @@ def test_non_finite_inputs_are_reported(base, tmp_path, values, word):
 def test_external_data_inside_folder_is_accepted(tmp_path):
     """The policy refuses escapes, not external data: a plain file beside the model loads."""
     (tmp_path / "w.bin").write_bytes(np.ones(16, np.float32).tobytes())
-    r = run_cli("inspect", _ext_model(tmp_path, "w.bin"), cwd=tmp_path)
+    r = run_cli_in_process("inspect", _ext_model(tmp_path, "w.bin"), cwd=tmp_path)
     assert r.rc == 0, r.text

@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from conftest import REPO, assert_user_error, run_cli
+from conftest import REPO, assert_user_error, run_cli, run_cli_in_process
 
 F = TensorProto.FLOAT
 FORGED = "\nblockforge: error: forged\x1b[31m"
@@ -55,7 +55,7 @@ LOADER_REFUSES = {
 def test_compile_refuses_what_its_loader_refuses(tmp_path, case):
     """Before: compile wrote the artifact (rc 0) and `run` then refused its manifest."""
     model = _relu(tmp_path / "m.onnx", **LOADER_REFUSES[case])
-    r = run_cli("compile", model, "--target", "host", "-o", tmp_path / "art", cwd=tmp_path)
+    r = run_cli_in_process("compile", model, "--target", "host", "-o", tmp_path / "art", cwd=tmp_path)
     assert_user_error(r, "would refuse its signature")
     assert not (tmp_path / "art").exists()
     assert "TVM" not in r.err  # refused before the build
@@ -195,7 +195,7 @@ def test_float_division_by_a_provable_zero_builds(tmp_path, numerator):
     """Before: "TVM build for host failed: Check failed: fb->value != 0 (0 vs. 0) : Divide by
     zero" (exit 2); ORT gives NaN / +-inf, and so does TVM now."""
     model = _sub_div(tmp_path / "m.onnx", F, numerator)
-    r = run_cli("verify", model, "--target", "host", cwd=tmp_path)
+    r = run_cli_in_process("verify", model, "--target", "host", cwd=tmp_path)
     assert r.rc == 0 and "PASS (non-finite values: 4 vs 4)" in r.out, r.text
 
 
@@ -203,7 +203,7 @@ def test_integer_division_by_a_provable_zero_is_refused_clearly(tmp_path):
     """ONNX leaves integer division by zero undefined and ORT refuses it when run (x86's idiv
     traps): one line that says so, not TVM's check failure."""
     model = _sub_div(tmp_path / "m.onnx", TensorProto.INT32, "d")
-    r = run_cli("compile", model, "--target", "host", "-o", tmp_path / "art", cwd=tmp_path)
+    r = run_cli_in_process("compile", model, "--target", "host", "-o", tmp_path / "art", cwd=tmp_path)
     assert_user_error(r, "divides integers by zero")
     assert "Check failed" not in r.err and not (tmp_path / "art").exists()
 
@@ -268,7 +268,7 @@ def test_no_deviation_where_ort_agrees(tmp_path):
 def test_verify_says_tvm_matches_the_reference(tmp_path):
     """Before: a bare FAIL on qk; now the row and a note say ORT departs, TVM matches the reference."""
     model = _attention(tmp_path / "m.onnx", **DEVIATION_MODELS["attention-qk-softcap-mode0"])
-    r = run_cli("verify", model, "--target", "host", cwd=tmp_path)
+    r = run_cli_in_process("verify", model, "--target", "host", cwd=tmp_path)
     assert r.rc == 1, r.text
     row = next(ln for ln in r.out.splitlines() if ln.startswith("| tvm vs ort | qk"))
     assert "FAIL (TVM matches the ONNX reference" in row, row

@@ -20,6 +20,10 @@ from conftest import BLOCKFORGE
 
 pytestmark = pytest.mark.slow
 SHAPE = {"batch": 1, "seq": 8}
+# The library-call test checks merges, not the search: a small evolutionary population (the
+# default 512 samples and scores that many candidates every 1-trial round). Measured: one tune
+# of this FFN, 4 trials per task in 1-trial rounds: 96 s of CPU with 32, 165 s with 512.
+POPULATION = 32
 KILL_POINTS = [
     ("while importing, before any record", lambda db: (db / ".lock.owner").exists(), 0.3),
     ("just after a merge", lambda db: _records(db) >= 1, 0.0),
@@ -88,7 +92,7 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning_db, "atomic_write_group", flaky)
     with pytest.raises(BlockforgeError, match="No space left on device.*intact"):
         tune(TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
-                         measure=False, progress=False))
+                         measure=False, progress=False, population=POPULATION))
     before = (db / RECORDS).read_text().splitlines()
     assert len(before) >= 2
     load_database(db)
@@ -98,7 +102,7 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     s = tune(TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
-                         measure=False, progress=False))
+                         measure=False, progress=False, population=POPULATION))
     after = (db / RECORDS).read_text().splitlines()
     assert after[: len(before)] == before and s.trials_new > 0
     # In-process, ONNX Runtime (loaded by earlier tests) may drop its telemetry session file
