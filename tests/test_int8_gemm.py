@@ -375,7 +375,7 @@ def test_elementwise_chains_scheduled_in_int8_modules_only():
 
     host = resolve('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}')
     assert not any(isinstance(r, CPUElementwise) for r in default_rules(host))
-    assert isinstance(default_rules(host, int8=True)[-1], CPUElementwise)
+    assert any(isinstance(r, CPUElementwise) for r in default_rules(host, int8=True))
     x = te.placeholder((tvm.tirx.Var("m", "int64"), 64), "float32", name="x")
     q = te.compute(x.shape, lambda i, j: te.round(x[i, j] * 3.0).astype("int8"), name="q")
     y = te.compute(x.shape, lambda i, j: q[i, j].astype("float32") * 0.5, name="y")
