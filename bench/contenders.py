@@ -23,8 +23,8 @@ import onnx
 from blockforge.errors import error_line
 from blockforge.graph import Spec
 from blockforge.graph import ort as ort_runner
-from blockforge.compile.records import open_for_apply, unvalidated_warning
-from blockforge.compile.runtime import run_vm, tvm_device
+from blockforge.compile.records.reader import open_for_apply, unvalidated_warning
+from blockforge.compile.artifact.runtime import run_vm, tvm_device
 from blockforge.compile.session import Session
 
 

@@ -84,7 +84,7 @@ def tiles(args) -> int:
     import blockforge
     from blockforge.bench.harness import measure_interleaved
     from blockforge.compile import attention
-    from blockforge.compile.cpu_schedule import vector_lanes
+    from blockforge.compile.schedule.base import vector_lanes
     from blockforge.compile.pipeline import run_phases
     from blockforge.compile.session import open_model
     from blockforge.targets.toolchain import cpu_model

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from blockforge.tune.jobs import TuneOptions, tune
-from blockforge.compile.records import default_db_dir
+from blockforge.compile.records.reader import default_db_dir
 from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, MHASpec, export
 from blockforge.targets import resolve

@@ -6,10 +6,10 @@ Importing this package does nothing to the process (no environment variables, no
 import): see blockforge.settings.configure() for the process-wide settings.
 """
 
-from .artifact import CompileOptions, CompileResult, compile_model
-from .runtime import LoadedModule, load_artifact
-from .session import Session, open_model
-from .verify import VerifyOptions, verify
+from blockforge.compile.artifact.write import CompileOptions, CompileResult, compile_model
+from blockforge.compile.artifact.runtime import LoadedModule, load_artifact
+from blockforge.compile.session import Session, open_model
+from blockforge.compile.verify import VerifyOptions, verify
 
 __all__ = ["CompileOptions", "CompileResult", "LoadedModule", "Session", "VerifyOptions", "compile_model",
            "load_artifact", "open_model", "verify"]

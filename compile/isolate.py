@@ -10,7 +10,7 @@ the parent reads the prepared model and its binding instead of redoing them. A c
     python -m blockforge.compile.isolate MODEL.onnx --ort FOLDER [--device cpu|cuda]
 
 --sizes: bind the request (the shape, input shapes, defaults) and refuse the sizes folding
-would materialise (prepare.check_sizes); --prepare: also run prepare (compile/prepare.py:
+would materialise (prepare.check_sizes); --prepare: also run prepare (compile/frontend/prepare.py:
 its constant folding evaluates subgraphs natively); --tvm: prepare and TVM's import, the
 whole prelude. DIR gets result.json (the binding, prepare's report) and prepared.onnx with
 its weights as external data (the parent's importer reads them a tensor at a time: the
@@ -217,7 +217,7 @@ def _prepare(path: Path, label: str, request: dict, mode: str, out: Path | None)
     from blockforge.graph.model_io import check_model, load_model, signature
     from blockforge.graph.shape import Binding, ShapeRequest
 
-    from .prepare import check_sizes, prepare
+    from blockforge.compile.frontend.prepare import check_sizes, prepare
 
     model = load_model(path, check=out is None)
     if out is not None:
@@ -235,7 +235,7 @@ def _prepare(path: Path, label: str, request: dict, mode: str, out: Path | None)
     prepared, report = prepare(model, binding.as_dict(), label)
     del model
     if mode == "tvm" and out is not None:  # in-process, the caller's import is the check
-        from .session import import_prepared
+        from blockforge.compile.session import import_prepared
 
         import_prepared(prepared, binding, out)  # output captured by the parent
     return Prepared(binding, prepared, report, out)
@@ -270,7 +270,7 @@ def _read_back(folder: Path, label: str) -> Prepared:
     from blockforge.graph.model_io import load_model
     from blockforge.graph.shape import Binding
 
-    from .prepare import PrepareReport
+    from blockforge.compile.frontend.prepare import PrepareReport
 
     try:
         doc = json.loads((folder / RESULT).read_text())

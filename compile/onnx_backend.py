@@ -24,9 +24,9 @@ from blockforge.graph.model_io import TensorSig, signature
 from blockforge.logs import native_output_to_log
 from blockforge.targets import resolve
 
-from .frontend import import_onnx
-from .pipeline import build
-from .runtime import run_vm, tvm_device
+from blockforge.compile.frontend.importer import import_onnx
+from blockforge.compile.pipeline import build
+from blockforge.compile.artifact.runtime import run_vm, tvm_device
 
 
 @dataclass

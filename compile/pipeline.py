@@ -59,8 +59,8 @@ class Phase:
 
 def _prepack(target: ResolvedTarget) -> Callable[[], list]:
     def passes() -> list:
-        from .cpu_schedule import panel_width
-        from .prepack import prepack_pass
+        from blockforge.compile.schedule.matmul import panel_width
+        from blockforge.compile.passes.prepack import prepack_pass
 
         return [prepack_pass(panel_width(target.tvm_target()))]
     return passes
@@ -68,8 +68,8 @@ def _prepack(target: ResolvedTarget) -> Callable[[], list]:
 
 def _conv_gemm(target: ResolvedTarget) -> Callable[[], list]:
     def passes() -> list:
-        from .conv.rewrite import conv_gemm_pass
-        from .cpu_schedule import panel_width
+        from blockforge.compile.conv.rewrite import conv_gemm_pass
+        from blockforge.compile.schedule.matmul import panel_width
 
         # After optimize: fast_math's patch-conv rewrite has taken the stride == kernel convs.
         return [conv_gemm_pass(panel_width(target.tvm_target()))]
@@ -78,7 +78,7 @@ def _conv_gemm(target: ResolvedTarget) -> Callable[[], list]:
 
 def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
     def passes() -> list:
-        from .attention import fuse_attention
+        from blockforge.compile.attention.fuse import fuse_attention
 
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
@@ -87,13 +87,13 @@ def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
 
 
 def target_has_vnni(target: ResolvedTarget) -> bool:
-    from .quant.intrin import has_vnni
+    from blockforge.compile.quant.intrin import has_vnni
 
     return has_vnni(target.tvm_target())
 
 
 def _int8_gemm() -> list:
-    from .quant.rewrite import int8_gemm
+    from blockforge.compile.quant.rewrite import int8_gemm
 
     # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would no
     # longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
@@ -101,7 +101,7 @@ def _int8_gemm() -> list:
 
 
 def _bf16_gemm() -> list:
-    from .bf16.rewrite import bf16_gemm
+    from blockforge.compile.bf16.rewrite import bf16_gemm
 
     # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
     return [bf16_gemm()]
@@ -111,7 +111,7 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from tvm import relax
 
-        from .fast_math import fast_math
+        from blockforge.compile.passes.fast_math import fast_math
 
         # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
@@ -131,7 +131,7 @@ def tvm_backend(target: ResolvedTarget):
 
 def _legalize(target: ResolvedTarget) -> Callable[[], list]:
     def passes() -> list:
-        from .zero_division import ieee_division
+        from blockforge.compile.passes.zero_division import ieee_division
 
         tgt, backend = target.tvm_target(), tvm_backend(target)
         # TVM's GPU lists end in dlight's ApplyDefaultSchedule: ours is the `schedule` phase,
@@ -151,9 +151,11 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
 
     if target.is_gpu:
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    from .cpu_schedule import CPUElementwise, CPUMatmulRaggedN, default_cpu_rules
+    from blockforge.compile.schedule.elementwise import CPUElementwise
+    from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
+    from blockforge.compile.schedule.rules import default_cpu_rules
 
-    from .conv.schedule import CPUIm2col
+    from blockforge.compile.conv.schedule import CPUIm2col
 
     rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
     return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
@@ -169,7 +171,7 @@ def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Ca
 
 def _lower(target: ResolvedTarget) -> Callable[[], list]:
     def passes() -> list:
-        from .zero_division import ieee_division
+        from blockforge.compile.passes.zero_division import ieee_division
 
         # ieee_division again: scheduling (compute_inline) and tuning records join expressions
         # across blocks
@@ -190,8 +192,8 @@ def _fp32_accumulate() -> list:
 
 
 def _fp32_compute() -> list:
-    from .fast_math import fast_math
-    from .fp32_compute import float16_as_float32
+    from blockforge.compile.passes.fast_math import fast_math
+    from blockforge.compile.passes.fp32_compute import float16_as_float32
 
     # CPU: ONNX Runtime's CPU provider computes float16 graphs in float32 (casts at the
     # inputs and outputs only); float16 intermediates overflowed where its stay finite
@@ -293,7 +295,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
     """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
     import tvm
 
-    from .zero_division import check_integer_division
+    from blockforge.compile.passes.zero_division import check_integer_division
 
     tgt = target.tvm_target()
     names = []
@@ -325,9 +327,9 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
     Nor are the int8 GEMM and range kernels (compile/quant): their tiles are fixed for now."""
     from tvm.s_tir import meta_schedule as ms
 
-    from .attention import is_kernel
-    from .bf16 import gemm as bf16_gemm
-    from .quant import gemm, minmax
+    from blockforge.compile.attention.flash import is_kernel
+    from blockforge.compile.bf16 import gemm as bf16_gemm
+    from blockforge.compile.quant import gemm, minmax
 
     def hand_written(f) -> bool:
         return is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f) or bf16_gemm.is_kernel(f)
@@ -339,8 +341,9 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
 def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[str]]:
     """(number of tasks, names of tasks the database has no record for); each fused
     attention kernel counts as a task, covered when its tile choice is recorded."""
-    from .attention import kernel_specs, workload
-    from .cpu_schedule import vector_lanes
+    from blockforge.compile.attention.fuse import kernel_specs
+    from blockforge.compile.attention.tiles import workload
+    from blockforge.compile.schedule.base import vector_lanes
 
     tasks = extract_tasks(mod, target)
     missing = [t.task_name for t in tasks if not database.has_workload(t.dispatched[0])]

@@ -30,10 +30,10 @@ from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.precision import PRECISIONS, Precision, resolve_precision
 
-from .frontend import import_onnx
-from .isolate import prepare_untrusted
-from .pipeline import BuildResult, build, target_has_vnni
-from .prepare import PrepareReport
+from blockforge.compile.frontend.importer import import_onnx
+from blockforge.compile.isolate import prepare_untrusted
+from blockforge.compile.pipeline import BuildResult, build, target_has_vnni
+from blockforge.compile.frontend.prepare import PrepareReport
 
 _log = logging.getLogger("blockforge.compile")
 
@@ -79,7 +79,7 @@ class Session:
             rewritten = 0
             # the rewrite reads the quantized weights: loaded (a copy) only for a model with QDQ
             if int8 and any(n.op_type == "DequantizeLinear" for n in self.prepared.graph.node):
-                from .quant.qdq import qdq_matmuls_as_integer
+                from blockforge.compile.quant.qdq import qdq_matmuls_as_integer
 
                 model, rewritten = qdq_matmuls_as_integer(self.prepared_with_weights())
             if rewritten:

@@ -11,8 +11,8 @@ from blockforge.graph.shape import ShapeRequest
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
 
-from .isolate import run_ort
-from .session import open_model
+from blockforge.compile.isolate import run_ort
+from blockforge.compile.session import open_model
 
 
 @dataclass
@@ -36,8 +36,8 @@ def verify(opts: VerifyOptions) -> ParityReport:
     extra, notes = {}, []
     ort_device = "cpu"
     if opts.target:
-        from .records import open_for_apply
-        from .runtime import run_vm, tvm_device
+        from blockforge.compile.records.reader import open_for_apply
+        from blockforge.compile.artifact.runtime import run_vm, tvm_device
 
         session = open_model(opts.model, opts.target, opts.shape, input_shapes=shapes, precision=opts.precision)
         model, target = session.model, session.target
@@ -56,7 +56,7 @@ def verify(opts: VerifyOptions) -> ParityReport:
         if info:
             notes.append(f"tuning records applied from {info['path']}")
             notes.extend(info["refused"])
-            from .records import unvalidated_warning
+            from blockforge.compile.records.reader import unvalidated_warning
 
             line = unvalidated_warning(info, [t for t in res.untuned_tasks if t in info["unvalidated"]], target.name)
             if line:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.compile.manifest import (MAX_FILE_BYTES, elf_arch, elf_arch_of, hash_regular, is_artifact,
+from blockforge.compile.artifact.manifest import (MAX_FILE_BYTES, elf_arch, elf_arch_of, hash_regular, is_artifact,
                                          open_regular, read_manifest, read_regular, verify_files, verify_package)
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import TREE, Output, atomic_directory, atomic_write_json, check_outputs
@@ -94,15 +94,15 @@ def build_root() -> Path:
     return settings.edge_build_root()
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin:
         raise BlockforgeError(f"python package {name} is not installed (pip install apache-tvm)")
     return Path(spec.origin).parent
 
 
-def _wheel_libs() -> list[Path]:
-    libs = [_package_dir("tvm") / "lib" / "libtvm_runtime.so", _package_dir("tvm_ffi") / "lib" / "libtvm_ffi.so"]
+def wheel_libs() -> list[Path]:
+    libs = [package_dir("tvm") / "lib" / "libtvm_runtime.so", package_dir("tvm_ffi") / "lib" / "libtvm_ffi.so"]
     for p in libs:
         if not p.is_file():
             raise BlockforgeError(f"{p} is missing: the apache-tvm install is incomplete")
@@ -163,7 +163,7 @@ def _run_make(root: Path, src: Path, target: str, arch: str) -> None:
     line naming the failed step."""
     log = root / f"make-{arch}.log"
     cmd = ["make", "-C", str(src), f"-j{MAKE_JOBS}", target, f"BUILD_DIR={root}",
-           f"TVM_DIR={_package_dir('tvm')}", f"TVM_FFI_DIR={_package_dir('tvm_ffi')}"]
+           f"TVM_DIR={package_dir('tvm')}", f"TVM_FFI_DIR={package_dir('tvm_ffi')}"]
     with open(log, "w") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
@@ -181,7 +181,7 @@ def _source_key(src: Path) -> str:
     for p in sorted(q for q in src.rglob("*") if q.is_file()):
         h.update(f"{p.relative_to(src).as_posix()}\0".encode())
         h.update(hashlib.sha256(p.read_bytes()).digest())
-    for part in (str(_package_dir("tvm")), str(_package_dir("tvm_ffi")), package_version("apache-tvm"),
+    for part in (str(package_dir("tvm")), str(package_dir("tvm_ffi")), package_version("apache-tvm"),
                  package_version("apache-tvm-ffi"), os.environ.get("CXX", "g++"), os.environ.get("AARCH64_CXX", "")):
         h.update(f"\0{part}".encode())
     return h.hexdigest()
@@ -273,7 +273,7 @@ def _build_outputs(target: str, arch: str, rels: list[str]) -> list[Shipped]:
 def _wheel_runtime(arch: str) -> list[Shipped]:
     """The host runtime: the apache-tvm wheel's libraries, held to the same rules."""
     shipped = []
-    for p in _wheel_libs():
+    for p in wheel_libs():
         sha, problem = _hash_shippable(p, arch)
         if problem:
             raise BlockforgeError(f"{problem} (the apache-tvm install is damaged; reinstall apache-tvm)")

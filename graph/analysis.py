@@ -70,7 +70,7 @@ def _matmul_out(n: onnx.NodeProto, a: list | None, b: list | None) -> list | Non
 def matmul_flops(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> int:
     """Multiply-add FLOPs (2 per MAC) of MatMul, Gemm, Conv and attention ops, with symbolic
     dims bound (defaults: batch 2, seq 32). Exports compute their reshape targets at run
-    time: count on the prepared model (compile/prepare.py), where shapes are static."""
+    time: count on the prepared model (compile/frontend/prepare.py), where shapes are static."""
     bound = {**DEFAULT_DIMS, **(dims or {})}
     try:
         inferred = shape_inference.infer_shapes(bind_dims(model, bound, strict=False), data_prop=True)

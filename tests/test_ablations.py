@@ -10,7 +10,7 @@ tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 from tvm.script import relax as R  # noqa: E402
 
-from blockforge.compile.cpu_schedule import CPUMatmulRaggedN  # noqa: E402
+from blockforge.compile.schedule.ragged import CPUMatmulRaggedN  # noqa: E402
 from blockforge.compile.pipeline import build, default_rules, phases, run_phases  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
 

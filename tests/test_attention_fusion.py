@@ -5,6 +5,7 @@ parity of the fused builds against ONNX Runtime and the oracle."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,8 +17,8 @@ tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
 from blockforge.compile import VerifyOptions, attention, verify  # noqa: E402
-from blockforge.compile.frontend import import_onnx  # noqa: E402
-from blockforge.compile.cpu_schedule import vector_lanes  # noqa: E402
+from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
+from blockforge.compile.schedule.base import vector_lanes  # noqa: E402
 from blockforge.compile.pipeline import build, run_phases  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import MHASpec, export  # noqa: E402
@@ -260,7 +261,7 @@ def test_tile_choice_round_trips_through_a_tuning_database(tmp_path):
         db.commit_tuning_record(ms.database.TuningRecord(trace, wl, [secs], TARGET, None))
     reread = ms.database.JSONDatabase(work_dir=str(tmp_path))
     assert attention.tile_record(reread, spec, TARGET) == cands[0], "the fastest record wins"
-    assert attention.tile_record(reread, attention.replace(spec, causal=True), TARGET) is None
+    assert attention.tile_record(reread, dataclasses.replace(spec, causal=True), TARGET) is None
     # a record of tiles tune never times (here 1x9999, recorded fastest) picks nothing
     db.commit_tuning_record(ms.database.TuningRecord(
         attention.tile_trace(spec, LANES, (1, 9999), [(1, 9999), *cands]), wl, [1e-6], TARGET, None))
@@ -277,8 +278,8 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     the ledger notes the times, and coverage counts the kernel as tuned."""
     from blockforge.tune.attention_tiles import tune_attention_tiles
     from blockforge.tune.database import DeviceDB
-    from blockforge.tune.jobs import TuneOptions, _make_builder, _make_runner
-    from blockforge.compile.records import load_database
+    from blockforge.tune.jobs import TuneOptions, make_builder, make_runner
+    from blockforge.compile.records.reader import load_database
     from blockforge.compile.pipeline import tuning_coverage
 
     two = ((32, 4 * LANES), (64, 4 * LANES))
@@ -286,8 +287,8 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     session = open_model(_model(tmp_path, layout="packed"), HOST, {"batch": 1, "seq": 64})
     db = DeviceDB(tmp_path / "db", HOST, create=True)
     mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
-    builder = _make_builder(HOST, str(tmp_path))
-    runner = _make_runner(TuneOptions(model=Path("m.onnx")), HOST, 0)
+    builder = make_builder(HOST, str(tmp_path))
+    runner = make_runner(TuneOptions(model=Path("m.onnx")), HOST, 0)
     lines = []
     assert tune_attention_tiles(mod, db, HOST, builder, runner, session.dims, "t", say=lines.append) == 1
     (entry,) = [e for e in db.ledger().values() if "attention_tiles" in e]

@@ -1,4 +1,4 @@
-"""The standard ONNX Attention op (opset 23/24): imported by compile/onnx_ops.py as the plain
+"""The standard ONNX Attention op (opset 23/24): imported by compile/frontend/converters.py as the plain
 Relax decomposition, and the `attention-op` export layout built on it.
 
 All ONNX node cases of Attention run in test_onnx_backend.py (a subset by default); here: the
@@ -53,7 +53,7 @@ def _attention_chain(mod) -> dict:
 def test_decomposition_is_the_plain_pattern():
     """R.matmul(q, R.permute_dims(k)) * scale + bias -> R.nn.softmax -> R.matmul(., v): nothing
     between those, bias built from the inputs only (bool mask and causal here)."""
-    from blockforge.compile.frontend import import_onnx
+    from blockforge.compile.frontend.importer import import_onnx
 
     spec = MHASpec(d_model=32, heads=2, layout="attention-op", causal=True, mask="bool", batch=1, seq=6)
     mod = import_onnx(build(spec)[0])
@@ -102,7 +102,7 @@ def test_contrib_attention_stays_with_tvms_converter():
 
 
 def test_unsupported_attribute_is_one_line_naming_the_node():
-    from blockforge.compile.frontend import import_onnx
+    from blockforge.compile.frontend.importer import import_onnx
 
     q = helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 4, 16])
     node = helper.make_node("Attention", ["q", "q", "q"], ["y"], name="blk0/attn", q_num_heads=2, kv_num_heads=2,

@@ -17,8 +17,8 @@ from tvm import te, tirx  # noqa: E402
 
 from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, im2col  # noqa: E402
 from blockforge.compile.conv.schedule import CPUIm2col  # noqa: E402
-from blockforge.compile.cpu_schedule import CPUMatmul  # noqa: E402
-from blockforge.compile.frontend import import_onnx  # noqa: E402
+from blockforge.compile.schedule.matmul import CPUMatmul  # noqa: E402
+from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
 from blockforge.compile.onnx_backend import BlockforgeBackend  # noqa: E402
 from blockforge.compile.pipeline import run_phases  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402

@@ -86,7 +86,7 @@ def _check_point(entry: dict, past: int, seq: int, monkeypatch) -> None:
 
     from blockforge.bench.contenders import tvm_device
     from blockforge.compile import open_model
-    from blockforge.compile.runtime import run_vm
+    from blockforge.compile.artifact.runtime import run_vm
     from tvm import relax
 
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")  # in-process: the CLI test below runs the child

@@ -367,9 +367,9 @@ def test_bad_rebuild_refused_with_one_line(built, tmp_path, monkeypatch):
 def test_symlinked_wheel_runtime_refused(built, tmp_path, monkeypatch):
     import blockforge.deploy.package as package_mod
 
-    real = package_mod._wheel_libs()
+    real = package_mod.wheel_libs()
     os.symlink(real[0], tmp_path / "libtvm_runtime.so")
-    monkeypatch.setattr(package_mod, "_wheel_libs", lambda: [tmp_path / "libtvm_runtime.so", real[1]])
+    monkeypatch.setattr(package_mod, "wheel_libs", lambda: [tmp_path / "libtvm_runtime.so", real[1]])
     with pytest.raises(BlockforgeError, match="libtvm_runtime.so is a symlink; refusing to follow it"):
         package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg"))
     assert not (tmp_path / "pkg").exists()
@@ -413,11 +413,11 @@ def test_tampered_package_refused_by_loaders(built, tmp_path):
 def test_tampered_aarch64_cache_rebuilt(tmp_path, tamper):
     """The first call cross-builds the runtime (minutes) unless the session's cache has it;
     the repair relinks one library from the cached objects."""
-    from blockforge.deploy.package import _wheel_libs
+    from blockforge.deploy.package import wheel_libs
 
     libs = runtime_libs("aarch64")
     victim = libs[0] if tamper == "x86_64-runtime" else libs[1]
-    wheel = {p.name: p for p in _wheel_libs()}
+    wheel = {p.name: p for p in wheel_libs()}
     victim.unlink()
     if tamper == "x86_64-runtime":
         shutil.copyfile(wheel[victim.name], victim)  # an x86-64 libtvm_runtime.so, newer than its objects
@@ -439,7 +439,7 @@ def test_tampered_aarch64_runtime_refused_when_rebuild_fails(built, tmp_path, mo
 
     artifact = built("ffn", "aarch64-linux")
     lib = runtime_libs("aarch64")[0]
-    x86 = package_mod._wheel_libs()[0]
+    x86 = package_mod.wheel_libs()[0]
     monkeypatch.setattr(package_mod, "_run_make", lambda *a: None if lib.exists() else shutil.copyfile(x86, lib))
     lib.unlink()
     shutil.copyfile(x86, lib)

@@ -369,7 +369,7 @@ def test_elementwise_chains_scheduled_in_int8_modules_only():
     """CPUElementwise joins the rules only where int8-gemm ran: float builds keep theirs."""
     from tvm import te
 
-    from blockforge.compile.cpu_schedule import CPUElementwise
+    from blockforge.compile.schedule.elementwise import CPUElementwise
     from blockforge.compile.pipeline import default_rules
     from blockforge.targets import resolve
 

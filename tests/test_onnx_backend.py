@@ -248,7 +248,7 @@ def test_unsupported_op_names_op_node_and_opset(tmp_path):
 
 
 def test_check_outputs_rules():
-    from blockforge.compile.runtime import check_outputs
+    from blockforge.compile.artifact.runtime import check_outputs
     from blockforge.errors import BlockforgeError
     from blockforge.graph.model_io import TensorSig
 

@@ -41,7 +41,7 @@ def _shapes(entry: dict) -> dict[str, tuple]:
 EAGER = {"bert", "distilbert", "roberta", "gpt2", "vit", "swin", "whisper", "wav2vec2"}
 # transformers' default attention (SDPA), opset 18; BLOOM's default is eager (ALiBi)
 SDPA = {"bert_sdpa", "gpt2_sdpa", "vit_sdpa", "llama_sdpa", "qwen2_sdpa", "opt_sdpa", "gemma_sdpa"}
-# Not fused, each with the reason its log line gives (compile/attention.py find_attention):
+# Not fused, each with the reason its log line gives (compile/attention/ find_attention):
 # BLOOM computes its scores per (batch*head) with ALiBi added there, and reshapes them to
 # (batch, head) around the mask and softmax: two bias adds and a reshape the kernel does not take.
 UNFUSED = {"bloom": "its probabilities are reshaped before P V"}
@@ -138,7 +138,7 @@ def _assert_attention_fused(entry: dict, session, caplog):
 def test_prepare_folds_what_tvm_refuses():
     """A legacy export computes reshape targets at run time (Shape -> Gather -> Concat):
     prepare folds them away and keeps the model's interface."""
-    from blockforge.compile.prepare import prepare
+    from blockforge.compile.frontend.prepare import prepare
 
     model = onnx.load(str(FIXTURES / "gpt2_legacy_op17.onnx"))
     assert sum(n.op_type == "Shape" for n in model.graph.node) > 10

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from blockforge.compile.records import DEVICE, FORMAT, LEDGER, RECORDS, WORKLOADS, plan_apply
+from blockforge.compile.records.reader import DEVICE, FORMAT, LEDGER, RECORDS, WORKLOADS, plan_apply
 from blockforge.graph import FFNSpec, export
 from blockforge.targets.toolchain import cpu_id
 

@@ -14,7 +14,9 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from tvm.script import tirx as T  # noqa: E402
 
-from blockforge.compile.cpu_schedule import CPUMatmul, CPURowReduction, vector_lanes  # noqa: E402
+from blockforge.compile.schedule.matmul import CPUMatmul
+from blockforge.compile.schedule.reduction import CPURowReduction
+from blockforge.compile.schedule.base import vector_lanes  # noqa: E402
 
 AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
 AVX2 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "haswell", "num-cores": 2})

@@ -12,7 +12,10 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 from tvm import te, tirx, topi  # noqa: E402
 
 from blockforge.compile import attention  # noqa: E402
-from blockforge.compile.cpu_schedule import MR, NR_VECS, PARTITION_HINT, CPUMatmul, CPURowReduction, vector_lanes  # noqa: E402
+from blockforge.compile.attention.flash import micro_rows  # noqa: E402
+from blockforge.compile.schedule.base import MR, NR_VECS, PARTITION_HINT, vector_lanes
+from blockforge.compile.schedule.matmul import CPUMatmul
+from blockforge.compile.schedule.reduction import CPURowReduction  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
 
 # Scheduled for a fixed target (the x86-64-avx512 preset's mcpu), so the expected structure
@@ -225,7 +228,7 @@ def test_attention_kernel_structure(tiles):
     assert [x["kind"] for x in ls].count(PARALLEL) == 1
     vec = sorted({x["extent"] for x in ls if x["kind"] == VECTORIZED})
     assert kt in vec and 64 in vec and LANES in vec, f"vectors along the key tile, d_v and lanes: {vec}"
-    mr_s, mr_o = attention._rows(qt, kt // LANES, LANES), attention._rows(qt, 64 // LANES, LANES)
+    mr_s, mr_o = micro_rows(qt, kt // LANES, LANES), micro_rows(qt, 64 // LANES, LANES)
     unrolled = {x["extent"] for x in ls if x["kind"] == UNROLLED}
     assert {mr_s, mr_o} <= unrolled, f"micro-kernel rows unrolled: {unrolled}"
     regs = attention.acc_regs(LANES)

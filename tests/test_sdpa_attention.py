@@ -15,9 +15,9 @@ from onnx import TensorProto, helper, numpy_helper
 tvm = pytest.importorskip("tvm")
 
 from blockforge.compile import attention  # noqa: E402
-from blockforge.compile.frontend import import_onnx  # noqa: E402
+from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
 from blockforge.compile.pipeline import run_phases  # noqa: E402
-from blockforge.compile.runtime import run_vm, tvm_device  # noqa: E402
+from blockforge.compile.artifact.runtime import run_vm, tvm_device  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import ort as ort_runner  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
@@ -131,7 +131,7 @@ def test_kernel_grouped_query_heads_against_numpy():
     """kv_heads: query head h reads key/value head h // (heads / kv_heads)."""
     from tvm.runtime import tensor
 
-    from blockforge.compile.cpu_schedule import vector_lanes
+    from blockforge.compile.schedule.base import vector_lanes
 
     lanes = vector_lanes(resolve("host").tvm_target())
     spec = attention.AttentionSpec(dtype="float32", q="bhsd", k="bhds", v="bhsd", o="bhsd", heads=4, d=8, dv=8,

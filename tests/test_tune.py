@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from blockforge.compile.records import WORKLOADS, read_contents
+from blockforge.compile.records.reader import WORKLOADS, read_contents
 from blockforge.tune.database import DeviceDB
 from blockforge.graph import FFNSpec, export
 from blockforge.targets.toolchain import cpu_id

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from blockforge.compile import attention
-from blockforge.compile.records import FAILED_RUN_SECS
+from blockforge.compile.records.reader import FAILED_RUN_SECS
 from blockforge.graph.model_io import DEFAULT_DIMS
 
 _log = logging.getLogger("blockforge")
@@ -56,7 +56,7 @@ def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int],
     fuse-attention phase) not yet in the device database `db`; returns kernels tuned."""
     from tvm.s_tir import meta_schedule as ms
 
-    from blockforge.compile.cpu_schedule import vector_lanes
+    from blockforge.compile.schedule.base import vector_lanes
 
     tgt = target.tvm_target()
     lanes = vector_lanes(tgt)

@@ -1,6 +1,6 @@
 """Tuning databases as tune writes them: safe against kill -9, shared across models.
 
-The format and the read side are compile's (blockforge.compile.records); this module
+The format and the read side are compile's (blockforge.compile.records.reader); this module
 owns writing: rounds, merges, the ledger, salvage and the lock.
 
     <db>/scratch/<job>-<round>/   rounds in flight (begin_round / commit_round); salvaged
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockforge.compile.records import (DEVICE, FAILED_RUN_SECS, FORMAT, LEDGER, RECORDS, WORKLOADS, Contents,
+from blockforge.compile.records.reader import (DEVICE, FAILED_RUN_SECS, FORMAT, LEDGER, RECORDS, WORKLOADS, Contents,
                                         check_device, digest, is_database, load_database, read_contents,
                                         read_ledger)
 from blockforge.errors import BlockforgeError

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from blockforge.compile.pipeline import extract_tasks, run_phases
-from blockforge.compile.records import FAILED_RUN_SECS, default_db_dir, load_database, plan_apply
-from blockforge.compile.runtime import tvm_device
+from blockforge.compile.records.reader import FAILED_RUN_SECS, default_db_dir, load_database, plan_apply
+from blockforge.compile.artifact.runtime import tvm_device
 from blockforge.compile.session import Session, open_model
 from blockforge.errors import BlockforgeError, raise_if_stopped
 from blockforge.fsutil import INTO, Output, atomic_write_json, check_outputs, private_temp_root
@@ -168,7 +168,7 @@ def _best(run_secs_lists: list) -> float | None:
     return best
 
 
-def _make_runner(opts: TuneOptions, target: ResolvedTarget, n_servers: int):
+def make_runner(opts: TuneOptions, target: ResolvedTarget, n_servers: int):
     from tvm.s_tir import meta_schedule as ms
 
     if opts.rpc_tracker:
@@ -183,7 +183,7 @@ def _make_runner(opts: TuneOptions, target: ResolvedTarget, n_servers: int):
     return ms.runner.LocalRunner(evaluator_config=ev, timeout_sec=RUNNER_TIMEOUT_S, f_run_evaluator=run_direct)
 
 
-def _make_builder(target: ResolvedTarget, tmp_root: str):
+def make_builder(target: ResolvedTarget, tmp_root: str):
     """Candidates are built in worker processes and exported under `tmp_root` (removed by the job)."""
     from functools import partial
 
@@ -443,8 +443,8 @@ def _search(job: _Job, term) -> None:
     started, runner = time.time(), None
     with private_temp_root("blockforge-tune-") as tmp_root:
         try:
-            runner = _make_runner(opts, job.session.target, job.n_servers)
-            builder = _make_builder(job.session.target, str(tmp_root or tempfile.gettempdir()))
+            runner = make_runner(opts, job.session.target, job.n_servers)
+            builder = make_builder(job.session.target, str(tmp_root or tempfile.gettempdir()))
             cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
             _seed_all(job, builder, runner)
             _attention_tiles(job, builder, runner, term)

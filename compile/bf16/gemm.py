@@ -98,7 +98,7 @@ def compute(spec: Bf16GemmSpec):
     """The TE definition: (inputs, output) tensors, in the kernel's argument order."""
     from tvm import te, tirx
 
-    from .intrin import widen
+    from blockforge.compile.bf16.intrin import widen
 
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
     m = tirx.Var("m", "int64") if spec.m is None else i64(spec.m)
@@ -127,7 +127,7 @@ def compute(spec: Bf16GemmSpec):
 
         out = topi.nn.relu(out)
     elif spec.activation == "gelu":
-        from ..fast_math import gelu
+        from blockforge.compile.passes.fast_math import gelu
 
         out = gelu(out)  # the same polynomial the float build's gelu uses
     return ins, out
@@ -137,8 +137,8 @@ def kernel(spec: Bf16GemmSpec):
     """The scheduled, tensorized PrimFunc (needs an AVX512_BF16 target to build)."""
     from tvm import s_tir, te
 
-    from ..cpu_schedule import PARTITION_HINT
-    from .intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16_16x2
+    from blockforge.compile.schedule.base import PARTITION_HINT
+    from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16_16x2
 
     ins, out = compute(spec)
     func = te.create_prim_func([*ins, out])

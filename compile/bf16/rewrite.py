@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import gemm
+from blockforge.compile.bf16 import gemm
 
 _log = logging.getLogger("blockforge.bf16")
 _ACTIVATIONS = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}

@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..prepack import PACKED_BLOCK
+from blockforge.compile.passes.prepack import PACKED_BLOCK
 
 IM2COL_BLOCK = "conv_im2col"
 CROP_BLOCK = "conv_crop"

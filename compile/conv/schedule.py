@@ -10,8 +10,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from ..cpu_schedule import CPURule, vector_lanes
-from .rewrite import IM2COL_BLOCK
+from blockforge.compile.schedule.base import CPURule, vector_lanes
+from blockforge.compile.conv.rewrite import IM2COL_BLOCK
 
 
 class CPUIm2col(CPURule):

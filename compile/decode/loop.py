@@ -18,7 +18,7 @@ import numpy as np
 from blockforge.errors import BlockforgeError, error_line
 from blockforge.graph.model_io import MAX_BOUND_DIM, TensorSig, check_inputs
 
-from .pairing import DecodePairing, pairing_for_run
+from blockforge.compile.decode.pairing import DecodePairing, pairing_for_run
 
 MAX_STEPS = 1 << 16
 
@@ -127,7 +127,7 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
     back; on_step(StepRecord) after each (for printing as it goes)."""
     import tvm
 
-    from blockforge.compile.runtime import check_outputs
+    from blockforge.compile.artifact.runtime import check_outputs
 
     where = str(mod.artifact)
     pairing = pairing_for_run(mod.manifest, where)

@@ -130,7 +130,7 @@ def compute(spec: Int8GemmSpec):
 
         out = topi.nn.relu(out)
     elif spec.activation == "gelu":
-        from ..fast_math import gelu
+        from blockforge.compile.passes.fast_math import gelu
 
         out = gelu(out)  # the same polynomial the float build's gelu uses
     return ins, out
@@ -140,8 +140,8 @@ def kernel(spec: Int8GemmSpec):
     """The scheduled, tensorized PrimFunc (needs an AVX-512 VNNI target to build)."""
     from tvm import s_tir, te
 
-    from ..cpu_schedule import PARTITION_HINT
-    from .intrin import vnni_16x4
+    from blockforge.compile.schedule.base import PARTITION_HINT
+    from blockforge.compile.quant.intrin import vnni_16x4
 
     ins, out = compute(spec)
     func = te.create_prim_func([*ins, out])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import gemm, minmax
+from blockforge.compile.quant import gemm, minmax
 
 _log = logging.getLogger("blockforge.quant")
 
@@ -48,10 +48,10 @@ def _shape(e) -> list | None:
 def _same_shape(a, b) -> bool:
     """Shapes as the same dims (structurally: symbolic dims are PrimExprs, whose == builds an
     expression rather than comparing)."""
-    from ..attention import _same_dim
+    from blockforge.compile.attention.match import same_dim
 
     sa, sb = _shape(a), _shape(b)
-    return sa is not None and sb is not None and len(sa) == len(sb) and all(_same_dim(x, y) for x, y in zip(sa, sb))
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(same_dim(x, y) for x, y in zip(sa, sb))
 
 
 def _static(d) -> int | None:

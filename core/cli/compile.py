@@ -40,7 +40,7 @@ def run(a) -> int:
             print(f"warning: {line}", file=sys.stderr)
         for name in t.get("missing", []):
             print(f"warning: no tuning record for task {name}", file=sys.stderr)
-        from blockforge.compile.records import unvalidated_warning
+        from blockforge.compile.records.reader import unvalidated_warning
 
         line = unvalidated_warning(t, t.get("unvalidated", []), res.target.name)
         if line:

@@ -17,7 +17,7 @@ def collect() -> dict:
 
     import blockforge
     from blockforge import settings
-    from blockforge.compile.records import read_contents
+    from blockforge.compile.records.reader import read_contents
     from blockforge.errors import BlockforgeError
     from blockforge.targets.toolchain import cpu_model, package_version
 

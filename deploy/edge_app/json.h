@@ -1,7 +1,7 @@
 // A small JSON reader (RFC 8259): enough to read manifest.json. Values form a
 // tree; numbers are kept as double plus whether they were integral.
 //
-// It accepts exactly what blockforge's Python reader (compile/manifest.py) accepts, so
+// It accepts exactly what blockforge's Python reader (compile/artifact/manifest.py) accepts, so
 // that the two can never read one manifest two ways: UTF-8 text only, containers nested
 // at most kMaxDepth deep, no duplicate object keys (json.loads would keep the last,
 // a hand-written reader might keep the first), numbers in RFC grammar of at most
@@ -30,7 +30,7 @@ struct ParseError : std::runtime_error {
 
 // Text from the file as it may appear in a message: control bytes (NUL included, which
 // would cut the message short) as \xNN, so that a message is one line. blockforge's
-// Python reader escapes the same way (compile/manifest.py, _printable).
+// Python reader escapes the same way (compile/artifact/manifest.py, _printable).
 inline std::string Printable(const std::string& s) {
   static const char kHex[] = "0123456789abcdef";
   std::string out;

@@ -16,7 +16,7 @@
 // artifact or inputs), 1 the runtime failed.
 //
 // Nothing it reads is trusted (the same rules as blockforge's Python loader,
-// compile/manifest.py): manifest.json is size-bounded and type-checked (manifest.h);
+// compile/artifact/manifest.py): manifest.json is size-bounded and type-checked (manifest.h);
 // the files it lists are plain names of regular files, never symlinks, size-bounded and
 // hashed through the descriptor that was checked; 'module' must be one of them. Inputs
 // are regular files whose shapes must agree with the manifest (static dims equal,
@@ -296,7 +296,7 @@ void CheckElf(const std::string& path, const std::string& module) {
   if (!ok) Refuse(module + " is truncated or corrupt (its ELF segments reach past the end of the file)");
 }
 
-// A package's bin/ and lib/, in the Python loader's order (compile/manifest.py,
+// A package's bin/ and lib/, in the Python loader's order (compile/artifact/manifest.py,
 // verify_package): both real directories (a symlinked lib/ would reach outside), every
 // entry listed in 'package_files' (the rpath searches lib/ before the system: an unlisted
 // libstdc++.so.6 there would be loaded), each listed file a regular file with its sha256

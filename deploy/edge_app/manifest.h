@@ -1,6 +1,6 @@
 // manifest.json of a blockforge artifact: parsed and type-checked from its bytes,
 // before any file it names is touched. The rules (and the limits below) are the ones
-// blockforge's Python loader applies (compile/manifest.py); a test runs one table of
+// blockforge's Python loader applies (compile/artifact/manifest.py); a test runs one table of
 // hostile manifests against both, and a fuzz test compares their verdicts.
 #ifndef EDGE_APP_MANIFEST_H_
 #define EDGE_APP_MANIFEST_H_

@@ -59,12 +59,12 @@ def _make(target: str) -> Path:
     """`make TARGET` in the installed app sources, into the same build root packaging uses."""
     from filelock import FileLock
 
-    from blockforge.deploy.package import _package_dir, build_root, edge_app_dir
+    from blockforge.deploy.package import package_dir, build_root, edge_app_dir
 
     root = build_root()
     root.mkdir(parents=True, exist_ok=True)
     cmd = ["make", "-C", str(edge_app_dir()), "-j2", target, f"BUILD_DIR={root}", f"PYTHON={sys.executable}",
-           f"TVM_DIR={_package_dir('tvm')}", f"TVM_FFI_DIR={_package_dir('tvm_ffi')}"]
+           f"TVM_DIR={package_dir('tvm')}", f"TVM_FFI_DIR={package_dir('tvm_ffi')}"]
     with FileLock(str(root / ".build.lock")):
         r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"make {target} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from blockforge.compile.records import DEVICE, FORMAT, LEDGER, RECORDS
+from blockforge.compile.records.reader import DEVICE, FORMAT, LEDGER, RECORDS
 
 
 def constructor_ir(marker: Path) -> str:

@@ -1,7 +1,7 @@
 """A compile that reads a tuning database while a tune merges into it sees the old database
 or the new one, never a mix (new records naming workloads it did not read, a digest of
 other bytes than it applied): merges rename under an exclusive flock of the directory,
-reads hold it shared (tune/database.py, compile/records.py)."""
+reads hold it shared (tune/database.py, compile/records/reader.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 
-from blockforge.compile.records import RECORDS, WORKLOADS, read_contents
+from blockforge.compile.records.reader import RECORDS, WORKLOADS, read_contents
 from blockforge.errors import BlockforgeError
 
 WRITER_SECONDS = 3.0
@@ -23,7 +23,7 @@ WRITER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from blockforge.tune.database import DeviceDB
-    from blockforge.compile.records import RECORDS, WORKLOADS
+    from blockforge.compile.records.reader import RECORDS, WORKLOADS
 
     d, log, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
     db = DeviceDB(d)

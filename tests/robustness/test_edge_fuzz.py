@@ -6,7 +6,7 @@
   promises; the corpus must grow (coverage feedback works) and mutants must be both
   accepted and refused (they reach past the first check).
 - Differential: manifests from that run (corpus entries and fresh mutants) read by the
-  C++ reader and by blockforge's Python reader (compile/manifest.py) get the same verdict,
+  C++ reader and by blockforge's Python reader (compile/artifact/manifest.py) get the same verdict,
   and the same message where the refusal is about the manifest's types.
 - `blockforge run` on EDGE_FUZZ_NPZ (default 150) hostile .npz files, in a child process.
 
@@ -81,7 +81,7 @@ def _one_line(s: str) -> str:
 
 
 def test_python_and_cpp_manifest_readers_agree(fuzz_run):
-    from blockforge.compile.manifest import parse_manifest
+    from blockforge.compile.artifact.manifest import parse_manifest
     from blockforge.errors import BlockforgeError
 
     lines = (fuzz_run["emit"] / "verdicts.txt").read_bytes().decode("utf-8", "replace").splitlines()

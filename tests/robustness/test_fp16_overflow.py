@@ -1,7 +1,7 @@
 """float16 models near the top of float16's range: TVM's outputs on the CPU must have their
 inf/NaN exactly where ONNX Runtime's are, and match it elsewhere (the tolerance table).
 
-ORT's CPU provider computes float16 graphs in float32 (compile/fp32_compute.py); with
+ORT's CPU provider computes float16 graphs in float32 (compile/passes/fp32_compute.py); with
 float16 intermediates TVM gave all-NaN for an MHA with inputs x300 (ORT finite) and 1024
 Inf for an FFN with inputs 60000 (ORT: 96, where the output itself overflows)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from blockforge.compile.pipeline import phases
-from blockforge.compile.runtime import run_vm, tvm_device
+from blockforge.compile.artifact.runtime import run_vm, tvm_device
 from blockforge.compile.session import open_model
 from blockforge.graph import FFNSpec, MHASpec, export
 from blockforge.graph import ort as ort_runner

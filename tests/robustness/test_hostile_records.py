@@ -1,5 +1,5 @@
 """Tuning databases are untrusted input: a record may only replay what MetaSchedule's search
-writes (compile/record_policy.py). A record that annotates a loop `pragma_import_llvm`
+writes (compile/records/policy.py). A record that annotates a loop `pragma_import_llvm`
 links native code into module.so (its constructor runs where the module is loaded); these
 tests plant one that creates a marker file and prove it never runs, and fuzz mutated real
 traces through the policy and read_contents.
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockforge.compile.record_policy import ANNOTATIONS, KINDS, record_problem
-from blockforge.compile.records import RECORDS, read_contents
+from blockforge.compile.records.policy import ANNOTATIONS, KINDS, record_problem
+from blockforge.compile.records.reader import RECORDS, read_contents
 from blockforge.graph import FFNSpec, export
 from blockforge.targets.toolchain import cpu_id
 
@@ -265,7 +265,7 @@ def test_fuzzed_records_the_policy_accepts_load_or_are_refused(tmp_path):
     """Mutants the policy lets through may still not be schedules of their workload:
     MetaSchedule (which replays every trace as it loads) must not fail the database for
     them; each is refused by name and the rest load."""
-    from blockforge.compile.records import load_database
+    from blockforge.compile.records.reader import load_database
 
     rng, recs, mutants = random.Random(5), list(enumerate(_real_records())), []
     while len(mutants) < 30:

@@ -206,7 +206,7 @@ def _tune_args(b, db: Path) -> list:
 def _db_checks(db: Path, min_records: int) -> None:
     from filelock import FileLock
 
-    from blockforge.compile.records import load_database, read_contents
+    from blockforge.compile.records.reader import load_database, read_contents
 
     records = read_contents(db, tolerate_torn_tail=False).records if (db / "database_tuning_record.json").exists() \
         else []

@@ -181,7 +181,7 @@ def test_many_folded_tensors_in_all(tmp_path):
 def test_dense_constant_is_weights_sparse_is_folded(monkeypatch):
     """A dense Constant node holds weights the file already has (some exporters write weights
     so): never refused; a sparse one is expanded to its dense shape: sized like a fold."""
-    from blockforge.compile.prepare import check_sizes
+    from blockforge.compile.frontend.prepare import check_sizes
     from blockforge.errors import BlockforgeError
 
     monkeypatch.setenv("BLOCKFORGE_MAX_TENSOR_GB", "0.001")  # 1 MiB

@@ -63,7 +63,7 @@ def test_compile_refuses_what_its_loader_refuses(tmp_path, case):
 
 def test_compile_checks_with_the_loaders_function(tmp_path):
     """The refusal is the loader's own check (manifest.check_signature -> _sigs), word for word."""
-    from blockforge.compile.manifest import FORMAT, check_signature, parse_manifest
+    from blockforge.compile.artifact.manifest import FORMAT, check_signature, parse_manifest
     from blockforge.errors import BlockforgeError
 
     sig = [{"name": "x\ny", "shape": [1], "dtype": "float32"}]
@@ -163,7 +163,7 @@ def test_full_disk_names_the_output(tmp_path):
 def test_unreplayable_record_names_its_task(tmp_path):
     """Before: "MetaSchedule cannot load this database: parallel_for_dynamic error with (not
     rendered)", the whole database refused."""
-    from blockforge.compile.records import load_database
+    from blockforge.compile.records.reader import load_database
 
     shipped = REPO / "artifacts" / "shipped" / "tuning" / "x86-64-avx512"
     db = tmp_path / "db"

@@ -16,7 +16,7 @@ import pytest
 
 from blockforge.compile import attention
 from blockforge.compile.pipeline import run_phases
-from blockforge.compile.runtime import run_vm, tvm_device
+from blockforge.compile.artifact.runtime import run_vm, tvm_device
 from blockforge.compile.session import open_model
 from blockforge.graph import MHASpec, export, reference
 from blockforge.graph import ort as ort_runner

@@ -171,7 +171,7 @@ def test_export_writes_model_and_manifest_or_neither(tmp_path, monkeypatch):
 
 def test_two_compiles_racing_to_one_output(base, tmp_path):
     """Both succeed, or one says clearly why not; what is left is one complete artifact."""
-    from blockforge.compile.manifest import read_manifest, verify_files
+    from blockforge.compile.artifact.manifest import read_manifest, verify_files
 
     dest = tmp_path / "art"
     env = {**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")}
@@ -243,10 +243,10 @@ FLAGS = {
     "export -o": Flag(lambda b, d, t: ["export", "ffn", "--d-model", 16, "-o", t], "file", "blockforge.graph.export:build",
                       any_name=False),
     "compile -o": Flag(lambda b, d, t: ["compile", _model(b, d), "--target", "host", "--shape", SHAPE, "-o", t],
-                       "tree", "blockforge.compile.artifact:open_model", _model, lambda t: ["--dump-ir", t]),
+                       "tree", "blockforge.compile.artifact.write:open_model", _model, lambda t: ["--dump-ir", t]),
     "compile --dump-ir": Flag(lambda b, d, t: ["compile", _model(b, d), "--target", "host", "--shape", SHAPE,
                                                "-o", d / "art", "--dump-ir", t], "into",
-                              "blockforge.compile.artifact:open_model"),
+                              "blockforge.compile.artifact.write:open_model"),
     "verify --json": Flag(lambda b, d, t: ["verify", _model(b, d), "--shape", SHAPE, "--json", t], "file",
                           "blockforge.compile.verify:verify", _model),
     "bench --json": Flag(lambda b, d, t: ["bench", _model(b, d), "--shape", SHAPE, "--json", t], "file",

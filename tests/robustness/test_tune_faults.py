@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from blockforge.compile.records import RECORDS, load_database, read_contents
+from blockforge.compile.records.reader import RECORDS, load_database, read_contents
 from blockforge.errors import BlockforgeError
 from blockforge.graph import FFNSpec, export
 

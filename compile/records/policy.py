@@ -29,7 +29,7 @@ import re
 # cross-thread reduction, parallel-vectorize-unroll, random compute location,
 # auto-bind; postprocessors: rewrite-parallel-vectorize-unroll, reduction blocks,
 # cooperative fetch, unbound blocks, layout, tensorize) plus what blockforge's rules
-# (compile/cpu_schedule.py) call. Left out although TVM knows them: UnsafeSetDType,
+# (compile/schedule/) call. Left out although TVM knows them: UnsafeSetDType,
 # UnsafeHideBufferAccess, AnnotateBufferAccess (change meaning), and primitives no
 # search emits (CacheInplace, CacheIndex, DecomposePadding, RollingBuffer, ReadAt,
 # WriteAt, LoopPartition, ReorderBlockIterVar, FuseReductionEpilogue).

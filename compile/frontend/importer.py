@@ -13,11 +13,11 @@ def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None, *, c
                 weights_dir=None):
     """Checked import: returns a Relax IRModule with weights embedded as constants.
 
-    TVM's importer plus blockforge's converters (compile/onnx_ops.py: the standard ONNX
+    TVM's importer plus blockforge's converters (compile/frontend/converters.py: the standard ONNX
     Attention op). An op it cannot import is one line naming the op, its node and the opset.
     check=False: the caller has checked this very model (prepare ends with the checker).
     weights_dir: where the model's external tensors are (the prelude's child wrote them)."""
-    from .onnx_ops import OnnxImportError, from_onnx
+    from blockforge.compile.frontend.converters import OnnxImportError, from_onnx
 
     if check:
         check_model(model)

@@ -27,10 +27,10 @@ from blockforge.logs import native_output_to_log
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
 
-from . import manifest as manifest_io
-from .decode import pairing as decode_pairing
-from .records import open_for_apply
-from .session import open_model
+from blockforge.compile.artifact import manifest as manifest_io
+from blockforge.compile.decode import pairing as decode_pairing
+from blockforge.compile.records.reader import open_for_apply
+from blockforge.compile.session import open_model
 
 
 @dataclass
@@ -207,7 +207,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
                 # records judged only on another CPU: left out until `tune --check-only` here
                 "unvalidated": [t for t in res.untuned_tasks if t in db_info["unvalidated"]]},
             "precision": session.precision.name,  # what the GEMMs compute in (inputs/outputs keep their dtypes)
-            "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/prepare.py)
+            "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/frontend/prepare.py)
             "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),
         }

@@ -43,7 +43,7 @@ from blockforge.fsutil import dir_lock
 from blockforge.targets import ResolvedTarget
 from blockforge.targets.toolchain import cpu_id
 
-from .record_policy import record_problem
+from blockforge.compile.records.policy import record_problem
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"

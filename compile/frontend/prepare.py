@@ -237,7 +237,7 @@ def prepare(model: onnx.ModelProto, dims: dict[str, int], label: str = "model") 
     symbolic and are folded as far as shape inference can see. A folding failure is not
     fatal: the bound, shape-inferred model is returned and the report says why. A tensor
     folding would materialise above the size cap is (_check_folded; `label` names the model)."""
-    from .quant.forms import standard_forms
+    from blockforge.compile.quant.forms import standard_forms
 
     t0 = time.perf_counter()
     before = len(model.graph.node), _shape_ops(model)

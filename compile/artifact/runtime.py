@@ -13,7 +13,7 @@ from blockforge.graph.model_io import TensorSig, check_inputs
 from blockforge.targets import resolve
 from blockforge.targets.toolchain import cuda_load_env, host_arch
 
-from .manifest import elf_arch, read_manifest, verify_files, verify_package
+from blockforge.compile.artifact.manifest import elf_arch, read_manifest, verify_files, verify_package
 
 
 def _sigs(items: list[dict]) -> list[TensorSig]:

@@ -1,0 +1,361 @@
+"""The flash-style attention kernel: one TIR PrimFunc per AttentionSpec (shapes, mask,
+causality, tiles), online softmax over key tiles."""
+
+from __future__ import annotations
+
+import logging
+import math
+import json
+from dataclasses import asdict, dataclass
+
+
+_log = logging.getLogger("blockforge.attention")
+
+
+# (query tile, key tile). Key tiles are whole vectors of K^T: 4 vectors (64 keys with
+# AVX-512, 32 with AVX2, 16 with NEON) by default. Measured (BERT-base, 12 heads, kernel
+# alone, 1 thread CPU time, AVX-512) at seq 128 / 512: 32x64 0.70/10.3 ms, 48x64 0.77/10.6,
+# 64x64 0.68/10.2, 96x64 1.00/11.6 (s + acc tiles outgrow L1), 128x64 0.67/10.2, 32x128
+# 0.63/10.3, 64x128 0.62/10.0: within 10% but 96 rows; `tune` picks per device and shape.
+def default_tiles(lanes: int) -> tuple[int, int]:
+    return (64, 4 * lanes)
+
+
+def tile_candidates(lanes: int) -> tuple[tuple[int, int], ...]:
+    """What `tune` times per kernel (compile/attention/: the kernel; tune/attention_tiles.py)."""
+    return ((32, 4 * lanes), (48, 4 * lanes), (64, 4 * lanes), (96, 4 * lanes), (128, 4 * lanes),
+            (32, 8 * lanes), (64, 8 * lanes))
+
+
+def acc_regs(lanes: int) -> int:
+    """Accumulator vector registers a micro-kernel may hold: 24 of the 32 of AVX-512 and
+    NEON (the rest carry the K^T / V loads and broadcasts); 12 of AVX2's 16."""
+    return 12 if lanes == 8 else 24
+
+
+KERNEL_ATTR = "blockforge.attention"  # PrimFunc attr: the spec, for tune and tests
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything that shapes the kernel (the tuning workload is the kernel of a spec).
+
+    Layout letters: b batch, h head, s sequence, d feature. q/v/o: "bhsd", "bshd" or
+    "bsd" (one head per call); k is K^T: "bhds" or "bds". Mask dims name the score axis
+    each mask axis follows: "b", "h", "q", "k", or "1" (broadcast)."""
+    dtype: str
+    q: str
+    k: str
+    v: str
+    o: str
+    heads: int
+    d: int
+    dv: int
+    scale: float
+    batch: int | None = None  # None: symbolic
+    sq: int | None = None
+    skv: int | None = None
+    add: tuple[str, ...] | None = None
+    add_dtype: str = "float32"
+    keep: tuple[str, ...] | None = None  # bool mask for where(keep, s, fill)
+    causal: bool = False  # key j <= query i also kept (in-kernel; tiles above skipped)
+    fill: float | None = None  # where's value for dropped scores
+    same_len: bool = False  # symbolic query and key lengths are one variable
+    # SDPA's guard where(isnan(P), 0, P): a row whose softmax is NaN (all scores -inf, or a
+    # NaN/+inf score: its denominator is then 0 or NaN) comes out 0, not NaN
+    nan_rows_zero: bool = False
+    kv_heads: int | None = None  # grouped-query: K/V have this many heads (None: heads)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "AttentionSpec":
+        d = json.loads(text)
+        for k in ("add", "keep"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return AttentionSpec(**d)
+
+    def describe(self) -> str:
+        mask = "+".join(x for x in ("causal" if self.causal else "", "add" if self.add else "",
+                                    "keep" if self.keep else "") if x) or "none"
+        extra = (f" kv_heads={self.kv_heads}" if self.kv_heads else "") + \
+            (" nan-rows-zero" if self.nan_rows_zero else "")
+        return (f"{self.dtype} q:{self.q} k:{self.k} v:{self.v} o:{self.o} h={self.heads} d={self.d} "
+                f"dv={self.dv} mask={mask}{extra}")
+
+
+def _vec_width(n: int, lanes: int) -> int:
+    """Widest power-of-two width <= lanes that divides n (1: scalar)."""
+    w = lanes
+    while w > 1 and n % w:
+        w //= 2
+    return w
+
+
+def micro_rows(qt: int, vecs_per_row: int, lanes: int) -> int:
+    """Micro-kernel rows: the largest divisor of qt whose accumulators fit the registers."""
+    cap = max(1, acc_regs(lanes) // max(1, vecs_per_row))
+    return max(r for r in range(1, min(qt, cap) + 1) if qt % r == 0)
+
+
+def fast_exp(x, nonpositive: bool = False):
+    """topi.fast_exp's polynomial as a TIR expression (float32): vectorises and inlines,
+    unlike libm's expf; relative error ~1e-7; exp(-inf) and anything below -88.38 give
+    exactly 0. nonpositive: x <= 0 is known (scores minus their running max), so only the
+    lower clamp is needed. NaN stays NaN (and so does inf - inf): TVM lowers max(a, b) to
+    select(a > b, a, b), which returns b when either is NaN, so x goes second in the clamps
+    (one max/min instruction all the same)."""
+    from tvm import tirx
+
+    f = lambda v: tirx.const(v, "float32")  # noqa: E731
+    xv, nv, rv = (tirx.Var(n, "float32") for n in ("exp_x", "exp_n", "exp_r"))
+    p = f(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * rv + f(c)
+    p = p * rv * rv + rv + f(1.0)
+    two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", nv) + 127, 23))
+    body = tirx.Let(rv, xv - nv * f(0.693147180559945), two_n * p)
+    body = tirx.Let(nv, tirx.floor(xv * f(1.44269504088896341) + f(0.5)), body)
+    clamped = tirx.max(f(-88.3762626647949), x if nonpositive else tirx.min(f(88.3762626647950), x))
+    return tirx.Let(xv, clamped, body)
+
+
+def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16):
+    """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
+    default_tiles), for a target with `lanes` float32 lanes per vector."""
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    qt, kt = tiles or default_tiles(lanes)
+    if spec.sq is not None and spec.sq < qt:
+        # A decode step (Sq = 1, or a short chunk): a full query tile would compute qt rows
+        # (clamped to the last, not stored) for the Sq real ones, qt/Sq times the work.
+        qt = spec.sq
+    tiles = (qt, kt)
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    neg_inf = f32(-math.inf)
+    vk = _vec_width(kt, lanes)  # key-tile vector width (kt is a multiple of lanes by choice)
+    mr_s = micro_rows(qt, max(1, kt // lanes), lanes)  # Q K^T micro-kernel rows
+    mr_o = micro_rows(qt, max(1, spec.dv // lanes), lanes)  # P V micro-kernel rows
+
+    def dim(v, name):
+        return i64(v) if v is not None else tirx.Var(name, "int64")
+
+    B, Sq, Skv = dim(spec.batch, "batch"), dim(spec.sq, "seq"), dim(spec.skv, "kv_seq")
+    if spec.same_len:
+        Skv = Sq
+    H = i64(spec.heads)
+    Hk = i64(spec.kv_heads or spec.heads)
+    group = spec.heads // (spec.kv_heads or spec.heads)  # query heads per key/value head
+    D, Dv = i64(spec.d), i64(spec.dv)
+    ext = {"b": B, "h": H, "q": Sq, "k": Skv}
+
+    def shape(layout, s, d, heads=H):
+        return [{"b": B, "h": heads, "s": s, "d": d}[c] for c in layout]
+
+    def at(layout, b, h, s, d):
+        return [{"b": b, "h": h, "s": s, "d": d}[c] for c in layout]
+
+    def mask_shape(dims):
+        return [i64(1) if c == "1" else ext[c] for c in dims]
+
+    def mask_at(dims, b, h, q, k):
+        return [i64(0) if c == "1" else {"b": b, "h": h, "q": q, "k": k}[c] for c in dims]
+
+    kshape = [{"b": B, "h": Hk, "d": D, "s": Skv}[c] for c in spec.k]
+
+    def kt_at(b, h, d, s):
+        return [{"b": b, "h": h, "d": d, "s": s}[c] for c in spec.k]
+
+    def to32(e, dtype=spec.dtype):
+        return e if dtype == "float32" else tirx.Cast("float32", e)
+
+    n_q = (Sq + i64(qt - 1)) // i64(qt)
+    static_q_exact = spec.sq is not None and spec.sq % qt == 0
+    static_k_exact = spec.skv is not None and spec.skv % kt == 0
+    fill = f32(spec.fill if spec.fill is not None else 0.0)
+
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("fused_attention")
+            Q = T.arg("q", T.buffer(shape(spec.q, Sq, D), spec.dtype))
+            K = T.arg("k_t", T.buffer(kshape, spec.dtype))
+            V = T.arg("v", T.buffer(shape(spec.v, Skv, Dv, Hk), spec.dtype))
+            A = T.arg("add", T.buffer(mask_shape(spec.add), spec.add_dtype)) if spec.add else None
+            M = T.arg("keep", T.buffer(mask_shape(spec.keep), "bool")) if spec.keep else None
+            O = T.arg("out", T.buffer(shape(spec.o, Sq, Dv), spec.dtype))
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
+                         KERNEL_ATTR + ".tiles": f"{qt}x{kt}"})
+            with T.parallel(i64(0), B * H * n_q) as p:
+                b = p // (H * n_q)
+                h = p // n_q % H
+                hk = h // i64(group) if group > 1 else h  # the key/value head
+                q0 = p % n_q * i64(qt)
+                acc = T.alloc_buffer((qt, spec.dv), "float32", scope="local")
+                s = T.alloc_buffer((qt, kt), "float32", scope="local")
+                m = T.alloc_buffer((qt,), "float32", scope="local")
+                el = T.alloc_buffer((qt,), "float32", scope="local")
+                alpha = T.alloc_buffer((qt,), "float32", scope="local")
+                part = T.alloc_buffer((vk,), "float32", scope="local")
+                pmax = T.alloc_buffer((qt, vk), "float32", scope="local")  # per-row partial maxima
+                with T.serial(i64(0), i64(qt)) as i:
+                    T.buffer_store(m, neg_inf, [i])
+                    T.buffer_store(el, f32(0), [i])
+                    with T.vectorized(i64(0), i64(spec.dv)) as d:
+                        T.buffer_store(acc, f32(0), [i, d])
+
+                def qrow(i):
+                    """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
+                    return q0 + i if static_q_exact else tirx.min(q0 + i, Sq - i64(1))
+
+                def halve(buf, op):
+                    """Reduce buf[0:vk] into buf[0] as a tree of vector halves (log2 steps, not
+                    vk dependent scalar ones: the row reductions are latency-bound)."""
+                    w = vk
+                    while w > 1:
+                        w //= 2
+                        with T.vectorized(i64(0), i64(w)) as j:
+                            T.buffer_store(buf, op(buf[j], buf[j + i64(w)]), [j])
+
+                def tile(k0, valid):
+                    """One key tile at k0 (valid: its key count when partial, else None)."""
+                    kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
+                    # scores: MR rows x KT keys in registers, reduced over d
+                    with T.serial(i64(0), i64(qt // mr_s)) as io:
+                        r = T.alloc_buffer((mr_s, kt), "float32", scope="local")
+                        with T.unroll(i64(0), i64(mr_s)) as ii:
+                            with T.vectorized(i64(0), i64(kt)) as j:
+                                T.buffer_store(r, f32(0), [ii, j])
+                        with T.serial(i64(0), D) as d:
+                            with T.unroll(i64(0), i64(mr_s)) as ii:
+                                qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
+                                with T.vectorized(i64(0), i64(kt)) as j:
+                                    kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
+                                    T.buffer_store(r, r[ii, j] + qv * kv, [ii, j])
+                        with T.unroll(i64(0), i64(mr_s)) as ii:
+                            row = io * i64(mr_s) + ii
+                            # the row max is taken here, from registers: one pass over s less
+                            with T.vectorized(i64(0), i64(vk)) as j:
+                                T.buffer_store(pmax, neg_inf, [row, j])
+                            with T.unroll(i64(0), i64(kt // vk)) as c:
+                              with T.vectorized(i64(0), i64(vk)) as jv:
+                                j = c * i64(vk) + jv
+                                x = r[ii, j] * f32(spec.scale)
+                                if A is not None:
+                                    x = x + to32(A[tuple(mask_at(spec.add, b, h, qrow(row), kidx(j)))], spec.add_dtype)
+                                keep = None
+                                if M is not None:
+                                    keep = M[tuple(mask_at(spec.keep, b, h, qrow(row), kidx(j)))]
+                                if spec.causal:
+                                    c = (k0 + j) <= (q0 + row)
+                                    keep = c if keep is None else tirx.And(keep, c)
+                                if keep is not None:
+                                    x = tirx.Select(keep, x, fill)
+                                if valid is not None:
+                                    x = tirx.Select(j < valid, x, neg_inf)
+                                x = T.Bind(x)
+                                T.buffer_store(s, x, [row, j])
+                                T.buffer_store(pmax, tirx.max(pmax[row, jv], x), [row, jv])
+                    # online softmax: new running max, p = exp(s - m'), rescale factor alpha
+                    with T.serial(i64(0), i64(qt)) as i:
+                        with T.vectorized(i64(0), i64(vk)) as j:
+                            T.buffer_store(part, pmax[i, j], [j])
+                        halve(part, tirx.max)
+                        mx = T.Bind(tirx.max(m[i], part[0]))
+                        # a row with no finite score yet keeps exp(-inf - 0) = 0, not NaN
+                        mu = T.Bind(tirx.Select(mx == neg_inf, f32(0), mx))
+                        T.buffer_store(alpha, fast_exp(m[i] - mu, nonpositive=True), [i])
+                        T.buffer_store(m, mx, [i])
+                        with T.vectorized(i64(0), i64(vk)) as j:
+                            T.buffer_store(part, f32(0), [j])
+                        with T.serial(i64(0), i64(kt // vk)) as c:
+                            with T.vectorized(i64(0), i64(vk)) as j:
+                                e = T.Bind(fast_exp(s[i, c * i64(vk) + j] - mu, nonpositive=True))
+                                T.buffer_store(s, e, [i, c * i64(vk) + j])
+                                T.buffer_store(part, part[j] + e, [j])
+                        halve(part, lambda a, c: a + c)
+                        T.buffer_store(el, el[i] * alpha[i] + part[0], [i])
+                    # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
+                    with T.serial(i64(0), i64(qt // mr_o)) as io:
+                        r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
+                        with T.unroll(i64(0), i64(mr_o)) as ii:
+                            with T.vectorized(i64(0), Dv) as d:
+                                row = io * i64(mr_o) + ii
+                                T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
+                        with T.serial(i64(0), i64(kt) if valid is None else valid) as j:
+                            with T.unroll(i64(0), i64(mr_o)) as ii:
+                                pv = s[io * i64(mr_o) + ii, j]
+                                with T.vectorized(i64(0), Dv) as d:
+                                    vv = to32(V[tuple(at(spec.v, b, hk, k0 + j, d))])
+                                    T.buffer_store(r, r[ii, d] + pv * vv, [ii, d])
+                        with T.unroll(i64(0), i64(mr_o)) as ii:
+                            with T.vectorized(i64(0), Dv) as d:
+                                T.buffer_store(acc, r[ii, d], [io * i64(mr_o) + ii, d])
+
+                n_full = Skv // i64(kt)
+                if spec.causal:  # tiles right of this query tile's diagonal are all dropped
+                    n_full = tirx.min(n_full, (q0 + i64(qt + kt - 1)) // i64(kt))
+                with T.serial(i64(0), n_full) as t:
+                    tile(t * i64(kt), None)
+                if not static_k_exact:
+                    k_tail = Skv // i64(kt) * i64(kt)
+                    cond = k_tail < Skv
+                    if spec.causal:
+                        cond = tirx.And(cond, k_tail <= q0 + i64(qt - 1))
+                    with T.If(cond):
+                        with T.Then():
+                            tile(k_tail, Skv - k_tail)
+                if spec.causal:
+                    _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el,
+                                 lambda j, d: to32(V[tuple(at(spec.v, b, hk, j, d))]))
+                with T.serial(i64(0), i64(qt)) as i:
+                    def store():
+                        inv = T.alloc_buffer((1,), "float32", scope="local")
+                        T.buffer_store(inv, f32(1) / el[i], [0])
+                        with T.vectorized(i64(0), Dv) as d:
+                            y = acc[i, d] * inv[0]
+                            if spec.nan_rows_zero:  # el is 0 (all -inf) or NaN exactly when softmax is NaN
+                                y = tirx.Select(el[i] > f32(0), y, f32(0))
+                            T.buffer_store(O, y if spec.dtype == "float32" else tirx.Cast(spec.dtype, y),
+                                           at(spec.o, b, h, q0 + i, d))
+                    if static_q_exact:
+                        store()
+                    else:
+                        with T.If(q0 + i < Sq):
+                            with T.Then():
+                                store()
+    func = ib.get()
+    return func.with_attr("global_symbol", "fused_attention")
+
+
+def _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el, v_at):
+    """Keys right of the visited tiles were all dropped (score = fill). They only matter
+    for a row whose every visited score is dropped too (or -inf): exp(fill - m') is then
+    not 0, and softmax spreads over them as well. Folded in exactly, per row, when so."""
+    qt, kt = tiles
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    visited = tirx.min(Skv, (q0 + i64(qt + kt - 1)) // i64(kt) * i64(kt))
+    with T.If(visited < Skv):
+        with T.Then():
+            with T.serial(i64(0), i64(qt)) as i:
+                mn = T.Bind(tirx.max(m[i], fill))
+                w = T.Bind(tirx.exp(fill - mn))  # each skipped key's weight
+                with T.If(w > f32(0)):
+                    with T.Then():
+                        a = T.Bind(tirx.exp(m[i] - mn))
+                        with T.vectorized(i64(0), i64(spec.dv)) as d:
+                            T.buffer_store(acc, acc[i, d] * a, [i, d])
+                        with T.serial(visited, Skv) as j:
+                            with T.vectorized(i64(0), i64(spec.dv)) as d:
+                                T.buffer_store(acc, acc[i, d] + w * v_at(j, d), [i, d])
+                        T.buffer_store(el, el[i] * a + w * tirx.Cast("float32", Skv - visited), [i])
+                        T.buffer_store(m, mn, [i])
+
+
+def is_kernel(func) -> bool:
+    return func.attrs is not None and KERNEL_ATTR in func.attrs

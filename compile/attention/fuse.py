@@ -1,0 +1,123 @@
+"""The rewrite pass (phase fuse-attention): each match becomes one call of the kernel."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, default_tiles, kernel
+from blockforge.compile.attention.match import Heads, Match, find_attention, static_int, static_shape
+from blockforge.compile.attention.tiles import tile_record
+
+
+_log = logging.getLogger("blockforge.attention")
+
+
+def _reshape(bb, x, shape):
+    from tvm import relax
+
+    return bb.emit(relax.op.reshape(x, relax.ShapeExpr(shape)))
+
+
+class _Rewrite:
+    """Emits the kernel calls; kernels of one spec and tiles are shared."""
+
+    def __init__(self, bb, target, database):
+        from blockforge.compile.schedule.base import vector_lanes
+
+        self.bb, self.target, self.database = bb, target, database
+        self.lanes = vector_lanes(target)
+        self.funcs: dict = {}
+        self.applied: list[str] = []
+
+    def call(self, spec: AttentionSpec, args: list, out_shape: list):
+        from tvm import relax
+
+        tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
+        key = (spec, tiles)
+        if key not in self.funcs:
+            # One symbol per kernel: add_func makes the GlobalVar's name unique, but the
+            # global_symbol attr (what the build links by) must follow it, or two attention
+            # variants in one model are "duplicate global symbol: fused_attention".
+            gv = self.bb.add_func(kernel(spec, tiles, self.lanes), f"fused_attention_{len(self.funcs)}")
+            self.bb.update_func(gv, self.bb.get()[gv].with_attr("global_symbol", gv.name_hint))
+            self.funcs[key] = gv
+        self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
+        return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
+
+    def single(self, m: Match, visit):
+        from tvm import relax
+
+        kt = self.bb.emit(relax.op.permute_dims(visit(m.k_src), [0, 1, 3, 2])) if m.k_src is not None else visit(m.kt)
+        args = [visit(m.q), kt, visit(m.v)]
+        args += [visit(x) for x in (m.add, m.keep) if x is not None]
+        return self.call(m.spec, args, m.out_shape)
+
+    def heads(self, g: Heads, visit):
+        from tvm import relax
+
+        bb, sp = self.bb, g.first.spec
+        xq, xk, xv = visit(g.xq), visit(g.xk), visit(g.xv)
+        (b, sq, _), skv = static_shape(xq), static_shape(xk)[1]
+        h = static_int(static_shape(xq)[-1]) // sp.d
+        q = _reshape(bb, xq, [b, sq, h, sp.d])  # (B, S, h, d_k)
+        kt = bb.emit(relax.op.permute_dims(_reshape(bb, xk, [b, skv, h, sp.d]), [0, 2, 3, 1]))  # (B, h, d_k, S_kv)
+        v = _reshape(bb, xv, [b, skv, h, sp.dv])  # (B, S_kv, h, d_v)
+        spec = replace(sp, q="bshd", k="bhds", v="bshd", o="bshd", heads=h)
+        args = [q, kt, v] + [visit(x) for x in (g.first.add, g.first.keep) if x is not None]
+        o = bb.emit(self.call(spec, args, [b, sq, h, sp.dv]))  # (B, S, h, d_v)
+        return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
+
+
+def fuse_attention(target, database=None):
+    """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    @mutator
+    class _Fuse(PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.plan: dict = {}
+            self.rw = _Rewrite(self.builder_, target, database)
+
+        def visit_var_binding_(self, binding):
+            todo = self.plan.get(binding.var)
+            if todo is None:
+                return super().visit_var_binding_(binding)
+            value = todo(self.visit_expr)
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+
+    @tvm.transform.module_pass(opt_level=0, name="BlockforgeFuseAttention")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        m = _Fuse(mod)
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                continue
+            singles, groups = find_attention(func)
+            if not singles and not groups:
+                continue
+            m.plan = {s.out: (lambda visit, s=s: m.rw.single(s, visit)) for s in singles}
+            m.plan.update({g.out: (lambda visit, g=g: m.rw.heads(g, visit)) for g in groups})
+            new = m.visit_expr(func)
+            m.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+        out = m.builder_.get()
+        for line in m.rw.applied:
+            _log.info("fused attention: %s", line)
+        return out
+
+    return _pass
+
+
+def kernel_specs(mod) -> list[AttentionSpec]:
+    """The specs of the fused attention kernels in a module (after the fuse-attention phase)."""
+    from tvm import tirx
+
+    out = []
+    for _, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs is not None and KERNEL_ATTR in func.attrs:
+            spec = AttentionSpec.from_json(str(func.attrs[KERNEL_ATTR]))
+            if spec not in out:
+                out.append(spec)
+    return out

@@ -1,0 +1,1 @@
+"""Relax/TIR rewrites of blockforge's own, each a pipeline phase or part of one."""

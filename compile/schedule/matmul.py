@@ -1,0 +1,177 @@
+"""CPUMatmul: GEMMs on prepacked weight panels, MR x NR register micro-tiles."""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from blockforge.compile.schedule.base import CPURule, K_BLOCK, MR, NR_VECS, PARTITION_HINT, block_alive, const_int, log_skip, schedule_elementwise, single_reduction, target_cores, vector_lanes, vectorize_inner
+
+
+def is_nn_matmul(block) -> tuple[bool, int | None]:
+    """(A[..., i, k] * B[..., k, j] with j last in B and C, static N)."""
+    ivs = block.iter_vars
+    if len(ivs) < 3 or ivs[-1].iter_type != tirx.IterVar.CommReduce:
+        return False, None
+    if any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs[:-1]):
+        return False, None
+    if len(block.reads) != 2 or len(block.writes) != 1:
+        return False, None
+    i, j, k = ivs[-3].var, ivs[-2].var, ivs[-1].var
+    a, b = block.reads
+    c = block.writes[0]
+
+    def last(region):
+        r = region.region[-1]
+        return r.min if const_int(r.extent) == 1 else None
+
+    def second_last(region):
+        r = region.region[-2] if len(region.region) >= 2 else None
+        return r.min if r is not None and const_int(r.extent) == 1 else None
+
+    ok = (last(c).same_as(j) if last(c) is not None else False) and \
+         (last(b) is not None and last(b).same_as(j)) and \
+         (second_last(b) is not None and second_last(b).same_as(k)) and \
+         (last(a) is not None and last(a).same_as(k)) and \
+         (second_last(a) is not None and second_last(a).same_as(i))
+    return ok, const_int(ivs[-2].dom.extent)
+
+
+def inline_producers(sch, blocks, mm, rule: str, func) -> int | None:
+    """Compute the matmul's producers (e.g. a transpose fused in) into place; returns the
+    matmul's index among `blocks`, or None (and says why) when one cannot be inlined."""
+    idx = [i for i, b in enumerate(blocks) if b.same_as(mm)][0]
+    for b in blocks[:idx]:
+        try:
+            sch.compute_inline(b)
+        except Exception as e:
+            log_skip(rule, func, f"producer {sch.get(b).name_hint} cannot be inlined", e)
+            return None
+    return idx
+
+
+def collapse_epilogue(sch, epilogue, rule: str, func) -> None:
+    """Inline an elementwise epilogue chain (bias, gelu's several blocks, scale) into its
+    last block; a step that cannot be inlined stays a separate loop nest."""
+    for b in epilogue[:-1]:
+        try:
+            sch.compute_inline(b)
+        except Exception as e:
+            log_skip(rule, func, f"epilogue {sch.get(b).name_hint} not inlined", e)
+
+
+def _is_crop(sch, b, mm) -> bool:
+    """An epilogue block over fewer output positions than the matmul computes (conv/rewrite.py's
+    GEMM runs whole panels, then keeps the first L columns)."""
+    ext = [const_int(iv.dom.extent) for iv in sch.get(b).iter_vars]
+    mm_ext = [const_int(iv.dom.extent) for iv in sch.get(mm).iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+    return len(ext) == len(mm_ext) and ext != mm_ext
+
+
+def fold_into_writeback(sch, epilogue, rule: str, func, mm=None) -> None:
+    """Fold what is left of the epilogue into the accumulator's write-back (after cache_write).
+    Not a crop: TVM 0.27's reverse_compute_inline of a block over a smaller domain writes the
+    whole tile, past the crop's end (row 1 of a (66, 200) conv output overwritten by row 0's tail)."""
+    for b in epilogue:
+        if block_alive(sch, b) and not (mm is not None and _is_crop(sch, b, mm)):
+            try:
+                sch.reverse_compute_inline(b)
+            except Exception as e:
+                log_skip(rule, func, f"epilogue {sch.get(b).name_hint} not folded into the write-back", e)
+
+
+class CPUMatmul(CPURule):
+    """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile."""
+
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        mm, blocks = single_reduction(sch)
+        if mm is None:
+            return None
+        ok, n = is_nn_matmul(sch.get(mm))
+        packed_nr = packed_panel_width(sch.get(mm))
+        if packed_nr:
+            ok, n = True, const_int(sch.get(mm).iter_vars[-2].dom.extent)
+        if not ok:
+            return None
+        # Producers are computed into place; epilogue blocks are inlined into the
+        # accumulator write-back below.
+        idx = inline_producers(sch, blocks, mm, "CPUMatmul", func)
+        if idx is None:
+            return None
+        lanes = vector_lanes(target)
+        *batch, i, j, k = sch.get_loops(mm)
+        m_sym = const_int(sch.get(i).extent) is None
+        if n is None:
+            # Symbolic N (e.g. attention scores over a symbolic seq): full NR-wide panels
+            # and a guarded tail, split apart by LoopPartition (the hint on jo below), so
+            # the panels keep their vector code; a guard inside a vector loop scalarises it.
+            nr = packed_nr or NR_VECS * lanes
+        else:
+            widths = [w for w in (NR_VECS * lanes, 2 * lanes, lanes) if n % w == 0]
+            if m_sym and not packed_nr:  # the panels are the parallel work then: enough of them
+                widths = [w for w in widths if n // w >= 2 * target_cores(target)] or widths[-1:]
+            nr = packed_nr or next(iter(widths), None)
+            if nr is None:
+                nr = n if n < lanes else None
+        if nr is None:
+            return None
+        io, ii = sch.split(i, [None, MR])
+        jo, ji = sch.split(j, [None, nr])
+        kext = const_int(sch.get(k).extent)
+        # The loop whose last iterations are guarded goes inside, serial, for LoopPartition:
+        # symbolic N -> the column panels (jo); symbolic M -> the row tiles (io): a row
+        # guard inside the micro-kernel costs a branch per row and k (the BERT-base
+        # projections at seq 128: 2.2x the static build's time; partitioned, ~1.0x).
+        outer = [io, jo] if n is None else [jo, io]
+        if kext is not None and kext > K_BLOCK and kext % K_BLOCK == 0:
+            ko, ki = sch.split(k, [None, K_BLOCK])
+            sch.reorder(*batch, *outer, ko, ki, ii, ji)
+            k_outer = ko
+        else:
+            sch.reorder(*batch, *outer, k, ii, ji)
+            k_outer = k
+        # Collapse the elementwise epilogue chain (bias, gelu's several blocks, scale) into
+        # its last block, then fold that into the write-back of the accumulator.
+        epilogue = list(blocks[idx + 1:])
+        collapse_epilogue(sch, epilogue, "CPUMatmul", func)
+        acc = sch.cache_write(mm, 0, "local")
+        fold_into_writeback(sch, epilogue, "CPUMatmul", func, mm)
+        sch.reverse_compute_at(acc, outer[-1], preserve_unit_loops=True)
+        for b in epilogue:
+            if block_alive(sch, b) and _is_crop(sch, b, mm):
+                # In the tile, after its write-back: the crop's own bounds guard the tail panel.
+                sch.reverse_compute_at(b, outer[-1], preserve_unit_loops=True)
+        # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
+        # as separate loops after the matmul: parallel over rows, vectorised along j.
+        for b in blocks[idx + 1:]:
+            if block_alive(sch, b) and not _is_crop(sch, b, mm):
+                schedule_elementwise(sch, b, vector_lanes(target))
+        # Vectorize and parallelize while the update is still a complete reduction block.
+        sch.vectorize(ji)
+        sch.unroll(ii)
+        vectorize_inner(sch, acc, nr)
+        if n is None or m_sym:
+            par = sch.fuse(*batch, outer[0]) if batch else outer[0]
+            sch.annotate(outer[1], PARTITION_HINT, 1)
+        else:
+            par = sch.fuse(*batch, jo, io)
+        sch.parallel(par)
+        init = sch.decompose_reduction(mm, k_outer)
+        sch.vectorize(sch.get_loops(init)[-1])
+        sch.unroll(sch.get_loops(init)[-2])
+        return sch
+
+
+def packed_panel_width(block) -> int | None:
+    """NR of a prepacked matmul block (weights laid out (N/NR, K, NR)), else None."""
+    from blockforge.compile.passes.prepack import PACKED_BLOCK
+
+    if not block.name_hint.startswith(PACKED_BLOCK) or len(block.reads) != 2:
+        return None
+    w = block.reads[1].source  # (N/NR, K, NR); conv/rewrite.py's im2col: (batch, group, L/NR, K, NR)
+    return const_int(w.shape[-1]) if len(w.shape) >= 3 else None
+
+
+def panel_width(target: Target) -> int:
+    """The NR the CPU matmul kernel uses for wide N: NR_VECS vectors."""
+    return NR_VECS * vector_lanes(target)
