@@ -38,6 +38,8 @@ ABLATIONS = {
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
     "conv-gemm": "conv1d/conv2d as im2col + packed GEMM with fused epilogue (phase conv-gemm, compile/conv)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
+    "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
+                  "(left out: such matmuls stay unpacked)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
@@ -57,12 +59,12 @@ class Phase:
     passes: Callable[[], list]
 
 
-def _prepack(target: ResolvedTarget) -> Callable[[], list]:
+def _prepack(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.schedule.matmul import panel_width
         from blockforge.compile.passes.prepack import prepack_pass
 
-        return [prepack_pass(panel_width(target.tvm_target()))]
+        return [prepack_pass(panel_width(target.tvm_target()), pad="pad-panels" not in without)]
     return passes
 
 
@@ -273,7 +275,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
     if target.kind == "llvm" and default_schedules and settings.prepack():
-        out.append(Phase("prepack", _prepack(target)))
+        out.append(Phase("prepack", _prepack(target, without)))
     out.append(Phase("legalize", _legalize(target)))
     if database is not None:
         def apply() -> list:

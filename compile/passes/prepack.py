@@ -5,6 +5,11 @@ weights for every k; in row-major W consecutive k are N floats apart (12 KiB for
 so each step touches a new page and cache line. Packed, the panel is contiguous. Measured
 on a 128x3072x768 GEMM (2 threads, AVX-512): 439 GFLOP/s row-major, 518 packed.
 The packed product is computed by a `packed_matmul` block that CPUMatmul recognises.
+
+An N no panel width divides (a vocabulary: GPT-2's 50257, BERT's 30522) is padded with zero
+columns to whole panels and the product cropped back (the crop block CPUMatmul computes at the
+tile, as conv-gemm's): unpacked, such a matmul fell to a schedule parallel over rows only, so
+a decode step (M = 1) ran GPT-2's LM head on one core.
 """
 
 from __future__ import annotations
@@ -15,9 +20,14 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 PACKED_BLOCK = "packed_matmul"
+CROP_BLOCK = "packed_crop"
+# Padding to whole panels wastes at most this share of the columns: N >= PAD_MIN_PANELS panels.
+PAD_MIN_PANELS = 4
 
 
-def _packed_matmul(a: te.Tensor, wp: te.Tensor) -> te.Tensor:
+def packed_matmul(a: te.Tensor, wp: te.Tensor, n: int | None = None) -> te.Tensor:
+    """a (.., M, K) x the packed weights (N/NR, K, NR); n: the real N when the last panel is
+    padded (the product is then cropped to it)."""
     nb, kdim, nr = wp.shape
     k = te.reduce_axis((0, kdim), name="k")
 
@@ -25,14 +35,26 @@ def _packed_matmul(a: te.Tensor, wp: te.Tensor) -> te.Tensor:
         *batch, i, j = idx
         return te.sum(a[(*batch, i, k)] * wp[j // nr, k, j % nr], axis=k)
 
-    return te.compute((*a.shape[:-1], nb * nr), f, name=PACKED_BLOCK)
+    y = te.compute((*a.shape[:-1], nb * nr), f, name=PACKED_BLOCK)
+    if n is None or n == int(nb) * int(nr):
+        return y
+    return te.compute((*a.shape[:-1], n), lambda *idx: y[idx], name=CROP_BLOCK)
+
+
+def pack_weights(wt: np.ndarray, nr: int) -> np.ndarray:
+    """W (K, N) -> (ceil(N/NR), K, NR), zero columns in the last panel's tail."""
+    k, n = wt.shape
+    nb = -(-n // nr)
+    if nb * nr != n:
+        wt = np.concatenate([wt, np.zeros((k, nb * nr - n), wt.dtype)], axis=1)
+    return np.ascontiguousarray(wt.reshape(k, nb, nr).transpose(1, 0, 2))
 
 
 @mutator
 class _Prepack(PyExprMutator):
-    def __init__(self, mod, nr: int):
+    def __init__(self, mod, nr: int, pad: bool):
         super().__init__(mod)
-        self.nr = nr
+        self.nr, self.pad = nr, pad
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
@@ -47,16 +69,20 @@ class _Prepack(PyExprMutator):
         if call.attrs.out_dtype not in (None, "", "float32") and str(call.attrs.out_dtype) not in ("float32", "void"):
             return call
         k, n = wt.shape
-        if n % self.nr or n < self.nr or len(getattr(x.ty, "shape", None) or []) < 2:
+        ragged = n % self.nr != 0
+        if (ragged and not self.pad) or n < (PAD_MIN_PANELS if ragged else 1) * self.nr \
+                or len(getattr(x.ty, "shape", None) or []) < 2:
             return call
-        wp = np.ascontiguousarray(wt.reshape(k, n // self.nr, self.nr).transpose(1, 0, 2))
-        return self.builder_.call_te(_packed_matmul, x, relax.const(wp), primfunc_name_hint="matmul")
+        wp = pack_weights(wt, self.nr)
+        return self.builder_.call_te(packed_matmul, x, relax.const(wp), n if ragged else None,
+                                     primfunc_name_hint="matmul")
 
 
-def prepack_pass(nr: int):
+def prepack_pass(nr: int, pad: bool = True):
+    """pad=False: a ragged N stays unpacked (ablation `pad-panels`)."""
     @tvm.transform.module_pass(opt_level=0, name="BlockforgePrepackWeights")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _Prepack(mod, nr)
+        m = _Prepack(mod, nr, pad)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 m.builder_.update_func(gv, m.visit_expr(func))
