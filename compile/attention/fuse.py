@@ -8,6 +8,7 @@ from dataclasses import replace
 from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, default_tiles, kernel
 from blockforge.compile.attention.match import Heads, Match, find_attention, static_int, static_shape
 from blockforge.compile.attention.tiles import tile_record
+from blockforge.compile.passes.kernels import add_kernel
 
 
 _log = logging.getLogger("blockforge.attention")
@@ -36,12 +37,8 @@ class _Rewrite:
         tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
         if key not in self.funcs:
-            # One symbol per kernel: add_func makes the GlobalVar's name unique, but the
-            # global_symbol attr (what the build links by) must follow it, or two attention
-            # variants in one model are "duplicate global symbol: fused_attention".
-            gv = self.bb.add_func(kernel(spec, tiles, self.lanes), f"fused_attention_{len(self.funcs)}")
-            self.bb.update_func(gv, self.bb.get()[gv].with_attr("global_symbol", gv.name_hint))
-            self.funcs[key] = gv
+            # one symbol per kernel: a model with several attention variants builds
+            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes), f"fused_attention_{len(self.funcs)}")
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 

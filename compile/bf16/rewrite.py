@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockforge.compile.bf16 import gemm
+from blockforge.compile.passes.kernels import add_kernel
 
 _log = logging.getLogger("blockforge.bf16")
 _ACTIVATIONS = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}
@@ -129,9 +130,7 @@ def bf16_gemm():
 
         def kernel_gv(self, spec):
             if spec not in self.funcs:
-                gv = self.builder_.add_func(gemm.kernel(spec), f"bf16_gemm_{len(self.funcs)}")
-                self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("global_symbol", gv.name_hint))
-                self.funcs[spec] = gv
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec), f"bf16_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 
         def emit_call(self, mt: _Match):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blockforge.compile.passes.kernels import add_kernel
 from blockforge.compile.quant import gemm, minmax
 
 _log = logging.getLogger("blockforge.quant")
@@ -233,9 +234,7 @@ def int8_gemm():
 
         def kernel_gv(self, spec):
             if spec not in self.funcs:
-                gv = self.builder_.add_func(gemm.kernel(spec), f"int8_gemm_{len(self.funcs)}")
-                self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("global_symbol", gv.name_hint))
-                self.funcs[spec] = gv
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec), f"int8_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 
         def emit_call(self, mt: _Match):
@@ -270,9 +269,7 @@ def int8_gemm():
                     rows = rows * d
                 x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([rows, r.spec.cols])))
                 if r.spec not in self.funcs:
-                    gv = bb.add_func(minmax.kernel(r.spec), f"int8_range_{len(self.funcs)}")
-                    bb.update_func(gv, bb.get()[gv].with_attr("global_symbol", gv.name_hint))
-                    self.funcs[r.spec] = gv
+                    self.funcs[r.spec] = add_kernel(bb, minmax.kernel(r.spec), f"int8_range_{len(self.funcs)}")
                 scalar = relax.TensorType([], "float32")
                 r.emitted = bb.emit(relax.call_tir(self.funcs[r.spec], [x2], out_ty=[scalar, scalar]))
             return relax.TupleGetItem(r.emitted, 0 if var.same_as(r.max_var) else 1)
