@@ -155,6 +155,45 @@ def test_prepare_folds_what_tvm_refuses():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name, dims", [("bert_dynamo_op18", {"s33": 1, "s50": 8, "s6": 1}),
+                                         ("gpt2_legacy_op17", {"batch": 1, "seq": 5})])
+def test_prepare_folds_a_model_with_external_data(name, dims, tmp_path, monkeypatch):
+    """Tensors stored as ONNX external data (the isolation child stores every one over 1 KiB
+    so): onnxslim returned the ones it touched with raw_data and the external flag both, the
+    checker refused, and the model was imported unfolded (the dynamo BERT-base export then
+    failed TVM's import: "Reshape expects the input tensor to have known shape"). Folding
+    must be what it is for the same model held in memory, and no tensor loaded."""
+    from onnx import external_data_helper as edh
+
+    from blockforge.compile.frontend.prepare import prepare
+
+    inline = onnx.load(str(FIXTURES / f"{name}.onnx"))
+    want, want_rep = prepare(inline, dims)
+    model = onnx.load(str(FIXTURES / f"{name}.onnx"))
+    # As the child's externalize() stores a full-size model's (over 1 KiB): at this model's
+    # width that means every tensor over 64 bytes (its LayerNorm parameters: 128).
+    edh.convert_model_to_external_data(model, all_tensors_to_one_file=True, location="weights.bin", size_threshold=64)
+    edh.write_external_data_tensors(model, str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where the checker and onnxslim resolve the references
+    stored = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert len(stored) >= 8
+    prepared, rep = prepare(model, dims)
+    assert not rep.notes and rep.shape_ops_after == 0 == want_rep.shape_ops_after
+    for t in prepared.graph.initializer:
+        if t.name in stored:  # still the reference, nothing read into the proto
+            assert t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data, t.name
+    assert [vi.name for vi in prepared.graph.input] == [vi.name for vi in want.graph.input]
+    # The same function as the model folded in memory (a Gather of a stored weight by
+    # constant indices is left to TVM's FoldConstant: onnxslim never sees the weight).
+    import onnxruntime as ort
+
+    onnx.save(prepared, str(tmp_path / "prepared.onnx"))
+    ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6][:dims.get("seq", 8)]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    run = lambda m: ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(run(str(tmp_path / "prepared.onnx")), run(want.SerializeToString()), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ shape binding
 
 SIGS = [TensorSig("input_ids", ("s33", "s50"), "int64"), TensorSig("attention_mask", ("s6", "s50"), "int64"),

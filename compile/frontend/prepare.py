@@ -69,9 +69,46 @@ def _shape_ops(model: onnx.ModelProto) -> int:
 
 
 def _slim(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxslim's folding of `model`, its externally stored initializers kept out of reach.
+
+    onnxslim mishandles tensors stored as ONNX external data (the isolation child stores
+    every tensor over 1 KiB so, a user's model may too): one it touches comes back with
+    both raw_data and the external flag, or with its location dropped, the checker refuses
+    the result and the model was imported unfolded (BERT-base from the dynamo exporter then
+    failed: a Reshape whose shape only folding computes). So they are graph inputs of their
+    static shape while onnxslim runs (shape arithmetic on them still folds: their shapes are
+    known) and initializers again after, the original references untouched."""
     import onnxslim
 
-    return onnxslim.slim(model, skip_optimizations=list(SKIPPED))
+    g = model.graph
+    external = [t for t in g.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return onnxslim.slim(model, skip_optimizations=list(SKIPPED))
+    listed = {vi.name for vi in g.input}  # IR < 4 models list initializers as inputs too
+    hidden = {t.name for t in external}
+    light = onnx.ModelProto()
+    light.CopyFrom(model)  # the references only: the bytes are in the external file
+    kept = [t for t in light.graph.initializer if t.name not in hidden]
+    del light.graph.initializer[:]
+    light.graph.initializer.extend(kept)
+    light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in external if t.name not in listed)
+    slim = onnxslim.slim(light, skip_optimizations=list(SKIPPED))
+    used = {i for n in _all_nodes(slim.graph) for i in n.input} | {o.name for o in slim.graph.output}
+    inputs = [vi for vi in slim.graph.input if vi.name not in hidden or vi.name in listed]
+    del slim.graph.input[:]
+    slim.graph.input.extend(inputs)
+    slim.graph.initializer.extend(t for t in external if t.name in used)
+    return slim
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """Every node of `graph` and of its subgraphs (If/Loop/Scan bodies read outer names)."""
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                yield from _all_nodes(sub)
 
 
 def _tool() -> str:
