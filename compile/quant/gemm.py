@@ -77,7 +77,8 @@ class Int8GemmSpec:
     def describe(self) -> str:
         m = "M" if self.m is None else str(self.m)
         return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
-            (f" +{self.activation}" if self.activation != "none" else "") + (f" [{self.isa}]" if self.isa != "vnni" else "")
+            (f" +{self.activation}" if self.activation != "none" else "") + \
+            (f" [{self.isa}]" if self.isa != "vnni" else "")
 
 
 def supported(k: int, n: int) -> bool:
