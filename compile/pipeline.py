@@ -1,7 +1,7 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
     [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
-    -> [int8-gemm (CPU with AVX-512 VNNI, quantized models)] -> [bf16-gemm (--precision bf16)] -> optimize
+    -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 dotprod, quantized models)] -> [bf16-gemm (--precision bf16)] -> optimize
     -> [conv-gemm (CPU, convolutions)]
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
@@ -40,7 +40,7 @@ ABLATIONS = {
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
-    "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
+    "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
 }
@@ -88,18 +88,22 @@ def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
     return passes
 
 
-def target_has_vnni(target: ResolvedTarget) -> bool:
-    from blockforge.compile.quant.intrin import has_vnni
+def target_int8_isa(target: ResolvedTarget) -> str | None:
+    """The target's int8 dot-product instruction (AVX-512 VNNI, aarch64 SDOT), or None."""
+    from blockforge.compile.quant.isa import for_target
 
-    return has_vnni(target.tvm_target())
+    isa = for_target(target.tvm_target())
+    return isa.name if isa is not None else None
 
 
-def _int8_gemm() -> list:
-    from blockforge.compile.quant.rewrite import int8_gemm
+def _int8_gemm(isa: str) -> Callable[[], list]:
+    def passes() -> list:
+        from blockforge.compile.quant.rewrite import int8_gemm
 
-    # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would no
-    # longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
-    return [int8_gemm()]
+        # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would
+        # no longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
+        return [int8_gemm(isa)]
+    return passes
 
 
 def _bf16_gemm() -> list:
@@ -264,8 +268,9 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
-    if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
-        out.append(Phase("int8-gemm", _int8_gemm))
+    isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
+    if isa is not None:
+        out.append(Phase("int8-gemm", _int8_gemm(isa)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm))
     out.append(Phase("optimize", _optimize(without)))

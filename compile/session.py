@@ -32,7 +32,7 @@ from blockforge.targets.precision import PRECISIONS, Precision, resolve_precisio
 
 from blockforge.compile.frontend.importer import import_onnx
 from blockforge.compile.isolate import prepare_untrusted
-from blockforge.compile.pipeline import BuildResult, build, target_has_vnni
+from blockforge.compile.pipeline import BuildResult, build, target_int8_isa
 from blockforge.compile.frontend.prepare import PrepareReport
 
 _log = logging.getLogger("blockforge.compile")
@@ -70,11 +70,11 @@ class Session:
         return self.binding.signature()[1]
 
     def relax(self, int8: bool = True):
-        """The imported Relax module (weights embedded), imported once. On a target with
-        AVX-512 VNNI the QDQ matmuls are imported as MatMulInteger (compile/quant/qdq.py),
+        """The imported Relax module (weights embedded), imported once. On a target with an
+        int8 dot-product instruction (AVX-512 VNNI, aarch64 SDOT) the QDQ matmuls are imported as MatMulInteger (compile/quant/qdq.py),
         for the int8-gemm phase; int8=False imports them as written (dequantize + float
         GEMM: what a build without int8-gemm compiles)."""
-        int8 = int8 and self.target.kind == "llvm" and target_has_vnni(self.target)
+        int8 = int8 and self.target.kind == "llvm" and target_int8_isa(self.target) is not None
         if int8 not in self._relax:
             rewritten = 0
             # the rewrite reads the quantized weights: loaded (a copy) only for a model with QDQ

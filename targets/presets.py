@@ -37,6 +37,15 @@ PRESETS: dict[str, dict] = {
         "device": "cpu",
         "arch": "aarch64",
     },
+    "aarch64-linux-dotprod": {
+        "description": "64-bit ARM Linux with NEON and the int8 dot product (Armv8.2+: Cortex-A55/A76, "
+                       "Neoverse N1; cross-compiled)",
+        "target": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod"],
+                   "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "aarch64",
+        "cpu_flags": ["asimddp"],
+    },
     "cuda-sm80": {
         "description": "NVIDIA Ampere (A100), CUDA",
         "target": {"kind": "cuda", "arch": "sm_80", "host": {"kind": "llvm", "mcpu": "<host-cpu>"}},

@@ -1,5 +1,7 @@
-"""The int8 GEMM kernel: u8 activations x s8 weights -> s32 on VPDPBUSD, zero points folded
-through column/row sums, dequantize scale and bias fused into the write-back.
+"""The int8 GEMM kernel: u8 activations x s8 weights -> s32 on VPDPBUSD (x86), or s8 x s8 on
+SDOT (aarch64 +dotprod), zero points folded through column/row sums, dequantize scale and bias
+fused into the write-back. The instruction is a parameter (compile/quant/isa.py); the
+layout, the folding and the epilogue are the same for both.
 
     C[i, j] = sum_k A[i, k] W[k, j]  - zp_a colsum(W)[j]  (+ rowcorr[i])
     out[i, j] = float(C[i, j]) * scale (scalar or per column) + bias[j]       (or C itself)
@@ -7,7 +9,8 @@ through column/row sums, dequantize scale and bias fused into the write-back.
 With A = u8 values and W = s8 values, (A - zp_a)(W - zp_w) = A W - zp_a colsum(W)
 - zp_w rowsum(A) + K zp_a zp_w: the colsum term is a constant per column (computed when the
 weights are packed), the rowsum term (only when zp_w != 0) is `rowcorr`, computed beside
-the kernel. s8 activations become u8 by the +128 shift: (a + 128) - (zp_a + 128).
+the kernel. s8 activations become u8 by the +128 shift: (a + 128) - (zp_a + 128) (VNNI);
+on SDOT u8 activations become s8 by -128 alike.
 
 Weights are prepacked (N/16, K/4, 16, 4): for each group of 4 k, 16 columns' 4 bytes are
 the 64 contiguous bytes one VPDPBUSD reads. The micro-kernel keeps MR rows x NV vectors of
@@ -17,6 +20,9 @@ the 64 contiguous bytes one VPDPBUSD reads. The micro-kernel keeps MR rows x NV 
         acc[MR][NV*16] = 0                              #   serial with a guarded tail
         for ko < K/4: for ii < MR: for jv < NV: acc[ii][jv] = vpdpbusd(acc, bcast(A[i, 4ko:4ko+4]), Wp[jo*NV+jv, ko])
         out[i, j] = epilogue(acc)
+
+On SDOT (4 int32 lanes) the same loops run with MR = 5, NV = 1: each 16-column panel is four
+SDOTs on consecutive 16-byte quarters of the (16, 4) group.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-MR = 6  # rows per micro-tile
-NV = 4  # 16-lane int32 vectors per row of the micro-tile
+from blockforge.compile.quant.isa import ISAS
+
+MR = ISAS["vnni"].mr  # rows per micro-tile (VNNI's; each ISA has its own)
+NV = ISAS["vnni"].nv  # 16-lane int32 vectors per row of the micro-tile
 # Below this many multiply-adds (static M) the kernel runs on one thread: waking the pool
 # cost more than the work (16x64x128: 0.026-0.05 ms parallel on the loaded machine; the
 # whole d_model 64 FFN took 0.034 ms on int8 vs 0.020 ms on TVM's int32 loops).
@@ -45,6 +53,7 @@ class Int8GemmSpec:
     bias: bool = False
     rowcorr: bool = False  # weights' zero point != 0: a per-row int32 correction input
     activation: str = "none"  # after the bias, in the epilogue: "none", "relu", "gelu" (fast_math's)
+    isa: str = "vnni"  # the dot-product instruction (compile/quant/isa.py): "vnni" (u8 A), "sdot" (s8 A)
 
     def __post_init__(self):
         if self.k % 4 or self.n % 16 or self.k <= 0 or self.n <= 0:
@@ -55,6 +64,8 @@ class Int8GemmSpec:
             raise ValueError("a bias or an activation needs a float epilogue (scale)")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: {self.activation!r}")
+        if self.isa not in ISAS:
+            raise ValueError(f"isa: {self.isa!r}")
 
     @property
     def out_dtype(self) -> str:
@@ -66,7 +77,8 @@ class Int8GemmSpec:
     def describe(self) -> str:
         m = "M" if self.m is None else str(self.m)
         return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
-            (f" +{self.activation}" if self.activation != "none" else "")
+            (f" +{self.activation}" if self.activation != "none" else "") + \
+            (f" [{self.isa}]" if self.isa != "vnni" else "")
 
 
 def supported(k: int, n: int) -> bool:
@@ -83,8 +95,8 @@ def column_sums(w: np.ndarray) -> np.ndarray:
     return w.astype(np.int32).sum(axis=0, dtype=np.int32)
 
 
-def _nv(n: int) -> int:
-    return next(v for v in (NV, 2, 1) if (n // 16) % v == 0)
+def _nv(n: int, most: int) -> int:
+    return next(v for v in (most, 2, 1) if v <= most and (n // 16) % v == 0)
 
 
 def compute(spec: Int8GemmSpec):
@@ -94,7 +106,9 @@ def compute(spec: Int8GemmSpec):
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
     m = tirx.Var("m", "int64") if spec.m is None else i64(spec.m)
     K, N = spec.k, spec.n
-    a = te.placeholder((m, i64(K)), "uint8", name="A")
+    isa = ISAS[spec.isa]
+    mr = isa.mr
+    a = te.placeholder((m, i64(K)), isa.act_dtype, name="A")
     wp = te.placeholder((i64(N // 16), i64(K // 4), i64(16), i64(4)), "int8", name="Wp")
     colsum = te.placeholder((i64(N),), "int32", name="colsum")
     zpa = te.placeholder((), "int32", name="zp_a")
@@ -109,8 +123,8 @@ def compute(spec: Int8GemmSpec):
     # The accumulator has whole MR-row tiles; the rows past M (in the last tile of a ragged M)
     # re-read row M-1 and are never written out. A guarded tile instead (the split's
     # predicate on the update block) is what TVM's tensorize cannot match.
-    rows = (m + i64(MR - 1)) // i64(MR) * i64(MR)
-    ragged = spec.m is None or spec.m % MR != 0
+    rows = (m + i64(mr - 1)) // i64(mr) * i64(mr)
+    ragged = spec.m is None or spec.m % mr != 0
     row = (lambda i: tirx.min(i, m - i64(1))) if ragged else (lambda i: i)
     acc = te.compute((rows, i64(N)), lambda i, j: te.sum(
         a[row(i), r].astype("int32") * wp[j // 16, r // 4, j % 16, r % 4].astype("int32"), axis=r), name="acc")
@@ -137,12 +151,13 @@ def compute(spec: Int8GemmSpec):
 
 
 def kernel(spec: Int8GemmSpec):
-    """The scheduled, tensorized PrimFunc (needs an AVX-512 VNNI target to build)."""
+    """The scheduled, tensorized PrimFunc (needs a target with the spec's instruction to build:
+    AVX-512 VNNI, or aarch64 +dotprod)."""
     from tvm import s_tir, te
 
     from blockforge.compile.schedule.base import PARTITION_HINT
-    from blockforge.compile.quant.intrin import vnni_16x4
 
+    isa = ISAS[spec.isa]
     ins, out = compute(spec)
     func = te.create_prim_func([*ins, out])
     sch = s_tir.Schedule(func)
@@ -153,11 +168,14 @@ def kernel(spec: Int8GemmSpec):
         sch.compute_inline(b)
     ep = steps[-1]
     i, j, k = sch.get_loops(mm)
-    nv = _nv(spec.n)
-    io, ii = sch.split(i, [None, MR])
+    nv = _nv(spec.n, isa.nv)
+    io, ii = sch.split(i, [None, isa.mr])
     jo, jv, ji = sch.split(j, [None, nv, 16])
     ko, ki = sch.split(k, [None, 4])
-    sch.reorder(jo, io, ko, ii, jv, ji, ki)
+    # A narrower instruction (SDOT: 4 lanes) covers the 16-column group in 16 / lanes steps,
+    # each on its 16 contiguous bytes of the packed group; the A broadcast is shared.
+    jq, ji = sch.split(ji, [None, isa.lanes]) if isa.lanes < 16 else (None, ji)
+    sch.reorder(jo, io, ko, ii, jv, *([jq] if jq is not None else []), ji, ki)
     # acc stays "global" (the intrinsic's buffers are): compacted to the MR x NV*16 tile
     # under the parallel loop, it lives in registers once the loops are unrolled.
     sch.reverse_compute_at(ep, io, preserve_unit_loops=True)
@@ -175,16 +193,19 @@ def kernel(spec: Int8GemmSpec):
             sch.parallel(par)
     sch.unroll(ii)
     sch.unroll(jv)
+    if jq is not None:
+        sch.unroll(jq)
     init = sch.decompose_reduction(mm, ko)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(ji, vnni_16x4())
+    sch.tensorize(ji, isa.intrin())
     f = sch.mod["main"]
     return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json()})
 
 
 def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,
               scale=None, bias=None) -> np.ndarray:
-    """numpy: what the kernel computes from the unpacked operands (tests, benchmarks)."""
+    """numpy: what the kernel computes from the unpacked operands (tests, benchmarks); `a` in
+    the spec's activation dtype (u8 for VNNI, s8 for SDOT), zp_a in the same range."""
     c = (a.astype(np.int64) - zp_a) @ (w.astype(np.int64) - zp_w)
     if spec.scale == "none":
         return c.astype(np.int32)

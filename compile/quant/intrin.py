@@ -13,44 +13,52 @@ from __future__ import annotations
 VNNI_16X4 = "blockforge_vnni_16x4_u8s8s32"
 
 
-def _funcs():
+def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
+    """desc and impl of a `lanes` x 4 int8 dot-product intrinsic: C[i] += sum_k A[k] B[i, k]
+    (i < lanes, k < 4), A's 4 bytes broadcast to every lane, B's lanes x 4 bytes as they lie.
+    VPDPBUSD (16 lanes, u8 A) here, SDOT (4 lanes, s8 A) in compile/quant/sdot.py."""
     from tvm.script import tirx as T
 
+    v = f"int8x{lanes * 4}"  # what both instructions take: the bytes, reinterpreted
+    c = f"int32x{lanes}"
+
     @T.prim_func(s_tir=True)
-    def desc(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
-             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+    def desc(A: T.Buffer((4,), a_dtype, offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
         with T.sblock("root"):
-            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-            T.writes(C[0:16])
-            for i in T.serial(0, 16):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            for i in T.serial(0, lanes):
                 for k in T.serial(0, 4):
                     with T.sblock("update"):
                         vi, vk = T.axis.remap("SR", [i, k])
                         C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
 
     @T.prim_func(s_tir=True)
-    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
-             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+    def impl(A: T.Buffer((4,), a_dtype, offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
         with T.sblock("root"):
-            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-            T.writes(C[0:16])
-            a4 = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-            a64 = T.reinterpret(T.broadcast(a4, 16), dtype="int8x64")
-            b64 = B.vload([0, 0], dtype="int8x64")
-            C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
-                C.vload([0], dtype="int32x16"), a64, b64, dtype="int32x16")
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            a4 = T.reinterpret(A.vload([0], f"{a_dtype}x4"), dtype="int32")
+            C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(llvm_intrinsic), C.vload([0], dtype=c),
+                T.reinterpret(T.broadcast(a4, lanes), dtype=v), B.vload([0, 0], dtype=v), dtype=c)
 
     return desc, impl
 
 
-def vnni_16x4() -> str:
+def register_once(name: str, funcs) -> str:
     """Registers the intrinsic on first call (TVM's registry is process-global); its name."""
     from tvm.s_tir import TensorIntrin
 
-    if TensorIntrin.get(VNNI_16X4, allow_missing=True) is None:
-        TensorIntrin.register(VNNI_16X4, *_funcs())
-    return VNNI_16X4
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        TensorIntrin.register(name, *funcs())
+    return name
+
+
+def vnni_16x4() -> str:
+    return register_once(VNNI_16X4, lambda: dot_funcs(16, "uint8", "llvm.x86.avx512.vpdpbusd.512"))
 
 
 def has_vnni(target) -> bool:

@@ -12,8 +12,9 @@ This pass replaces y (and the cast/scale/bias and a relu/gelu after it, when eac
 that one user)
 with one call of compile/quant/gemm.kernel on the u8 activations and the prepacked s8
 weights; the zero points fold into the kernel's column-sum term and, for a weight zero point
-other than 0, a row-sum correction computed beside it. int8 activations are shifted to u8
-(+128) and the shift is folded into the zero point. In a module this rewrites, the whole-
+other than 0, a row-sum correction computed beside it. Activations whose signedness is not
+the instruction's are shifted (s8 -> u8 by +128 for VNNI, u8 -> s8 by -128 for SDOT) and the
+shift is folded into the zero point. In a module this rewrites, the whole-
 tensor max(x) and min(x) pairs (DynamicQuantizeLinear's range) go to compile/quant/minmax's
 parallel kernel instead of two serial scalar loops.
 """
@@ -91,9 +92,10 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func):
+    def __init__(self, func, isa: str = "vnni"):
         from tvm import relax
 
+        self.isa = isa
         self.values, self.users = {}, {}  # var -> value; var -> the binding vars that read it
         for block in func.body.blocks:
             for b in block.bindings:
@@ -214,13 +216,18 @@ class _Finder:
             if kind is not None and _same_shape(uv, self.values[out]):
                 out, activation = user, kind
         spec = gemm.Int8GemmSpec(k=k, n=n, m=m_static, scale=scale_kind, bias=bias is not None,
-                                 rowcorr=wz[1] != 0, activation=activation)
+                                 rowcorr=wz[1] != 0, activation=activation, isa=self.isa)
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
-def int8_gemm():
-    """The `int8-gemm` pass (CPU targets with AVX-512 VNNI)."""
+def int8_gemm(isa: str = "vnni"):
+    """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
+    (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod)."""
     import tvm
+
+    from blockforge.compile.quant.isa import ISAS
+
+    shift_for = ISAS[isa].shift
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -245,10 +252,13 @@ def int8_gemm():
                 m = m * d
             a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([m, sp.k])))
             zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
-            if _dtype(act) == "int8":
-                # s8 -> u8 by +128: (a + 128) - (zp + 128) = a - zp; VPDPBUSD's A is unsigned.
-                a2 = bb.emit(relax.op.astype(relax.op.add(relax.op.astype(a2, "int32"), relax.const(128, "int32")), "uint8"))
-                zp = bb.emit(relax.op.add(zp, relax.const(128, "int32")))
+            shift = shift_for(_dtype(act))
+            if shift:
+                # (a + c) - (zp + c) = a - zp: s8 -> u8 for VPDPBUSD (c = 128), u8 -> s8 for SDOT
+                # (c = -128); the column-sum term then takes the shifted zero point.
+                dt = "uint8" if shift > 0 else "int8"
+                a2 = bb.emit(relax.op.astype(relax.op.add(relax.op.astype(a2, "int32"), relax.const(shift, "int32")), dt))
+                zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
             args = [a2, relax.const(gemm.pack_weights(mt.w)), relax.const(gemm.column_sums(mt.w)), zp]
             if sp.rowcorr:
                 # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
@@ -287,7 +297,7 @@ def int8_gemm():
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            f = _Finder(func)
+            f = _Finder(func, isa)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 continue

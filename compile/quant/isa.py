@@ -1,0 +1,52 @@
+"""The dot-product instructions the int8 GEMM (compile/quant/gemm) is tensorized with, as data.
+
+One kernel generator, one weight layout (N/16, K/4, 16, 4) for every instruction: what
+differs is the activations' signedness, how many int32 lanes one instruction accumulates,
+the register tile and the tensor intrinsic. The int8-gemm phase picks the row from the
+target's features (its mcpu/mattr, never the build machine).
+
+| isa  | instruction            | A x W        | lanes | tile (rows x 16-col panels) | accumulators     |
+|------|------------------------|--------------|-------|-----------------------------|------------------|
+| vnni | VPDPBUSD zmm (x86)     | u8 x s8      | 16    | 6 x 4                       | 24 of 32 zmm     |
+| sdot | SDOT v.4s (aarch64)    | s8 x s8      | 4     | 5 x 1 (4 SDOTs per panel)   | 20 of 32 q regs  |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from blockforge.compile.quant import intrin, sdot
+
+
+@dataclass(frozen=True)
+class Int8Isa:
+    name: str
+    act_dtype: str  # what the instruction takes as activations: "uint8" or "int8"
+    lanes: int  # int32 accumulators one instruction updates (16 columns = 16 // lanes instructions)
+    mr: int  # rows per micro-tile
+    nv: int  # 16-column panels per micro-tile row, at most
+    intrin: Callable[[], str]  # registers the tensor intrinsic (lanes x 4); its name
+    has: Callable[[object], bool]  # the TVM target has the instruction
+
+    def shift(self, dtype: str) -> int:
+        """What to add to activations of `dtype` (and their zero point) to make them the
+        instruction's: +128 for s8 on VPDPBUSD, -128 for u8 on SDOT, 0 when they already are."""
+        if dtype == self.act_dtype:
+            return 0
+        return 128 if self.act_dtype == "uint8" else -128
+
+
+ISAS: dict[str, Int8Isa] = {
+    "vnni": Int8Isa("vnni", "uint8", 16, 6, 4, intrin.vnni_16x4, intrin.has_vnni),
+    # 5 rows x 16 columns = 20 accumulators + 4 weight registers + the row broadcasts. LLVM 22's
+    # inner loop for K=256, N=128 (tests/test_sdot_gemm.py counts it): 6 x 1 spilled 3-4
+    # accumulators to the stack per k-step, 5 x 1 none (39 instructions, 20 SDOTs), 3 x 2 and
+    # 4 x 2 spilled 8-25.
+    "sdot": Int8Isa("sdot", "int8", 4, 5, 1, sdot.sdot_4x4, sdot.has_dotprod),
+}
+
+
+def for_target(target) -> Int8Isa | None:
+    """The int8 dot-product instruction of a TVM target, or None (the phase stays off)."""
+    return next((i for i in ISAS.values() if i.has(target)), None)
