@@ -48,8 +48,9 @@ def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES):
             super().__init__(mod)
             self.params = params
 
-        def visit_constant_(self, const):
-            return self.params.get(const, const)
+        def visit_generic_const_(self, const):
+            lifted = self.params.get(const.__chandle__())
+            return const if lifted is None else lifted[1]
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeLiftWeights")
     def lift(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -58,19 +59,22 @@ def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES):
         func = mod[ENTRY]
         if not isinstance(func, relax.Function):
             return mod
-        params: dict = {}  # Constant -> Var (one parameter however often a constant is used)
+        # the constant's node -> (constant, parameter): one parameter however often it is used. Keyed
+        # by the node's address: each visit may hand out a new Python wrapper of the same node.
+        params: dict = {}
 
         def visit(e):
-            if isinstance(e, tvm.ir.expr.GenericConst) and e not in params and _nbytes(e.value) >= min_bytes:
-                params[e] = relax.Var(f"w{len(params)}", e.ty)
+            if isinstance(e, tvm.ir.expr.GenericConst) and e.__chandle__() not in params \
+                    and _nbytes(e.value) >= min_bytes:
+                params[e.__chandle__()] = (e, relax.Var(f"w{len(params)}", e.ty))
 
         relax.analysis.post_order_visit(func.body, visit)
         if not params:
             return mod
         body = _Lift(mod, params).visit_expr(func.body)
-        new = relax.Function([*func.params, *params.values()], body, func.ret_ty, func.is_pure, func.attrs,
+        new = relax.Function([*func.params, *(v for _, v in params.values())], body, func.ret_ty, func.is_pure, func.attrs,
                              func.span)
-        out.extend(LiftedWeight(str(v.name), c.value) for c, v in params.items())
+        out.extend(LiftedWeight(str(v.name), c.value) for c, v in params.values())
         mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         mod[ENTRY] = new
         return mod
