@@ -43,7 +43,10 @@ def write_weights(path: Path, weights: list) -> dict:
     tensors, offset = [], 0
     with open(path, "wb") as f:
         for w in weights:
-            a = np.from_dlpack(w.data)  # a view of the constant: not a copy
+            try:
+                a = np.from_dlpack(w.data)  # a view of the constant: not a copy
+            except (RuntimeError, BufferError, TypeError):  # bfloat16: numpy takes no such DLPack dtype
+                a = w.data.numpy()  # one tensor's copy, dropped after writing it
             if not a.flags.c_contiguous:
                 raise BlockforgeError(f"weight {w.name}: not contiguous")
             f.write(b"\0" * (offset - f.tell()))

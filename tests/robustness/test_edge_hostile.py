@@ -113,6 +113,8 @@ def mutate_artifact(src: Path, dest: Path, mutation: dict, evil: Path) -> Path:
         del parent[key]
     for i in range(mutation.get("many_files", 0)):
         m["files"][f"f{i}.bin"] = "{zero}"
+    for name, size in mutation.get("truncate", {}).items():  # cut short or zero-extended, then re-hashed
+        os.truncate(dest / name, size)
     for listing in ("files", "package_files"):
         if not isinstance(m.get(listing), dict):
             continue
