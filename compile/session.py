@@ -112,7 +112,8 @@ class Session:
 
     def forget_imports(self) -> None:
         """Drop the imported Relax modules (their weights): a verb that builds once frees
-        them before exporting (the executable holds its own, prepacked, copy)."""
+        them before exporting (the build holds its own, prepacked, copy: the executable, or
+        BuildResult.weights when they were lifted)."""
         self._relax.clear()
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
