@@ -28,6 +28,7 @@ class BuildResult:
     phases: list[str] = field(default_factory=list)
     tasks: int = 0
     untuned_tasks: list[str] = field(default_factory=list)
+    weights: list = field(default_factory=list)  # lift_weights: passes.lift_weights.LiftedWeight, in order
 
 
 # What a build can leave out, to A/B one rewrite inside a whole model (benchmarks/ use these;
@@ -248,13 +249,15 @@ def has_conv(mod) -> bool:
 
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
            fuse_attention: bool | None = None, without=frozenset(), int8: bool = False,
-           precision: str = "fp32", conv: bool = False) -> list[Phase]:
+           precision: str = "fp32", conv: bool = False, lift: list | None = None) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
     False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
     int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
     so float models keep their phase list (manifests, dumps) as before. precision: resolved
     against the target by targets.precision (bf16: the bf16-gemm phase). conv: the module has
-    conv1d/conv2d ops (has_conv): only then the conv-gemm phase, for the same reason."""
+    conv1d/conv2d ops (has_conv): only then the conv-gemm phase, for the same reason. lift: a list
+    to collect the weights the lift-weights phase takes out of the executable (compile's
+    artifacts: weights.bin); None: no such phase."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -291,15 +294,26 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if target.is_gpu or (target.kind == "llvm" and default_schedules):
         int8_gemm = any(p.name in ("int8-gemm", "bf16-gemm") for p in out)  # their epilogues' chains
         out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
+    if lift is not None:  # after every pass that changes constants; before lower's shape checks
+        out.append(Phase("lift-weights", _lift_weights(lift)))
     out += [Phase("lower", _lower(target)), Phase("finalize", _finalize(target))]
     return out
+
+
+def _lift_weights(collect: list) -> Callable[[], list]:
+    def passes() -> list:
+        from blockforge.compile.passes.lift_weights import lift_weights_pass
+
+        return [lift_weights_pass(collect)]
+    return passes
 
 
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
                stop_after: str | None = None, report: BuildResult | None = None,
                default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset(),
-               precision: str = "fp32"):
-    """Run the phases in order (optionally stopping after one); returns (mod, phase names)."""
+               precision: str = "fp32", lift_weights: bool = False):
+    """Run the phases in order (optionally stopping after one); returns (mod, phase names).
+    lift_weights: the lift-weights phase runs, collecting into report.weights."""
     import tvm
 
     from blockforge.compile.passes.zero_division import check_integer_division
@@ -311,7 +325,9 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         atomic_write_text(dump_ir / "00-import.py", mod.script(show_meta=False))
     with tgt, tvm.transform.PassContext(opt_level=3):
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
-                                         has_int8_matmul(mod), precision, has_conv(mod)), start=1):
+                                         has_int8_matmul(mod), precision, has_conv(mod),
+                                         lift=(report.weights if report is not None else []) if lift_weights
+                                         else None), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -362,19 +378,20 @@ def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[st
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
           default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset(),
-          precision: str = "fp32") -> BuildResult:
+          precision: str = "fp32", lift_weights: bool = False) -> BuildResult:
     """Relax IRModule -> VM executable for `target` (whether it can build here is the
     caller's check: compile.session.open_model).
 
     default_schedules=False keeps TVM's own CPU lowering (naive loops): the baseline
     blockforge's schedules and tuning are measured against; `without` leaves out named
-    rewrites (ABLATIONS) to A/B each inside a whole model."""
+    rewrites (ABLATIONS) to A/B each inside a whole model. lift_weights: the large constants
+    become trailing parameters of main (result.weights), for an artifact's weights.bin."""
     import tvm
 
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
                                     default_schedules=default_schedules, fuse_attention=fuse_attention,
-                                    without=without, precision=precision)
+                                    without=without, precision=precision, lift_weights=lift_weights)
     try:
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
     except Exception as e:

@@ -112,17 +112,19 @@ class Session:
 
     def forget_imports(self) -> None:
         """Drop the imported Relax modules (their weights): a verb that builds once frees
-        them before exporting (the executable holds its own, prepacked, copy)."""
+        them before exporting (the build holds its own, prepacked, copy: the executable, or
+        BuildResult.weights when they were lifted)."""
         self._relax.clear()
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
-              without=frozenset()) -> BuildResult:
+              without=frozenset(), lift_weights: bool = False) -> BuildResult:
         if dump_ir:  # the ONNX-level phase: what TVM imported, and what prepare did
             atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared_with_weights().SerializeToString())
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
             res = build(self.relax(int8="int8-gemm" not in without), self.target, database=database, dump_ir=dump_ir,
-                        default_schedules=default_schedules, without=without, precision=self.precision.name)
+                        default_schedules=default_schedules, without=without, precision=self.precision.name,
+                        lift_weights=lift_weights)
         res.phases.insert(0, "prepare")
         return res
 

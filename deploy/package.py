@@ -1,7 +1,8 @@
 """Package an artifact for a device without Python: the edge app, the TVM runtime.
 
     PACKAGE/
-      module.so, manifest.json   the artifact, verified and copied as is
+      module.so, weights.bin,    the artifact, verified and copied as is
+      manifest.json
       lib/                       libtvm_runtime.so, libtvm_ffi.so for the artifact's arch
       bin/edge_app               the C++ runner (deploy/edge_app), when app=True
       run.sh                     how to run it, when app=True

@@ -32,11 +32,12 @@ def test_manifest_contents(built):
     assert m["target"]["name"] == "host" and m["target"]["json"]["kind"] == "llvm"
     assert set(m["versions"]) == {"blockforge", "tvm", "onnx"}
     assert m["inputs"][0] == {"name": "query", "shape": [1, "seq", 64], "dtype": "float32"}
-    assert m["phases"] == ["prepare", "fuse-attention", "optimize", "prepack", "legalize", "schedule", "lower",
-                           "finalize"]
+    assert m["phases"] == ["prepare", "fuse-attention", "optimize", "prepack", "legalize", "schedule", "lift-weights",
+                           "lower", "finalize"]
     dumped = sorted(p.name for p in (d / "ir").iterdir())
     assert dumped == ["00-import.py", "00-prepare.json", "00-prepare.onnx", "01-fuse-attention.py", "02-optimize.py",
-                      "03-prepack.py", "04-legalize.py", "05-schedule.py", "06-lower.py", "07-finalize.py"]
+                      "03-prepack.py", "04-legalize.py", "05-schedule.py", "06-lift-weights.py", "07-lower.py",
+                      "08-finalize.py"]
     # prepare's model is the one TVM imported: batch bound, seq left symbolic.
     import onnx
 

@@ -93,6 +93,28 @@ def test_block_loop_matches_the_oracle(block_artifact, tmp_path):
         np.testing.assert_allclose(got[n], r[n], rtol=1e-4, atol=1e-5, err_msg=n)
 
 
+def test_steps_get_the_loaded_weights_uncopied(block_artifact):
+    """Every call of main gets the artifact's weights (weights.bin) after the inputs, as the
+    very tensors loaded once: a decode step copies none of them."""
+    import dataclasses
+
+    from blockforge.compile import load_artifact
+    from blockforge.compile.decode.loop import DecodeOptions, decode
+
+    mod = load_artifact(block_artifact)
+    n_in, weights = len(mod.manifest["inputs"]), mod.params
+    assert len(weights) == len(mod.manifest["weights"]["tensors"]) >= 4
+    seen, real = [], mod.vm["main"]
+
+    def main(*args):
+        seen.append(args[n_in:])
+        return real(*args)
+
+    fake = dataclasses.replace(mod, vm={"main": main})
+    decode(fake, {"x": np.ones((1, 1, D), np.float32)}, DecodeOptions(3))
+    assert len(seen) == 3 and all(len(s) == len(weights) and all(a is b for a, b in zip(s, weights)) for s in seen)
+
+
 def test_language_model_greedy_matches_ort(workdir):
     """Tokens, attention_mask and position_ids fed as a generator does; the tokens are ORT's
     greedy tokens on the same file."""

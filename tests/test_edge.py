@@ -144,7 +144,7 @@ def test_package_layout_and_run_sh(built, tmp_path):
     default = package_artifact(PackageOptions(artifact, app=True))
     assert default.path == artifact.with_name(artifact.name + ".pkg")
     bare = package_artifact(PackageOptions(artifact, output=tmp_path / "bare", app=False))
-    assert set(bare.files) == {"module.so", "manifest.json", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so"}
+    assert set(bare.files) == {"module.so", "weights.bin", "manifest.json", "lib/libtvm_runtime.so", "lib/libtvm_ffi.so"}
     assert [p.name for p in runtime_libs(default.arch)] == ["libtvm_runtime.so", "libtvm_ffi.so"]
     # run.sh runs from anywhere
     arrays = make_inputs(artifact, tmp_path)

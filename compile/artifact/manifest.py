@@ -17,6 +17,14 @@ with the same rules and limits, by the C++ edge app (deploy/edge_app/manifest.h,
   present and list every entry of both, and each listed file must be a regular file whose
   sha256 matches and whose ELF machine is the module's (verify_package).
 
+- `weights` (optional; compile writes it): the lifted weights (compile/passes/lift_weights.py),
+  {file, bytes, tensors}: `file` one of the hashed `files` (not `module`), `bytes` its size,
+  `tensors` in parameter order (they follow the inputs), each {name, dtype, shape, offset,
+  nbytes}: dtype one of WEIGHT_DTYPES, static dims, nbytes = the shape's elements (multiplied
+  left to right, at most 4 GiB) x the dtype's size, offset a multiple of 64, each tensor after
+  the one before it (no overlap) and inside `bytes`. The loaders then check that the file has
+  exactly `bytes` (compile/artifact/weights.py; the edge app's main.cc).
+
 tests/robustness/manifest_cases.json holds one table of hostile manifests that both
 loaders must refuse with the same words; a fuzz test compares the two readers' verdicts
 on mutated manifests.
@@ -51,6 +59,11 @@ MAX_STATIC_DIM = 2**31 - 1
 MAX_NAME_BYTES = 256
 MAX_PACKAGE_FILES = 16  # a package ships 3: bin/edge_app, lib/libtvm_runtime.so, lib/libtvm_ffi.so
 PACKAGE_DIRS = ("bin", "lib")
+MAX_WEIGHTS = 4096  # BERT-base lifts ~200 tensors; each is a manifest entry of ~120 bytes
+WEIGHTS_ALIGN = 64  # bytes; TVM's own allocation alignment (a mapped tensor may be used in place)
+# The dtypes weights.bin may hold -> bytes per element (the edge app's manifest.h has the same table).
+WEIGHT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
+                 "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1}
 
 # A file name inside the artifact: no separators, no "." / "..", no leading dot; what
 # compile writes (module.so, kernels.cu, device.fatbin) fits.
@@ -248,6 +261,59 @@ def check_manifest(m) -> None:
     if "package_files" in m:
         _digest_listing(m["package_files"], "package_files", MAX_PACKAGE_FILES, PACKAGE_NAME,
                         "bin/NAME or lib/NAME", "bin/ or lib/ file name")
+    if "weights" in m:
+        _weights(m)
+
+
+def _is_count(v, limit: int) -> bool:
+    return type(v) is int and 0 <= v <= limit
+
+
+def _weights(m: dict) -> None:
+    """The 'weights' table, in the C++ reader's order (manifest.h, Weights)."""
+    w = m["weights"]
+    if not (isinstance(w, dict) and isinstance(w.get("file"), str) and type(w.get("bytes")) is int
+            and isinstance(w.get("tensors"), list)):
+        raise _Refused("'weights' must be an object with 'file' (a string), 'bytes' (an integer) and 'tensors' "
+                       "(a list)")
+    name, total, tensors = w["file"], w["bytes"], w["tensors"]
+    if not PLAIN_NAME.fullmatch(name):
+        raise _Refused(f"'weights' file '{_printable(name)}' is not a plain file name {_OUTSIDE}")
+    if name not in m["files"] or name == m["module"]:
+        raise _Refused(f"'weights' file {name} is not one of the hashed 'files' (besides 'module')")
+    if not _is_count(total, MAX_FILE_BYTES):
+        raise _Refused(f"'weights' bytes must be an integer in [0, {MAX_FILE_BYTES}]")
+    if len(tensors) > MAX_WEIGHTS:
+        raise _Refused(f"'weights' lists more than {MAX_WEIGHTS} tensors")
+    seen, end = set(), 0
+    for k, t in enumerate(tensors):
+        entry = f"'weights' entry {k}"
+        if not isinstance(t, dict):
+            raise _Refused(f"{entry} is not an object")
+        tname, dtype, shape, offset, nbytes = (t.get(x) for x in ("name", "dtype", "shape", "offset", "nbytes"))
+        if not _is_label(tname):
+            raise _Refused(f"{entry}: 'name' must be a one-line string of 1 to {MAX_NAME_BYTES} bytes")
+        if tname in seen:
+            raise _Refused(f"{entry}: name '{_printable(tname)}' appears twice")
+        seen.add(tname)
+        if not (isinstance(dtype, str) and dtype in WEIGHT_DTYPES):
+            raise _Refused(f"{entry}: 'dtype' must be one of {', '.join(WEIGHT_DTYPES)}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_count(d, MAX_STATIC_DIM) for d in shape)):
+            raise _Refused(f"{entry}: 'shape' must be a list of at most {MAX_RANK} integers in [0, {MAX_STATIC_DIM}]")
+        size = WEIGHT_DTYPES[dtype]
+        for d in shape:  # left to right, bounded at each step (the C++ reader multiplies in uint64)
+            size *= d
+            if size > MAX_FILE_BYTES:
+                raise _Refused(f"{entry}: its shape holds more than {_byte_size(MAX_FILE_BYTES)}")
+        if not (_is_count(offset, MAX_FILE_BYTES) and offset % WEIGHTS_ALIGN == 0):
+            raise _Refused(f"{entry}: 'offset' must be a multiple of {WEIGHTS_ALIGN} in [0, {MAX_FILE_BYTES}]")
+        if nbytes != size or type(nbytes) is not int:
+            raise _Refused(f"{entry}: 'nbytes' must be {size} (its shape's elements times its dtype's size)")
+        if offset < end:
+            raise _Refused(f"{entry}: 'offset' {offset} overlaps the tensor before it (which ends at {end})")
+        if offset + nbytes > total:
+            raise _Refused(f"{entry}: reaches past the end of the weights file ({offset} + {nbytes} > {total} bytes)")
+        end = offset + nbytes
 
 
 def check_signature(inputs: list[dict], outputs: list[dict], label: str) -> None:

@@ -3,7 +3,7 @@ the sha256 of every file are checked first, and the target must run here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +14,7 @@ from blockforge.targets import resolve
 from blockforge.targets.toolchain import cuda_load_env, host_arch
 
 from blockforge.compile.artifact.manifest import elf_arch, read_manifest, verify_files, verify_package
+from blockforge.compile.artifact.weights import load_weights
 
 
 def _sigs(items: list[dict]) -> list[TensorSig]:
@@ -26,6 +27,12 @@ class LoadedModule:
     manifest: dict
     vm: object
     device: object
+    weights: list = field(default_factory=list)  # tvm tensors on `device`: main's parameters after the inputs
+
+    @property
+    def params(self) -> list:
+        """What follows the inputs in every call of main (the same tensors each call: not copied)."""
+        return self.weights
 
     @property
     def inputs(self) -> list[TensorSig]:
@@ -33,17 +40,19 @@ class LoadedModule:
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_inputs(self.inputs, inputs, "inputs")
-        return run_vm(self.vm, self.device, self.inputs, _sigs(self.manifest["outputs"]), inputs)
+        return run_vm(self.vm, self.device, self.inputs, _sigs(self.manifest["outputs"]), inputs, self.weights)
 
 
-def run_vm(vm, device, in_sigs: list[TensorSig], out_sigs: list[TensorSig], inputs: dict) -> dict[str, np.ndarray]:
-    """Call the VM's main on `inputs`; outputs are checked against the declared signature
-    (count, dtype, rank, static and symbolic dims): a mismatch is an error, not a result."""
+def run_vm(vm, device, in_sigs: list[TensorSig], out_sigs: list[TensorSig], inputs: dict,
+           params: list = ()) -> dict[str, np.ndarray]:
+    """Call the VM's main on `inputs` (then `params`: an artifact's weights); outputs are
+    checked against the declared signature (count, dtype, rank, static and symbolic dims): a
+    mismatch is an error, not a result."""
     import tvm
 
     args = [tvm.runtime.tensor(_contiguous(inputs[s.name]), device) for s in in_sigs]
     try:
-        out = vm["main"](*args)
+        out = vm["main"](*args, *params)
     except Exception as e:
         raise BlockforgeError(f"compiled module failed to run: {error_line(e, last=True)}") from None
     if len(out_sigs) == 1:
@@ -151,6 +160,7 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     manifest = read_manifest(artifact)
     verify_files(artifact, manifest)
     verify_package(artifact, manifest, elf_arch(artifact / manifest["module"]) or host_arch())
+    weights = load_weights(artifact, manifest)  # checked against the table before any native code
     t = manifest["target"]
     target = resolve(t["json"]) if t["name"] == "custom" else resolve(t["name"])
     problem = target.run_problem()
@@ -172,4 +182,6 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     except Exception as e:
         raise BlockforgeError(f"{artifact}: cannot load {module}: {error_line(e, last=True)}") from None
     dev = tvm_device(target.device)
-    return LoadedModule(artifact, manifest, relax.VirtualMachine(lib, dev), dev)
+    vm = relax.VirtualMachine(lib, dev)
+    # One copy into TVM's memory (aligned, on the device); the mapping goes with the arrays.
+    return LoadedModule(artifact, manifest, vm, dev, [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in weights])

@@ -1,7 +1,8 @@
 """Compile an ONNX model into a deployable artifact directory.
 
     ARTIFACT/
-      module.so        the VM executable (weights embedded as constants)
+      module.so        the VM executable (code and small constants)
+      weights.bin      the weights, lifted out of the executable (compile/artifact/weights.py)
       kernels.<ext>    device source, for GPU / build-only targets
       device.fatbin    CUDA only: the kernels compiled by nvcc for the target arch
       manifest.json    hashes, target, versions, signature, tuning database hash
@@ -28,6 +29,7 @@ from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import nvcc
 
 from blockforge.compile.artifact import manifest as manifest_io
+from blockforge.compile.artifact import weights as weights_io
 from blockforge.compile.decode import pairing as decode_pairing
 from blockforge.compile.records.reader import open_for_apply
 from blockforge.compile.session import open_model
@@ -172,11 +174,17 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     target, ins, outs = session.target, session.inputs, session.outputs
     manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
-    res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None)
-    session.forget_imports()  # the executable holds the weights now; the Relax module's copy goes
-    release_freed_memory()
+    res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None,
+                        lift_weights=True)
+    session.forget_imports()  # res.weights holds what the executable needs; the rest of the Relax module goes
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
+        # The weights first, tensor by tensor from their buffers, then dropped: the executable
+        # serialized into module.so is then code and small constants (issue #18).
+        weights = weights_io.write_weights(tmp / weights_io.FILE, res.weights)
+        res.weights.clear()
+        release_freed_memory()
+        files[weights_io.FILE] = sha256_file(tmp / weights_io.FILE)
         with native_output_to_log():
             export_module(res.executable, target, tmp / "module.so")
         files["module.so"] = sha256_file(tmp / "module.so")
@@ -198,7 +206,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "dims": session.dims,  # resolved: symbolic dim name -> value
             "inputs": [s.to_dict() for s in ins],
             "outputs": [s.to_dict() for s in outs],
-            "params_embedded": True,
+            "params_embedded": False,  # they are in 'weights' (the parameters after the inputs)
+            "weights": weights,
             "tuning": None if db_info is None else {
                 **db_info, "tasks": res.tasks, "applied": res.tasks - len(res.untuned_tasks),
                 "missing": [t for t in res.untuned_tasks

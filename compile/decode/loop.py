@@ -149,7 +149,7 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
         seq = int(np.shape(host[feed.input_ids])[1]) if feed else None
         t0 = time.perf_counter()
         try:
-            out = main(*(args[s.name] for s in in_sigs))
+            out = main(*(args[s.name] for s in in_sigs), *mod.params)
             if not on_cpu:  # the call may return before the kernels end
                 dev.sync()
         except Exception as e:

@@ -120,7 +120,8 @@ std::string NpyBytes(const std::string& descr, const std::string& shape, size_t 
 const char* kManifestSeed = R"({
   "dims": {"batch": 1, "seq": 16},
   "files": {"module.so": "de95b925d06d7069a4f5b587d098d2979c2260e21d249b7ac8dd6520f164d530",
-            "kernels.c": "0000000000000000000000000000000000000000000000000000000000000000"},
+            "kernels.c": "0000000000000000000000000000000000000000000000000000000000000000",
+            "weights.bin": "1111111111111111111111111111111111111111111111111111111111111111"},
   "format": "blockforge.artifact/1",
   "inputs": [{"dtype": "float32", "name": "query", "shape": ["batch", "seq", 64]},
              {"dtype": "bool", "name": "key_padding_mask", "shape": ["batch", null]}],
@@ -131,6 +132,9 @@ const char* kManifestSeed = R"({
   "target": {"arch": "x86_64", "device": "cpu", "json": {"kind": "llvm", "mcpu": "znver4", "num-cores": 2},
              "key": "llvm-znver4-2c", "name": "host"},
   "tuning": null,
+  "weights": {"bytes": 4160, "file": "weights.bin", "tensors": [
+    {"dtype": "float32", "name": "w0", "nbytes": 4096, "offset": 0, "shape": [16, 64]},
+    {"dtype": "bool", "name": "w1", "nbytes": 3, "offset": 4096, "shape": [3]}]},
   "versions": {"tvm": "0.27.0", "x": [1.5, -2e-3, "\u00e9\ud83d\ude00"]}
 })";
 

@@ -42,6 +42,25 @@ std::string CheckManifest(const edge::Manifest& m) {
       }
     }
   }
+  // weights.bin's table: what ReadWeights relies on (aligned, in order, inside the file).
+  if (m.has_weights && (!m.files.count(m.weights_file) || m.weights_file == m.module)) return "weights file not hashed";
+  if (m.weights.size() > edge::kMaxWeights || m.weights_bytes > edge::kMaxArtifactFileBytes) return "weights too big";
+  uint64_t end = 0;
+  for (const edge::WeightTensor& w : m.weights) {
+    if (w.offset % edge::kWeightsAlign || w.offset < end || w.nbytes > m.weights_bytes ||
+        w.offset > m.weights_bytes - w.nbytes) {
+      return "weight outside its file or overlapping";
+    }
+    if (w.shape.size() > edge::kMaxRank) return "weight rank";
+    uint64_t n = 1;  // every prefix of the product is bounded (ParseManifest multiplies left to right)
+    for (int64_t d : w.shape) {
+      if (d < 0 || d > edge::kMaxStaticDim) return "weight dim out of range";
+      n *= static_cast<uint64_t>(d);
+      if (n > edge::kMaxArtifactFileBytes) return "weight size unbounded";
+    }
+    if (n > w.nbytes) return "weight nbytes below its elements";
+    end = w.offset + w.nbytes;
+  }
   return "";
 }
 

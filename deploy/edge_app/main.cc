@@ -11,7 +11,8 @@
 // next input_ids (attention_mask and position_ids grow). One line per call, with its latency.
 //
 // Before module.so is loaded (loading runs its native code) the app checks that it
-// matches its sha256 in manifest.json and that it is an ELF for this CPU; inputs are
+// matches its sha256 in manifest.json and that it is an ELF for this CPU, and that
+// weights.bin (hashed too) has the size its table in the manifest says; inputs are
 // checked against the manifest's signature. Exit codes: 0 ok, 2 refused (usage, bad
 // artifact or inputs), 1 the runtime failed.
 //
@@ -357,6 +358,25 @@ void VerifyPackage(const std::string& dir, const edge::Manifest& m) {
   }
 }
 
+// weights.bin (compile/artifact/weights.py): its table was checked with the manifest (offsets
+// aligned, in order, inside 'bytes'); the file must have exactly 'bytes' (it was hashed by
+// VerifyFiles). Opened here, before module.so is loaded; read by ReadWeights.
+edge::InFile OpenWeights(const std::string& dir, const edge::Manifest& m) {
+  if (!m.has_weights) return edge::InFile();
+  edge::InFile f;
+  try {
+    f = edge::OpenRegular(dir + "/" + m.weights_file, m.weights_file, /*follow_links=*/false,
+                          edge::kMaxArtifactFileBytes);
+  } catch (const edge::FileError& e) {
+    Refuse(dir + ": " + e.what());
+  }
+  if (f.size() != m.weights_bytes) {
+    Refuse(dir + ": " + m.weights_file + " is " + std::to_string(f.size()) + " bytes, manifest.json's 'weights' says " +
+           std::to_string(m.weights_bytes) + " (truncated or replaced)");
+  }
+  return f;
+}
+
 bool SameFile(const std::string& a, const std::string& b) {
   struct stat sa, sb;
   return stat(a.c_str(), &sa) == 0 && stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
@@ -407,6 +427,22 @@ struct AlignedCPUAlloc {
 // most kMaxInputBytes (the header parser has already checked that the data is exactly
 // as long as the shape says, with overflow-checked arithmetic).
 // may_be_empty: (input, axis) that may be 0: a decode loop's empty cache (P = 0).
+// The weights as main's trailing arguments: read once into aligned tensors, passed by
+// reference to every call (a decode step copies nothing of them).
+std::vector<ffi::Tensor> ReadWeights(const edge::InFile& f, const edge::Manifest& m, DLDevice cpu) {
+  std::vector<ffi::Tensor> out;
+  for (const edge::WeightTensor& w : m.weights) {
+    ffi::Tensor t = ffi::Tensor::FromNDAlloc(AlignedCPUAlloc(), ffi::Shape(w.shape), ffi::StringToDLDataType(w.dtype),
+                                             cpu);
+    if (ffi::GetDataSize(*t.GetDLTensorPtr()) != w.nbytes) Fail("weight " + w.name + ": size mismatch for " + w.dtype);
+    if (w.nbytes && !f.ReadAt(w.offset, t.data_ptr(), static_cast<size_t>(w.nbytes))) {
+      Refuse(m.weights_file + " changed while being read");
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 std::vector<edge::NpyArray> LoadInputs(const Options& o, const std::vector<edge::TensorSig>& sigs,
                                        const std::set<std::pair<std::string, size_t>>& may_be_empty = {}) {
   using edge::TensorSig;
@@ -662,6 +698,7 @@ int Run(int argc, char** argv) {
   const std::string module_path = o.artifact + "/" + module;
   VerifyFiles(o.artifact, manifest);
   VerifyPackage(o.artifact, manifest);
+  const edge::InFile weights = OpenWeights(o.artifact, manifest);
   CheckLoadedRuntime(o.artifact, manifest);
   CheckElf(module_path, module);
   CheckTarget(manifest);
@@ -709,6 +746,7 @@ int Run(int argc, char** argv) {
       if (!a.data.empty()) std::memcpy(t.data_ptr(), a.data.data(), a.data.size());
       args.push_back(std::move(t));
     }
+    for (ffi::Tensor& w : ReadWeights(weights, manifest, cpu)) args.push_back(std::move(w));
   } catch (const ffi::Error& e) {
     Fail("cannot load " + module + ": " + e.kind() + ": " + LastLine(e.message()));
   }

@@ -25,6 +25,19 @@ constexpr size_t kMaxRank = 32;
 constexpr int64_t kMaxStaticDim = 2147483647;
 constexpr size_t kMaxNameBytes = 256;
 constexpr size_t kMaxPackageFiles = 16;  // a package ships 3 (bin/edge_app, lib/libtvm_*.so)
+constexpr size_t kMaxWeights = 4096;
+constexpr uint64_t kWeightsAlign = 64;
+
+// The dtypes weights.bin may hold and their bytes per element (manifest.py, WEIGHT_DTYPES:
+// the same table, in the same order: it is quoted in a message).
+struct WeightDtype {
+  const char* name;
+  uint64_t size;
+};
+constexpr WeightDtype kWeightDtypes[] = {{"float32", 4}, {"float16", 2}, {"bfloat16", 2}, {"float64", 8},
+                                         {"int8", 1},    {"uint8", 1},   {"int16", 2},    {"uint16", 2},
+                                         {"int32", 4},   {"uint32", 4},  {"int64", 8},    {"uint64", 8},
+                                         {"bool", 1}};
 
 struct ManifestError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -41,6 +54,13 @@ struct TensorSig {
   std::vector<int64_t> fixed;     // the size, or kSymbol / kAnonymous
 };
 
+// One lifted weight: main's parameter after the inputs, stored at `offset` in weights.bin.
+struct WeightTensor {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0, nbytes = 0;
+};
+
 struct Manifest {
   std::string module;
   std::map<std::string, std::string> files;  // plain name -> sha256 (64 lowercase hex)
@@ -54,6 +74,11 @@ struct Manifest {
   // 'decode', as written: checked only by a decode loop (decode.h), as in the Python loader.
   bool has_decode = false;
   json::Value decode;
+  // 'weights' (compile/artifact/weights.py): the file, its size, the tensors in parameter order.
+  bool has_weights = false;
+  std::string weights_file;
+  uint64_t weights_bytes = 0;
+  std::vector<WeightTensor> weights;
 };
 
 // A file name inside the artifact: no separators, no "." or "..", no leading dot,
@@ -170,6 +195,92 @@ inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
   return sigs;
 }
 
+// An integer in [0, limit] (checked while still a double).
+inline bool IsCount(const json::Value* v, double limit) {
+  return v && v->is_int() && v->number >= 0 && v->number <= limit;
+}
+
+// The 'weights' table, in the Python reader's order (manifest.py, _weights).
+inline void Weights(const json::Value& w, Manifest& m) {
+  const json::Value* file = w.get("file");
+  const json::Value* bytes = w.get("bytes");
+  const json::Value* tensors = w.get("tensors");
+  if (!w.is_object() || !file || !file->is_string() || !bytes || !bytes->is_int() || !tensors || !tensors->is_array()) {
+    Bad("'weights' must be an object with 'file' (a string), 'bytes' (an integer) and 'tensors' (a list)");
+  }
+  if (!IsPlainName(file->str)) {
+    Bad("'weights' file '" + json::Printable(file->str) + "' is not a plain file name " + kOutside);
+  }
+  if (!m.files.count(file->str) || file->str == m.module) {
+    Bad("'weights' file " + file->str + " is not one of the hashed 'files' (besides 'module')");
+  }
+  if (!IsCount(bytes, static_cast<double>(kMaxArtifactFileBytes))) {
+    Bad("'weights' bytes must be an integer in [0, " + std::to_string(kMaxArtifactFileBytes) + "]");
+  }
+  if (tensors->array.size() > kMaxWeights) Bad("'weights' lists more than " + std::to_string(kMaxWeights) + " tensors");
+  m.has_weights = true;
+  m.weights_file = file->str;
+  m.weights_bytes = static_cast<uint64_t>(bytes->number);
+  std::set<std::string> seen;
+  uint64_t end = 0;
+  for (size_t k = 0; k < tensors->array.size(); ++k) {
+    const json::Value& t = tensors->array[k];
+    const std::string entry = "'weights' entry " + std::to_string(k);
+    if (!t.is_object()) Bad(entry + " is not an object");
+    const json::Value* name = t.get("name");
+    const json::Value* dtype = t.get("dtype");
+    const json::Value* shape = t.get("shape");
+    const json::Value* offset = t.get("offset");
+    const json::Value* nbytes = t.get("nbytes");
+    if (!name || !name->is_string() || !IsLabel(name->str)) {
+      Bad(entry + ": 'name' must be a one-line string of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
+    }
+    if (!seen.insert(name->str).second) Bad(entry + ": name '" + json::Printable(name->str) + "' appears twice");
+    uint64_t size = 0;
+    std::string names;
+    for (const WeightDtype& d : kWeightDtypes) {
+      if (dtype && dtype->is_string() && dtype->str == d.name) size = d.size;
+      names += std::string(names.empty() ? "" : ", ") + d.name;
+    }
+    if (!size) Bad(entry + ": 'dtype' must be one of " + names);
+    bool shape_ok = shape && shape->is_array() && shape->array.size() <= kMaxRank;
+    for (size_t i = 0; shape_ok && i < shape->array.size(); ++i) {
+      shape_ok = IsCount(&shape->array[i], static_cast<double>(kMaxStaticDim));
+    }
+    if (!shape_ok) {
+      Bad(entry + ": 'shape' must be a list of at most " + std::to_string(kMaxRank) + " integers in [0, " +
+          std::to_string(kMaxStaticDim) + "]");
+    }
+    WeightTensor wt{name->str, dtype->str, {}, 0, 0};
+    for (const json::Value& d : shape->array) {
+      const uint64_t dim = static_cast<uint64_t>(d.number);  // <= 2^31 - 1; size <= 4 GiB: no overflow
+      wt.shape.push_back(static_cast<int64_t>(dim));
+      size *= dim;
+      if (size > kMaxArtifactFileBytes) Bad(entry + ": its shape holds more than " + std::to_string(kMaxArtifactFileBytes >> 30) + " GiB");
+    }
+    if (!IsCount(offset, static_cast<double>(kMaxArtifactFileBytes)) ||
+        static_cast<uint64_t>(offset->number) % kWeightsAlign != 0) {
+      Bad(entry + ": 'offset' must be a multiple of " + std::to_string(kWeightsAlign) + " in [0, " +
+          std::to_string(kMaxArtifactFileBytes) + "]");
+    }
+    wt.offset = static_cast<uint64_t>(offset->number);
+    if (!nbytes || !nbytes->is_int() || nbytes->number != static_cast<double>(size)) {
+      Bad(entry + ": 'nbytes' must be " + std::to_string(size) + " (its shape's elements times its dtype's size)");
+    }
+    wt.nbytes = size;
+    if (wt.offset < end) {
+      Bad(entry + ": 'offset' " + std::to_string(wt.offset) + " overlaps the tensor before it (which ends at " +
+          std::to_string(end) + ")");
+    }
+    if (wt.offset + wt.nbytes > m.weights_bytes) {
+      Bad(entry + ": reaches past the end of the weights file (" + std::to_string(wt.offset) + " + " +
+          std::to_string(wt.nbytes) + " > " + std::to_string(m.weights_bytes) + " bytes)");
+    }
+    end = wt.offset + wt.nbytes;
+    m.weights.push_back(std::move(wt));
+  }
+}
+
 }  // namespace manifest_detail
 
 // Parses and type-checks manifest.json's bytes (already size-bounded by the caller).
@@ -225,6 +336,7 @@ inline Manifest ParseManifest(const std::string& text) {
                                                "bin/NAME or lib/NAME", "bin/ or lib/ file name");
     m.has_package_files = true;
   }
+  if (const json::Value* w = root.get("weights")) manifest_detail::Weights(*w, m);
   if (const json::Value* d = root.get("decode")) {
     m.has_decode = true;
     m.decode = *d;

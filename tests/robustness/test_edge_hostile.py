@@ -113,6 +113,8 @@ def mutate_artifact(src: Path, dest: Path, mutation: dict, evil: Path) -> Path:
         del parent[key]
     for i in range(mutation.get("many_files", 0)):
         m["files"][f"f{i}.bin"] = "{zero}"
+    for name, size in mutation.get("truncate", {}).items():  # cut short or zero-extended, then re-hashed
+        os.truncate(dest / name, size)
     for listing in ("files", "package_files"):
         if not isinstance(m.get(listing), dict):
             continue
@@ -220,6 +222,28 @@ def test_hostile_manifest_refused(base, tmp_path, inputs, monkeypatch, case, loa
         assert_app_refused(res, case["refusal"])
         assert not (tmp_path / "out.npy").exists()
     assert not base["marker"].exists(), "a planted library was loaded (its constructor ran)"
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_weights_shape_lie_fails_at_the_call(base, tmp_path, inputs, loader):
+    """A weights table that passes every check of both readers but gives w0 another shape of
+    the same size ((2, 64, 64) -> (4, 32, 64)): the module's own checks of its lifted
+    parameters (VMShapeLower, as for the inputs) fail the call with one line, no wild read."""
+    art = mutate_artifact(base["artifact"], tmp_path / "d" / "art",
+                          {"set": [[["weights", "tensors", 0, "shape"], [4, 32, 64]]]}, base["evil"])
+    if loader == "python":
+        from blockforge.compile import load_artifact
+        from blockforge.errors import BlockforgeError
+
+        with pytest.raises(BlockforgeError) as err:
+            load_artifact(art).run({"x": X})
+        assert "\n" not in str(err.value) and "compiled module failed to run" in str(err.value), err.value
+    else:
+        res = run_app(app("asan" if loader.endswith("asan") else "plain"), art, inputs, tmp_path / "out.npy")
+        assert_no_sanitizer_report(res)
+        assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("edge_app: error: main failed"), res.stderr
+        assert not (tmp_path / "out.npy").exists()
 
 
 # --------------------------------------------------------------------------- .npy inputs

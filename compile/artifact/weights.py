@@ -1,0 +1,93 @@
+"""weights.bin: the weights lifted out of module.so (compile/passes/lift_weights.py), beside it.
+
+The file is the tensors' raw bytes (little-endian, C order), each at an offset that is a
+multiple of 64, zero bytes between; nothing else. Its table is manifest.json's `weights`
+(one hardened JSON reader in each loader, one hash chain: the manifest lists the file's
+sha256 in `files`):
+
+    "weights": {"file": "weights.bin", "bytes": 436207616,
+                "tensors": [{"name": "w0", "dtype": "float32", "shape": [30522, 768],
+                             "offset": 0, "nbytes": 93763584}, ...]}
+
+`tensors` is the parameter order: main(inputs..., w0, w1, ...). manifest.py checks the table
+(dtypes, static shapes, nbytes = shape x dtype size, aligned, ordered, no overlap, inside
+`bytes`); load_weights checks the file against it. The C++ edge app reads the same file with
+the same checks (deploy/edge_app/manifest.h, main.cc).
+
+Written tensor by tensor from the constants' own buffers (no copy of the whole set), so a
+compile holds its weights once while it writes them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from blockforge.errors import BlockforgeError
+
+from blockforge.compile.artifact.manifest import WEIGHTS_ALIGN, open_regular, MAX_FILE_BYTES
+
+FILE = "weights.bin"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // WEIGHTS_ALIGN) * WEIGHTS_ALIGN
+
+
+def write_weights(path: Path, weights: list) -> dict:
+    """weights: LiftedWeight (tvm.runtime.Tensor data) in parameter order -> the manifest's
+    `weights` entry, the file written at `path`."""
+    tensors, offset = [], 0
+    with open(path, "wb") as f:
+        for w in weights:
+            try:
+                a = np.from_dlpack(w.data)  # a view of the constant: not a copy
+            except (RuntimeError, BufferError, TypeError):  # bfloat16: numpy takes no such DLPack dtype
+                a = w.data.numpy()  # one tensor's copy, dropped after writing it
+            if not a.flags.c_contiguous:
+                raise BlockforgeError(f"weight {w.name}: not contiguous")
+            f.write(b"\0" * (offset - f.tell()))
+            f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+            dtype = str(w.data.dtype)
+            tensors.append({"name": w.name, "dtype": dtype, "shape": [int(d) for d in a.shape], "offset": offset,
+                            "nbytes": a.nbytes})
+            offset = _aligned(offset + a.nbytes)
+        total = f.tell()
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": path.name, "bytes": total, "tensors": tensors}
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name).newbyteorder("<")
+
+
+def load_weights(artifact: Path, manifest: dict) -> list[np.ndarray]:
+    """The weights of a checked manifest (read_manifest; verify_files hashed the file), in
+    parameter order: arrays over a private (copy-on-write) mapping of the checked descriptor.
+    [] for an artifact without weights (built before weights.bin existed)."""
+    w = manifest.get("weights")
+    if w is None:
+        return []
+    artifact = Path(artifact)
+    fd, size = open_regular(artifact / w["file"], w["file"], MAX_FILE_BYTES, where=str(artifact))
+    try:
+        if size != w["bytes"]:
+            raise BlockforgeError(f"{artifact}: {w['file']} is {size} bytes, manifest.json's 'weights' says "
+                                  f"{w['bytes']} (truncated or replaced)")
+        buf = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else b""
+    finally:
+        os.close(fd)
+    out = []
+    for t in w["tensors"]:  # offsets, sizes and order were checked against `bytes` (manifest.py)
+        dtype = _numpy_dtype(t["dtype"])
+        a = np.frombuffer(buf, dtype=dtype, count=t["nbytes"] // dtype.itemsize, offset=t["offset"])
+        out.append(a.reshape(t["shape"]))
+    return out
