@@ -182,3 +182,96 @@ def test_conv_gemm_schedule_full_panels_unguarded_crop_guarded():
     assert not isinstance(crop.predicate, tirx.IntImm) and "200" in str(crop.predicate)
     kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
     assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)
+
+
+# Chains: a 1-D conv's output stays in whole NR panels through its elementwise consumers
+# (rewrite._sink), the crop moves after them, and a next conv's im2col reads the panels.
+def _chain_model(x_shape, steps):
+    """steps: ("conv", (cout, k, attrs)) | (op, extra) with op an ONNX op taking the current
+    value (and, for binary ops, `extra`: "x" (the graph input) or a constant's shape)."""
+    rng = np.random.default_rng(0)
+    inits, nodes, cur, c = [], [], "x", x_shape[1]
+    for i, (op, arg) in enumerate(steps):
+        out = f"t{i}"
+        if op == "conv":
+            cout, k, attrs = arg
+            g = attrs.get("group", 1)
+            inits += [nh.from_array((rng.standard_normal((cout, c // g, k)) * 0.3).astype(np.float32), f"w{i}"),
+                      nh.from_array(rng.standard_normal(cout).astype(np.float32), f"b{i}")]
+            nodes.append(oh.make_node("Conv", [cur, f"w{i}", f"b{i}"], [out], **attrs))
+            c = cout
+        elif op == "InstanceNormalization":
+            inits += [nh.from_array(np.ones(c, np.float32), f"s{i}"), nh.from_array(np.zeros(c, np.float32), f"z{i}")]
+            nodes.append(oh.make_node(op, [cur, f"s{i}", f"z{i}"], [out]))
+        elif arg is None:
+            nodes.append(oh.make_node(op, [cur], [out]))
+        else:
+            other = arg if arg == "x" else f"c{i}"
+            if arg != "x":
+                inits.append(nh.from_array((rng.standard_normal(arg) + 2).astype(np.float32), other))
+            nodes.append(oh.make_node(op, [cur, other], [out]))
+        cur = out
+    g = oh.make_graph(nodes, "chain", [oh.make_tensor_value_info("x", 1, list(x_shape))],
+                      [oh.make_tensor_value_info(cur, 1, None)], inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    model.graph.output[0].CopyFrom(oh.make_tensor_value_info(cur, 1, list(want.shape)))
+    return model, feeds, want
+
+
+K3 = (16, 3, dict(pads=[1, 1]))
+CHAINS = {
+    # Whisper's front end at a length no panel divides (L = 70, then 35)
+    "gelu-conv-s2-gelu": ((1, 8, 70), [("conv", K3), ("Gelu", None), ("conv", (16, 3, dict(strides=[2], pads=[1, 1]))),
+                                        ("Gelu", None)]),
+    # bias-like constants (per channel), a scalar, a clip, then a strided dilated conv on odd lengths
+    "mul-add-relu-dilated-s3": ((1, 8, 67), [("conv", K3), ("Mul", (16, 1)), ("Add", (1,)), ("Relu", None),
+                                              ("conv", (12, 3, dict(strides=[3], dilations=[2], pads=[2, 1])))]),
+    # Wav2Vec2's layer 0: a norm (a reduction over L) is no elementwise consumer: cropped before it
+    "instance-norm-gelu-conv": ((1, 1, 203), [("conv", (16, 10, dict(strides=[5]))), ("InstanceNormalization", None),
+                                               ("Gelu", None), ("conv", (16, 3, dict(strides=[2])))]),
+    # a residual with the conv's input varies along L: no sinking past it
+    "residual-add": ((1, 16, 45), [("conv", K3), ("Sigmoid", None), ("Add", "x"), ("Tanh", None)]),
+    # the grouped positional conv (even kernel: L + 1 outputs) then GELU, at batch 2
+    "grouped-even-k-gelu": ((2, 32, 13), [("conv", (32, 8, dict(group=4, pads=[4, 4]))), ("Gelu", None)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_conv_chain_matches_ort(name):
+    model, feeds, want = _chain_model(*CHAINS[name])
+    assert _convs_left(model) == 0
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_chain_stays_in_whole_panels():
+    """Whisper's front end at L = 70 (two panels of 64): bias and GELU run on the 128-wide
+    panels, the second conv's gather reads them, and the crops are left for the end; in the
+    scheduled GEMM the epilogue folds into the unguarded write-back (no crop block left,
+    whose tail guard made GELU scalar). Without the ablation's step: the crop in the tile."""
+    model, _, _ = _chain_model(*CHAINS["gelu-conv-s2-gelu"])
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")
+    text = mod["main"].script()
+    assert "R.Tensor((1, 16, 128)" in text and "R.call_tir(gelu" not in text  # gelu still an op here
+    gelus = [ln for ln in text.splitlines() if "R.nn.gelu(" in ln]
+    assert len(gelus) == 2 and all("(1, 16, 128)" in ln or "(1, 16, 64)" in ln for ln in gelus), gelus
+    assert text.count("R.call_tir(conv_crop") == 1  # only the graph's output is cropped
+    sched, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule")
+    gemms = [f for gv, f in sched.functions_items() if gv.name_hint.startswith("fused_conv_gemm")]
+    assert len(gemms) == 2
+
+
+    def epilogue_blocks(f):  # blocks besides the GEMM's init, update and write-back
+        return [k for k in _blocks(f) if k != "root" and not k.startswith("packed_matmul")]
+
+    def column_guards(f):  # a predicate on the output positions (j_0 * 64 + ...)
+        return [str(r.predicate) for r in _blocks(f).values() if "T.int64(64) +" in str(r.predicate)]
+
+    for f in gemms:
+        assert epilogue_blocks(f) == [] and column_guards(f) == [], (epilogue_blocks(f), column_guards(f))
+    old, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule", without={"conv-panels"})
+    old = [f for gv, f in old.functions_items() if gv.name_hint.startswith("fused_conv_gemm")]
+    assert all(epilogue_blocks(f) for f in old) and any(column_guards(f) for f in old)
