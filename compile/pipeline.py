@@ -39,6 +39,7 @@ ABLATIONS = {
     "conv-gemm": "conv1d/conv2d as im2col + packed GEMM with fused epilogue (phase conv-gemm, compile/conv)",
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
+    "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
@@ -73,11 +74,14 @@ def _prepack(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], li
 def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.conv.rewrite import conv_gemm_pass
+        from blockforge.compile.schedule.base import vector_lanes
         from blockforge.compile.schedule.matmul import panel_width
 
         # Before optimize: the activations are still relax ops its crops slide past (fast_math
         # makes them call_tir); the patch convs are left to fast_math's patch-conv rewrite.
-        return [conv_gemm_pass(panel_width(target.tvm_target()), panels="conv-panels" not in without)]
+        tgt = target.tvm_target()
+        return [conv_gemm_pass(panel_width(tgt), panels="conv-panels" not in without,
+                               implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt))]
     return passes
 
 

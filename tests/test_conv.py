@@ -15,7 +15,7 @@ from onnx import helper as oh  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
-from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, im2col  # noqa: E402
+from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, conv_gemm_implicit, im2col, pad_input  # noqa: E402
 from blockforge.compile.conv.schedule import CPUIm2col  # noqa: E402
 from blockforge.compile.schedule.matmul import CPUMatmul  # noqa: E402
 from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
@@ -71,6 +71,8 @@ CASES = {
     "1d-kernel-longer-than-input": ((1, 4, 3), (6, 4, 5), dict(pads=[2, 2]), {}),
     "1d-asymmetric-pads": ((1, 4, 11), (6, 4, 4), dict(pads=[3, 0], strides=[2]), {}),
     "1d-66-rows-200-cols (a cropped tail panel)": ((1, 64, 200), (66, 64, 3), dict(pads=[1, 1]), dict(act="Gelu")),
+    "1d-stride1-dilated-grouped-asym-pads-batch2 (implicit GEMM)": ((2, 12, 37), (12, 4, 4),
+                                                                     dict(group=3, dilations=[2], pads=[3, 1]), {}),
     "2d-k3-s1-p1": ((1, 3, 12, 10), (8, 3, 3, 3), dict(pads=[1, 1, 1, 1]), {}),
     "2d-asym-pads-stride-dilation": ((1, 4, 13, 9), (6, 4, 3, 2), dict(pads=[0, 1, 2, 0], strides=[2, 1],
                                                                         dilations=[2, 1]), dict(bias=False)),
@@ -275,3 +277,26 @@ def test_conv_chain_stays_in_whole_panels():
     old, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule", without={"conv-panels"})
     old = [f for gv, f in old.functions_items() if gv.name_hint.startswith("fused_conv_gemm")]
     assert all(epilogue_blocks(f) for f in old) and any(column_guards(f) for f in old)
+
+
+def test_stride1_conv_is_an_implicit_gemm():
+    """A stride-1 1-D conv reads its padded input inside the GEMM (rewrite.conv_gemm_implicit):
+    no im2col columns (k x the input's size, written then read back); the GEMM's B operand is
+    x itself, a contiguous 64-wide vector per (channel, tap); strided convs keep their columns.
+    Under the fixed target: the scheduled GEMM's update reads x_padded at j + t."""
+    model, _, _ = _chain_model(*CHAINS["gelu-conv-s2-gelu"])
+    text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")[0]["main"].script()
+    assert text.count("R.call_tir(conv_pad") == 1 and text.count("R.call_tir(conv_im2col") == 1  # conv 2: stride 2
+    old = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without={"conv-implicit"})[0]
+    assert "conv_pad" not in old["main"].script()
+    cs = ConvShape([1, 16, 200], [66, 16, 3], [1], [1, 1], [1], 1)
+    w = te.placeholder((1, 66, cs.kg), "float32", name="w")
+    x = te.placeholder((1, 16, 200), "float32", name="x")
+    xp = pad_input(x, cs, 64, 16)
+    assert [int(d) for d in xp.shape] == [1, 16, 272]  # 4 panels + 2 taps, whole vectors
+    xq = te.placeholder(xp.shape, "float32", name="xp")
+    out = _scheduled(CPUMatmul(), te.create_prim_func([w, xq, conv_gemm_implicit(w, xq, cs, 64)]))
+    update = _blocks(out)["packed_matmul_update"].block
+    assert [r.source.name for r in update.reads][-1] == "xp"
+    kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
+    assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)

@@ -130,6 +130,45 @@ def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape, crop: bool = True) -
     return te.compute((cs.n, cs.o, cs.length), lambda n, o, j: y[n, o, j], name=CROP_BLOCK)
 
 
+PAD_BLOCK = "conv_pad"
+PANEL_ATTR = "conv_panel_width"  # on an implicit GEMM's block: its NR (CPUMatmul's packed path)
+
+
+def implicit(cs: ConvShape) -> bool:
+    """A stride-1 1-D conv: its im2col column (c, t) is row c of x shifted by t * dilation, so the
+    GEMM reads x (padded) directly, a contiguous vector per (c, t) and panel: no columns."""
+    return len(cs.size) == 1 and cs.strides == [1]
+
+
+def pad_input(x: te.Tensor, cs: ConvShape, nr: int, lanes: int) -> te.Tensor:
+    """x with its padding as zeros, long enough for whole panels of every tap (rounded up to
+    whole vectors): xp[n, c, p] = x[n, c, p - pad_begin]."""
+    nb = -(-cs.length // nr)
+    width = -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1)) // lanes) * lanes
+    pb, size = cs.pad_begin[0], cs.size[0]
+
+    def f(n, c, p):
+        q = p - pb
+        return tirx.if_then_else(tirx.all(q >= 0, q < size), x[n, c, tirx.max(tirx.min(q, size - 1), 0)],
+                                 tirx.const(0, x.dtype))
+
+    return te.compute((cs.n, cs.c, width), f, name=PAD_BLOCK)
+
+
+def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
+    """y[n, g*Og + o, j] = sum_(c, t) w[g, o, (c, t)] * xp[n, g*Cg + c, j + t * dilation], over
+    whole panels of nr (the caller crops), the packed_matmul block CPUMatmul schedules with the
+    panel width from PANEL_ATTR (its B operand is no packed tensor)."""
+    nb, kw, dl = -(-cs.length // nr), cs.kernel[0], cs.dilation[0]
+    k = te.reduce_axis((0, cs.kg), name="k")
+
+    def f(n, o, j):
+        g = o // cs.og if cs.groups > 1 else 0
+        return te.sum(w[g, o % cs.og if cs.groups > 1 else o, k] * xp[n, g * cs.cg + k // kw, j + k % kw * dl], axis=k)
+
+    return te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
+
+
 def _geometry(call, nr: int) -> ConvShape | None:
     """The convolution's shape when this rewrite applies: float32, constant weight, static
     shapes, canonical layouts."""
@@ -178,9 +217,9 @@ def _broadcasts_along_last(e) -> bool:
 
 @mutator
 class _ConvGemm(PyExprMutator):
-    def __init__(self, mod, nr: int, panels: bool):
+    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int):
         super().__init__(mod)
-        self.nr, self.panels = nr, panels
+        self.nr, self.panels, self.implicit, self.lanes = nr, panels, implicit, lanes
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
         self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
 
@@ -254,10 +293,15 @@ class _ConvGemm(PyExprMutator):
         # The input cropped from a previous conv's whole panels: the gather reads those panels
         # (its indices stay below L, so the same values) and the crop goes unused.
         x = self.padded.get(x, (x, None))[0]
-        cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
         one_d = len(cs.out) == 1
         panels = one_d and self.panels  # (2-D: the reshape to (OH, OW) needs the crop first)
-        gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=not panels), wmat, cols, primfunc_name_hint="conv_gemm")
+        if panels and self.implicit and implicit(cs):
+            xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
+            gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
+        else:
+            cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
+            gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=not panels), wmat, cols,
+                             primfunc_name_hint="conv_gemm")
         # A GEMM to FuseOps, so the bias and activation after it fuse into its epilogue (the
         # group index o // Og hides that from AnnotateTIROpPattern: it said reduction, 3).
         gv = gemm.args[0]
@@ -269,14 +313,15 @@ class _ConvGemm(PyExprMutator):
         return relax.op.reshape(b.emit(gemm), (cs.n, cs.o, *cs.out))
 
 
-def conv_gemm_pass(nr: int, panels: bool = True) -> tvm.transform.Pass:
+def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
-    elementwise consumers, cropped after them)."""
+    elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
+    padded input in the GEMM instead of columns)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _ConvGemm(mod, nr, panels)
+        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 # the crops the chain slid past are left unused
