@@ -293,10 +293,27 @@ def test_stride1_conv_is_an_implicit_gemm():
     w = te.placeholder((1, 66, cs.kg), "float32", name="w")
     x = te.placeholder((1, 16, 200), "float32", name="x")
     xp = pad_input(x, cs, 64, 16)
-    assert [int(d) for d in xp.shape] == [1, 16, 272]  # 4 panels + 2 taps, whole vectors
+    assert [int(d) for d in xp.shape] == [1, 16, 1, 272]  # 4 panels + 2 taps, whole vectors
     xq = te.placeholder(xp.shape, "float32", name="xp")
     out = _scheduled(CPUMatmul(), te.create_prim_func([w, xq, conv_gemm_implicit(w, xq, cs, 64)]))
     update = _blocks(out)["packed_matmul_update"].block
     assert [r.source.name for r in update.reads][-1] == "xp"
     kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
     assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)
+
+
+def test_implicit_gemm_phases_match_ort_at_stride_3():
+    """pad_input's stride phases (the build keeps strided convs on im2col, measured: the
+    kernels stay exact for them): a stride-3, dilation-2, grouped conv against ORT."""
+    model, feeds, want = _conv_model((1, 6, 29), (8, 3, 4), bias=False, group=2, strides=[3], dilations=[2],
+                                     pads=[2, 1])
+    cs = ConvShape([1, 6, 29], [8, 3, 4], [3], [2, 1], [2], 2)
+    x = te.placeholder((1, 6, 29), "float32", name="x")
+    w = te.placeholder((2, 4, cs.kg), "float32", name="w")
+    xp = pad_input(x, cs, 16, 16)
+    y = conv_gemm_implicit(w, xp, cs, 16)
+    lib = tvm.compile(te.create_prim_func([x, w, y]), target="llvm")
+    wt = nh.to_array(model.graph.initializer[0]).reshape(2, 4, cs.kg)
+    out = tvm.runtime.tensor(np.zeros([int(d) for d in y.shape], np.float32))
+    lib(tvm.runtime.tensor(feeds["x"]), tvm.runtime.tensor(wt), out)
+    np.testing.assert_allclose(out.numpy()[..., :cs.length], want, rtol=1e-4, atol=1e-4)

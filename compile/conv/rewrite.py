@@ -135,36 +135,42 @@ PANEL_ATTR = "conv_panel_width"  # on an implicit GEMM's block: its NR (CPUMatmu
 
 
 def implicit(cs: ConvShape) -> bool:
-    """A stride-1 1-D conv: its im2col column (c, t) is row c of x shifted by t * dilation, so the
-    GEMM reads x (padded) directly, a contiguous vector per (c, t) and panel: no columns."""
+    """A stride-1 1-D conv: im2col column (c, t) is row c of x shifted by t * dilation, so the
+    GEMM reads x (padded) directly, a contiguous vector per (c, t) and panel: no columns.
+    (pad_input's phases make this hold at any stride, but measured interleaved, load 16:
+    Whisper's stride-2 conv ran 1.16x slower so than from im2col columns, Wav2Vec2's strided
+    stack 0.97x: the (c, t) vectors of a panel are 1536 rows apart where the columns are one
+    contiguous panel. Strided convs keep their columns.)"""
     return len(cs.size) == 1 and cs.strides == [1]
 
 
 def pad_input(x: te.Tensor, cs: ConvShape, nr: int, lanes: int) -> te.Tensor:
-    """x with its padding as zeros, long enough for whole panels of every tap (rounded up to
-    whole vectors): xp[n, c, p] = x[n, c, p - pad_begin]."""
-    nb = -(-cs.length // nr)
-    width = -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1)) // lanes) * lanes
+    """x with its padding as zeros, split into the stride's phases and long enough for whole
+    panels of every tap (rounded up to whole vectors): xp[n, c, r, m] = x[n, c, m * s + r - pad]."""
+    nb, s = -(-cs.length // nr), cs.strides[0]
+    width = -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1) // s) // lanes) * lanes
     pb, size = cs.pad_begin[0], cs.size[0]
 
-    def f(n, c, p):
-        q = p - pb
+    def f(n, c, r, m):
+        q = m * s + r - pb
         return tirx.if_then_else(tirx.all(q >= 0, q < size), x[n, c, tirx.max(tirx.min(q, size - 1), 0)],
                                  tirx.const(0, x.dtype))
 
-    return te.compute((cs.n, cs.c, width), f, name=PAD_BLOCK)
+    return te.compute((cs.n, cs.c, s, width), f, name=PAD_BLOCK)
 
 
 def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
-    """y[n, g*Og + o, j] = sum_(c, t) w[g, o, (c, t)] * xp[n, g*Cg + c, j + t * dilation], over
-    whole panels of nr (the caller crops), the packed_matmul block CPUMatmul schedules with the
-    panel width from PANEL_ATTR (its B operand is no packed tensor)."""
-    nb, kw, dl = -(-cs.length // nr), cs.kernel[0], cs.dilation[0]
+    """y[n, g*Og + o, j] = sum_(c, t) w[g, o, (c, t)] * x_padded[n, g*Cg + c, j * s + t * dilation]
+    (xp: pad_input's phases), over whole panels of nr (the caller crops): the packed_matmul
+    block CPUMatmul schedules with the panel width from PANEL_ATTR (its B operand is no
+    packed tensor)."""
+    nb, kw, dl, s = -(-cs.length // nr), cs.kernel[0], cs.dilation[0], cs.strides[0]
     k = te.reduce_axis((0, cs.kg), name="k")
 
     def f(n, o, j):
         g = o // cs.og if cs.groups > 1 else 0
-        return te.sum(w[g, o % cs.og if cs.groups > 1 else o, k] * xp[n, g * cs.cg + k // kw, j + k % kw * dl], axis=k)
+        q = k % kw * dl
+        return te.sum(w[g, o % cs.og if cs.groups > 1 else o, k] * xp[n, g * cs.cg + k // kw, q % s, j + q // s], axis=k)
 
     return te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
 

@@ -22,9 +22,9 @@ class CPUIm2col(CPURule):
             return None
         if len(blocks) != 1 or sch.get(blocks[0]).name_hint not in (IM2COL_BLOCK, PAD_BLOCK):
             return None
-        if sch.get(blocks[0]).name_hint == PAD_BLOCK:  # (n, c, p): rows parallel, p whole vectors
-            n, c, p = sch.get_loops(blocks[0])
-            sch.parallel(sch.fuse(n, c))
+        if sch.get(blocks[0]).name_hint == PAD_BLOCK:  # (n, c, phase, p): rows parallel, p whole vectors
+            n, c, r, p = sch.get_loops(blocks[0])
+            sch.parallel(sch.fuse(n, c, r))
             _, pi = sch.split(p, [None, vector_lanes(target)])
             sch.vectorize(pi)
             return sch
