@@ -87,7 +87,7 @@ def cases(smoke: bool) -> list[_Graph]:
 
 
 def ablation_ab(g: _Graph, d: Path, ablation: str, repeat: int) -> tuple[str, dict[str, float]]:
-    """blockforge built with and without `ablation` (pipeline.ABLATIONS), interleaved in one
+    """blockforge built with and without `ablation` (pipeline.ABLATIONS, comma list), interleaved in one
     process with ORT and OpenVINO f32 (outputs checked against ORT first): median ms each."""
     import tvm
     from tvm import relax
@@ -107,7 +107,7 @@ def ablation_ab(g: _Graph, d: Path, ablation: str, repeat: int) -> tuple[str, di
     want = runners["ort"].outputs()[0]
     if OpenVino().available():
         runners["openvino"] = OpenVino().make_runner(bm, {"x": x}, threads, precision="f32")
-    for label, without in (("new", set()), (f"without {ablation}", {ablation})):
+    for label, without in (("new", set()), (f"without {ablation}", set(ablation.split(",")))):
         vm = relax.VirtualMachine(build(import_onnx(model), target, without=without).executable, tvm.cpu())
         a = tvm.runtime.tensor(x)
         np.testing.assert_allclose(vm["main"](a).numpy(), want, rtol=2e-3, atol=2e-3)
@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the reports here")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, 3 samples: proves the script runs (tests/test_benchmarks.py)")
     ap.add_argument("--ab", default=None, metavar="ABLATION",
-                    help="instead: blockforge with and without this pipeline ablation, interleaved with the peers")
+                    help="instead: blockforge with and without these pipeline ablations (comma list), interleaved with the peers")
     ap.add_argument("--case", action="append", default=None, help="only these cases (repeatable)")
     a = ap.parse_args()
     blockforge.configure()  # TVM's pool = physical cores, as the CLI sets it
