@@ -86,15 +86,57 @@ def cases(smoke: bool) -> list[_Graph]:
     return [whisper, w2v, pos]
 
 
+def ablation_ab(g: _Graph, d: Path, ablation: str, repeat: int) -> tuple[str, dict[str, float]]:
+    """blockforge built with and without `ablation` (pipeline.ABLATIONS, comma list), interleaved in one
+    process with ORT and OpenVINO f32 (outputs checked against ORT first): median ms each."""
+    import tvm
+    from tvm import relax
+
+    from blockforge.bench.contenders import OpenVino, Ort
+    from blockforge.bench.harness import measure_interleaved
+    from blockforge.compile.frontend.importer import import_onnx
+    from blockforge.compile.pipeline import build
+    from blockforge.targets import resolve
+
+    model = onnx.load(g.save(d))
+    x = np.random.default_rng(1).standard_normal(g.shape).astype(np.float32)
+    target = resolve("host")
+    threads = int(target.target_json.get("num-cores", 1))
+    bm = type("M", (), {"onnx": model})()
+    runners = {"ort": Ort().make_runner(bm, {"x": x}, threads)}
+    want = runners["ort"].outputs()[0]
+    if OpenVino().available():
+        runners["openvino"] = OpenVino().make_runner(bm, {"x": x}, threads, precision="f32")
+    for label, without in (("new", set()), (f"without {ablation}", set(ablation.split(",")))):
+        vm = relax.VirtualMachine(build(import_onnx(model), target, without=without).executable, tvm.cpu())
+        a = tvm.runtime.tensor(x)
+        np.testing.assert_allclose(vm["main"](a).numpy(), want, rtol=2e-3, atol=2e-3)
+        runners[label] = (lambda f=vm["main"], a=a: f(a))
+    samples = measure_interleaved(runners, repeat, warmup=1)
+    return g.name, {k: float(np.median(v)) for k, v in samples.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--against", default="ort,openvino,untuned")
     ap.add_argument("--json", type=Path, default=None, help="also write the reports here")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, 3 samples: proves the script runs (tests/test_benchmarks.py)")
+    ap.add_argument("--ab", default=None, metavar="ABLATION",
+                    help="instead: blockforge with and without these pipeline ablations (comma list), interleaved with the peers")
+    ap.add_argument("--case", action="append", default=None, help="only these cases (repeatable)")
     a = ap.parse_args()
     blockforge.configure()  # TVM's pool = physical cores, as the CLI sets it
     repeat = 3 if a.smoke else a.repeat
+    if a.ab:
+        with tempfile.TemporaryDirectory() as tmp:
+            for g in [g for g in cases(a.smoke) if not a.case or g.name in a.case]:
+                name, ms = ablation_ab(g, Path(tmp), a.ab, repeat)
+                best = min(v for k, v in ms.items() if k in ("ort", "openvino"))
+                print(f"{name}: " + ", ".join(f"{k} {v / best:.2f}x" for k, v in ms.items())
+                      + f" of the best peer; new / without {ms['new'] / ms[f'without {a.ab}']:.2f};"
+                      f" load {os.getloadavg()[0]:.2f}", flush=True)
+        return 0
     rows, reports = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for g in cases(a.smoke):

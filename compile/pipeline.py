@@ -1,8 +1,8 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
     [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
-    -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 dotprod, quantized models)] -> [bf16-gemm (--precision bf16)] -> optimize
-    -> [conv-gemm (CPU, convolutions)]
+    -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 dotprod, quantized models)] -> [bf16-gemm (--precision bf16)]
+    -> [conv-gemm (CPU, convolutions)] -> optimize
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
@@ -38,6 +38,9 @@ ABLATIONS = {
     "fp32-compute": "CPU float16 models computed in float32 (left out: float16 storage, float32 sums)",
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
     "conv-gemm": "conv1d/conv2d as im2col + packed GEMM with fused epilogue (phase conv-gemm, compile/conv)",
+    "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
+                   "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
+    "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
@@ -69,13 +72,17 @@ def _prepack(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], li
     return passes
 
 
-def _conv_gemm(target: ResolvedTarget) -> Callable[[], list]:
+def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.conv.rewrite import conv_gemm_pass
+        from blockforge.compile.schedule.base import vector_lanes
         from blockforge.compile.schedule.matmul import panel_width
 
-        # After optimize: fast_math's patch-conv rewrite has taken the stride == kernel convs.
-        return [conv_gemm_pass(panel_width(target.tvm_target()))]
+        # Before optimize: the activations are still relax ops its crops slide past (fast_math
+        # makes them call_tir); the patch convs are left to fast_math's patch-conv rewrite.
+        tgt = target.tvm_target()
+        return [conv_gemm_pass(panel_width(tgt), panels="conv-panels" not in without,
+                               implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt))]
     return passes
 
 
@@ -276,9 +283,9 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("int8-gemm", _int8_gemm(isa)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm))
-    out.append(Phase("optimize", _optimize(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
-        out.append(Phase("conv-gemm", _conv_gemm(target)))
+        out.append(Phase("conv-gemm", _conv_gemm(target, without)))
+    out.append(Phase("optimize", _optimize(without)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))

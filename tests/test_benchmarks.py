@@ -79,6 +79,11 @@ def test_conv(tmp_path):
     assert (tmp_path / "c.json").is_file()
 
 
+def test_conv_ablation_ab(tmp_path):
+    out = _run("conv.py", "--smoke", "--ab", "conv-panels,conv-implicit", "--case", "wav2vec2_pos", cwd=tmp_path)
+    assert "wav2vec2_pos: ort" in out and "without conv-panels,conv-implicit" in out and "new / without " in out, out
+
+
 def test_patch_conv(tmp_path):
     assert "ms per call" in _run("patch_conv.py", cwd=tmp_path)
 

@@ -15,7 +15,7 @@ from onnx import helper as oh  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
-from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, im2col  # noqa: E402
+from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, conv_gemm_implicit, im2col, pad_input  # noqa: E402
 from blockforge.compile.conv.schedule import CPUIm2col  # noqa: E402
 from blockforge.compile.schedule.matmul import CPUMatmul  # noqa: E402
 from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
@@ -71,6 +71,8 @@ CASES = {
     "1d-kernel-longer-than-input": ((1, 4, 3), (6, 4, 5), dict(pads=[2, 2]), {}),
     "1d-asymmetric-pads": ((1, 4, 11), (6, 4, 4), dict(pads=[3, 0], strides=[2]), {}),
     "1d-66-rows-200-cols (a cropped tail panel)": ((1, 64, 200), (66, 64, 3), dict(pads=[1, 1]), dict(act="Gelu")),
+    "1d-stride1-dilated-grouped-asym-pads-batch2 (implicit GEMM)": ((2, 12, 37), (12, 4, 4),
+                                                                     dict(group=3, dilations=[2], pads=[3, 1]), {}),
     "2d-k3-s1-p1": ((1, 3, 12, 10), (8, 3, 3, 3), dict(pads=[1, 1, 1, 1]), {}),
     "2d-asym-pads-stride-dilation": ((1, 4, 13, 9), (6, 4, 3, 2), dict(pads=[0, 1, 2, 0], strides=[2, 1],
                                                                         dilations=[2, 1]), dict(bias=False)),
@@ -182,3 +184,136 @@ def test_conv_gemm_schedule_full_panels_unguarded_crop_guarded():
     assert not isinstance(crop.predicate, tirx.IntImm) and "200" in str(crop.predicate)
     kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
     assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)
+
+
+# Chains: a 1-D conv's output stays in whole NR panels through its elementwise consumers
+# (rewrite._sink), the crop moves after them, and a next conv's im2col reads the panels.
+def _chain_model(x_shape, steps):
+    """steps: ("conv", (cout, k, attrs)) | (op, extra) with op an ONNX op taking the current
+    value (and, for binary ops, `extra`: "x" (the graph input) or a constant's shape)."""
+    rng = np.random.default_rng(0)
+    inits, nodes, cur, c = [], [], "x", x_shape[1]
+    for i, (op, arg) in enumerate(steps):
+        out = f"t{i}"
+        if op == "conv":
+            cout, k, attrs = arg
+            g = attrs.get("group", 1)
+            inits += [nh.from_array((rng.standard_normal((cout, c // g, k)) * 0.3).astype(np.float32), f"w{i}"),
+                      nh.from_array(rng.standard_normal(cout).astype(np.float32), f"b{i}")]
+            nodes.append(oh.make_node("Conv", [cur, f"w{i}", f"b{i}"], [out], **attrs))
+            c = cout
+        elif op == "InstanceNormalization":
+            inits += [nh.from_array(np.ones(c, np.float32), f"s{i}"), nh.from_array(np.zeros(c, np.float32), f"z{i}")]
+            nodes.append(oh.make_node(op, [cur, f"s{i}", f"z{i}"], [out]))
+        elif arg is None:
+            nodes.append(oh.make_node(op, [cur], [out]))
+        else:
+            other = arg if arg == "x" else f"c{i}"
+            if arg != "x":
+                inits.append(nh.from_array((rng.standard_normal(arg) + 2).astype(np.float32), other))
+            nodes.append(oh.make_node(op, [cur, other], [out]))
+        cur = out
+    g = oh.make_graph(nodes, "chain", [oh.make_tensor_value_info("x", 1, list(x_shape))],
+                      [oh.make_tensor_value_info(cur, 1, None)], inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    model.graph.output[0].CopyFrom(oh.make_tensor_value_info(cur, 1, list(want.shape)))
+    return model, feeds, want
+
+
+K3 = (16, 3, dict(pads=[1, 1]))
+CHAINS = {
+    # Whisper's front end at a length no panel divides (L = 70, then 35)
+    "gelu-conv-s2-gelu": ((1, 8, 70), [("conv", K3), ("Gelu", None), ("conv", (16, 3, dict(strides=[2], pads=[1, 1]))),
+                                        ("Gelu", None)]),
+    # bias-like constants (per channel), a scalar, a clip, then a strided dilated conv on odd lengths
+    "mul-add-relu-dilated-s3": ((1, 8, 67), [("conv", K3), ("Mul", (16, 1)), ("Add", (1,)), ("Relu", None),
+                                              ("conv", (12, 3, dict(strides=[3], dilations=[2], pads=[2, 1])))]),
+    # Wav2Vec2's layer 0: a norm (a reduction over L) is no elementwise consumer: cropped before it
+    "instance-norm-gelu-conv": ((1, 1, 203), [("conv", (16, 10, dict(strides=[5]))), ("InstanceNormalization", None),
+                                               ("Gelu", None), ("conv", (16, 3, dict(strides=[2])))]),
+    # a residual with the conv's input varies along L: no sinking past it
+    "residual-add": ((1, 16, 45), [("conv", K3), ("Sigmoid", None), ("Add", "x"), ("Tanh", None)]),
+    # the grouped positional conv (even kernel: L + 1 outputs) then GELU, at batch 2
+    "grouped-even-k-gelu": ((2, 32, 13), [("conv", (32, 8, dict(group=4, pads=[4, 4]))), ("Gelu", None)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_conv_chain_matches_ort(name):
+    model, feeds, want = _chain_model(*CHAINS[name])
+    assert _convs_left(model) == 0
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_chain_stays_in_whole_panels():
+    """Whisper's front end at L = 70 (two panels of 64): bias and GELU run on the 128-wide
+    panels, the second conv's gather reads them, and the crops are left for the end; in the
+    scheduled GEMM the epilogue folds into the unguarded write-back (no crop block left,
+    whose tail guard made GELU scalar). Without the ablation's step: the crop in the tile."""
+    model, _, _ = _chain_model(*CHAINS["gelu-conv-s2-gelu"])
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")
+    text = mod["main"].script()
+    assert "R.Tensor((1, 16, 128)" in text and "R.call_tir(gelu" not in text  # gelu still an op here
+    gelus = [ln for ln in text.splitlines() if "R.nn.gelu(" in ln]
+    assert len(gelus) == 2 and all("(1, 16, 128)" in ln or "(1, 16, 64)" in ln for ln in gelus), gelus
+    assert text.count("R.call_tir(conv_crop") == 1  # only the graph's output is cropped
+    sched, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule")
+    gemms = [f for gv, f in sched.functions_items() if gv.name_hint.startswith("fused_conv_gemm")]
+    assert len(gemms) == 2
+
+
+    def epilogue_blocks(f):  # blocks besides the GEMM's init, update and write-back
+        return [k for k in _blocks(f) if k != "root" and not k.startswith("packed_matmul")]
+
+    def column_guards(f):  # a predicate on the output positions (j_0 * 64 + ...)
+        return [str(r.predicate) for r in _blocks(f).values() if "T.int64(64) +" in str(r.predicate)]
+
+    for f in gemms:
+        assert epilogue_blocks(f) == [] and column_guards(f) == [], (epilogue_blocks(f), column_guards(f))
+    old, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule", without={"conv-panels"})
+    old = [f for gv, f in old.functions_items() if gv.name_hint.startswith("fused_conv_gemm")]
+    assert all(epilogue_blocks(f) for f in old) and any(column_guards(f) for f in old)
+
+
+def test_stride1_conv_is_an_implicit_gemm():
+    """A stride-1 1-D conv reads its padded input inside the GEMM (rewrite.conv_gemm_implicit):
+    no im2col columns (k x the input's size, written then read back); the GEMM's B operand is
+    x itself, a contiguous 64-wide vector per (channel, tap); strided convs keep their columns.
+    Under the fixed target: the scheduled GEMM's update reads x_padded at j + t."""
+    model, _, _ = _chain_model(*CHAINS["gelu-conv-s2-gelu"])
+    text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")[0]["main"].script()
+    assert text.count("R.call_tir(conv_pad") == 1 and text.count("R.call_tir(conv_im2col") == 1  # conv 2: stride 2
+    old = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without={"conv-implicit"})[0]
+    assert "conv_pad" not in old["main"].script()
+    cs = ConvShape([1, 16, 200], [66, 16, 3], [1], [1, 1], [1], 1)
+    w = te.placeholder((1, 66, cs.kg), "float32", name="w")
+    x = te.placeholder((1, 16, 200), "float32", name="x")
+    xp = pad_input(x, cs, 64, 16)
+    assert [int(d) for d in xp.shape] == [1, 16, 1, 272]  # 4 panels + 2 taps, whole vectors
+    xq = te.placeholder(xp.shape, "float32", name="xp")
+    out = _scheduled(CPUMatmul(), te.create_prim_func([w, xq, conv_gemm_implicit(w, xq, cs, 64)]))
+    update = _blocks(out)["packed_matmul_update"].block
+    assert [r.source.name for r in update.reads][-1] == "xp"
+    kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
+    assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)
+
+
+def test_implicit_gemm_phases_match_ort_at_stride_3():
+    """pad_input's stride phases (the build keeps strided convs on im2col, measured: the
+    kernels stay exact for them): a stride-3, dilation-2, grouped conv against ORT."""
+    model, feeds, want = _conv_model((1, 6, 29), (8, 3, 4), bias=False, group=2, strides=[3], dilations=[2],
+                                     pads=[2, 1])
+    cs = ConvShape([1, 6, 29], [8, 3, 4], [3], [2, 1], [2], 2)
+    x = te.placeholder((1, 6, 29), "float32", name="x")
+    w = te.placeholder((2, 4, cs.kg), "float32", name="w")
+    xp = pad_input(x, cs, 16, 16)
+    y = conv_gemm_implicit(w, xp, cs, 16)
+    lib = tvm.compile(te.create_prim_func([x, w, y]), target="llvm")
+    wt = nh.to_array(model.graph.initializer[0]).reshape(2, 4, cs.kg)
+    out = tvm.runtime.tensor(np.zeros([int(d) for d in y.shape], np.float32))
+    lib(tvm.runtime.tensor(feeds["x"]), tvm.runtime.tensor(wt), out)
+    np.testing.assert_allclose(out.numpy()[..., :cs.length], want, rtol=1e-4, atol=1e-4)

@@ -25,6 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from blockforge.compile.passes.fast_math import is_patch_conv
 from blockforge.compile.passes.prepack import PACKED_BLOCK
 
 IM2COL_BLOCK = "conv_im2col"
@@ -41,6 +42,7 @@ MIN_GROUP_ROWS = 4
 # 48 GiB) where TVM's direct conv needs none: beyond this, the conv stays direct.
 MAX_COLS_BYTES = 256 << 20
 OUT_EWISE_FUSABLE = 4  # relax's OpPatternKind kOutEWiseFusable (a matmul's)
+OPAQUE = 8  # kOpaque: FuseOps fuses nothing with it
 _LAYOUTS = {"relax.nn.conv1d": ("NCW", "OIW"), "relax.nn.conv2d": ("NCHW", "OIHW")}
 
 
@@ -107,7 +109,7 @@ def im2col(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
     return te.compute((cs.n, cs.groups, nb, cs.kg, nr), f, name=IM2COL_BLOCK)
 
 
-def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape) -> te.Tensor:
+def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape, crop: bool = True) -> te.Tensor:
     """y[n, g*Og + o, j] = sum_k w[g, o, k] * cols[n, g, j // NR, k, j % NR] (a packed_matmul
     block CPUMatmul schedules; the group is an outer index of the row), over whole panels
     (L rounded up to NR), then the L real positions. A GEMM whose own j extent is ragged gets a
@@ -123,9 +125,54 @@ def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape) -> te.Tensor:
         return te.sum(w[g, o % cs.og, k] * cols[n, g, j // nr, k, j % nr], axis=k)
 
     y = te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK)
-    if nb * nr == cs.length:
+    if nb * nr == cs.length or not crop:
         return y
     return te.compute((cs.n, cs.o, cs.length), lambda n, o, j: y[n, o, j], name=CROP_BLOCK)
+
+
+PAD_BLOCK = "conv_pad"
+PANEL_ATTR = "conv_panel_width"  # on an implicit GEMM's block: its NR (CPUMatmul's packed path)
+
+
+def implicit(cs: ConvShape) -> bool:
+    """A stride-1 1-D conv: im2col column (c, t) is row c of x shifted by t * dilation, so the
+    GEMM reads x (padded) directly, a contiguous vector per (c, t) and panel: no columns.
+    (pad_input's phases make this hold at any stride, but measured interleaved, load 16:
+    Whisper's stride-2 conv ran 1.16x slower so than from im2col columns, Wav2Vec2's strided
+    stack 0.97x: the (c, t) vectors of a panel are 1536 rows apart where the columns are one
+    contiguous panel. Strided convs keep their columns.)"""
+    return len(cs.size) == 1 and cs.strides == [1]
+
+
+def pad_input(x: te.Tensor, cs: ConvShape, nr: int, lanes: int) -> te.Tensor:
+    """x with its padding as zeros, split into the stride's phases and long enough for whole
+    panels of every tap (rounded up to whole vectors): xp[n, c, r, m] = x[n, c, m * s + r - pad]."""
+    nb, s = -(-cs.length // nr), cs.strides[0]
+    width = -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1) // s) // lanes) * lanes
+    pb, size = cs.pad_begin[0], cs.size[0]
+
+    def f(n, c, r, m):
+        q = m * s + r - pb
+        return tirx.if_then_else(tirx.all(q >= 0, q < size), x[n, c, tirx.max(tirx.min(q, size - 1), 0)],
+                                 tirx.const(0, x.dtype))
+
+    return te.compute((cs.n, cs.c, s, width), f, name=PAD_BLOCK)
+
+
+def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
+    """y[n, g*Og + o, j] = sum_(c, t) w[g, o, (c, t)] * x_padded[n, g*Cg + c, j * s + t * dilation]
+    (xp: pad_input's phases), over whole panels of nr (the caller crops): the packed_matmul
+    block CPUMatmul schedules with the panel width from PANEL_ATTR (its B operand is no
+    packed tensor)."""
+    nb, kw, dl, s = -(-cs.length // nr), cs.kernel[0], cs.dilation[0], cs.strides[0]
+    k = te.reduce_axis((0, cs.kg), name="k")
+
+    def f(n, o, j):
+        g = o // cs.og if cs.groups > 1 else 0
+        q = k % kw * dl
+        return te.sum(w[g, o % cs.og if cs.groups > 1 else o, k] * xp[n, g * cs.cg + k // kw, q % s, j + q // s], axis=k)
+
+    return te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
 
 
 def _geometry(call, nr: int) -> ConvShape | None:
@@ -151,42 +198,140 @@ def _geometry(call, nr: int) -> ConvShape | None:
     return cs
 
 
+# Elementwise ops a crop slides past (crop(f(y)) == f(crop(y))): a 1-D conv's GEMM output
+# stays in whole NR panels through its bias and activation, so they fold into the GEMM's
+# write-back as one unguarded vector loop; the crop (a slice) moves to where the values leave
+# the chain and fuses into the consumer (the next conv's im2col reads the panels directly).
+# Before: the crop's tail guard in the tile made the whole epilogue scalar (GELU's polynomial
+# on every output), 1.7x the time of the same conv at a length of whole panels.
+_UNARY = {"relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.relu", "relax.nn.silu", "relax.sigmoid", "relax.tanh",
+          "relax.erf", "relax.exp", "relax.negative", "relax.sqrt", "relax.clip", "relax.nn.leakyrelu"}
+_BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
+           "relax.power"}
+SLICE_OP = "relax.strided_slice"
+
+
+def _broadcasts_along_last(e) -> bool:
+    """The same value for every position of the cropped (last) axis: a tensor whose
+    right-aligned last dim is 1 or a scalar; or no tensor at all (clip's bounds)."""
+    shape = getattr(getattr(e, "ty", None), "shape", None)
+    if shape is None:
+        return not isinstance(e, relax.Var)
+    shape = _static(shape)
+    return shape is not None and (len(shape) == 0 or shape[-1] == 1)
+
+
 @mutator
 class _ConvGemm(PyExprMutator):
-    def __init__(self, mod, nr: int):
+    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int):
         super().__init__(mod)
-        self.nr = nr
+        self.nr, self.panels, self.implicit, self.lanes = nr, panels, implicit, lanes
+        self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
+        self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
+
+    def visit_var_binding_(self, binding):
+        value = self.visit_expr(binding.value)
+        sunk = self._sink(value)
+        if sunk is not None:
+            value = sunk
+        if isinstance(binding.var, relax.DataflowVar):
+            var = self.builder_.emit(value, name_hint=binding.var.name)
+        else:
+            var = self.builder_.emit_output(value, name_hint=binding.var.name)
+        self.set_var_remap(binding.var, var)
+        for call, full, length in self.pending:
+            if value.same_as(call):
+                self.padded[var] = (full, length)
+
+    def _crop(self, full, length: int, fusable: bool):
+        """The first `length` positions of `full`. fusable: a slice FuseOps puts into the GEMM
+        (the crop stage CPUMatmul computes in the tile); else, after an epilogue chain, its own
+        copy kernel: fused back, the chain's guard would be the tile's again."""
+        if fusable:
+            call = relax.op.strided_slice(full, axes=[2], begin=[0], end=[length])
+        else:
+            b = self.builder_
+            n, c, _ = (int(d) for d in full.ty.shape)
+            call = b.call_te(lambda t: te.compute((n, c, length), lambda i, o, j: t[i, o, j], name=CROP_BLOCK), full,
+                             primfunc_name_hint="conv_crop")
+            gv = call.args[0]
+            b.update_func(gv, b.get()[gv].with_attr("op_pattern", OPAQUE))
+        self.pending.append((call, full, length))
+        return call
+
+    def _sink(self, value):
+        """f(crop(y), c) -> crop(f(y, c)) for an elementwise f and operands c that do not vary
+        along the cropped axis; None when it does not apply."""
+        op = getattr(getattr(value, "op", None), "name", None)
+        if not self.panels or (op not in _UNARY and op not in _BINARY):
+            return None
+        args, length, hit = [], None, False
+        for a in value.args:
+            if isinstance(a, relax.Var) and a in self.padded:
+                full, n = self.padded[a]
+                if length is not None and n != length:
+                    return None
+                length, hit = n, True
+                args.append(full)
+            elif _broadcasts_along_last(a):
+                args.append(a)
+            else:
+                return None
+        if not hit:
+            return None
+        full = self.builder_.emit(relax.Call(value.op, args, value.attrs, value.ty_args))
+        if len(getattr(full.ty, "shape", [])) != 3:
+            return None  # (a broadcast that changed the rank: the 3-D slice no longer fits)
+        return self._crop(full, length, fusable=False)
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if getattr(call.op, "name", None) not in _LAYOUTS:
             return call
+        if call.op.name == "relax.nn.conv2d" and is_patch_conv(call):
+            return call  # fast_math's patch-conv rewrite (optimize, after this phase) or TVM's conv
         cs = _geometry(call, self.nr)
         if cs is None:
             return call
         x, w = call.args
         wmat = relax.const(np.ascontiguousarray(w.value.numpy().reshape(cs.groups, cs.og, cs.kg)))
         b = self.builder_
-        cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
-        gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs), wmat, cols, primfunc_name_hint="conv_gemm")
+        # The input cropped from a previous conv's whole panels: the gather reads those panels
+        # (its indices stay below L, so the same values) and the crop goes unused.
+        x = self.padded.get(x, (x, None))[0]
+        one_d = len(cs.out) == 1
+        panels = one_d and self.panels  # (2-D: the reshape to (OH, OW) needs the crop first)
+        if panels and self.implicit and implicit(cs):
+            xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
+            gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
+        else:
+            cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
+            gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=not panels), wmat, cols,
+                             primfunc_name_hint="conv_gemm")
         # A GEMM to FuseOps, so the bias and activation after it fuse into its epilogue (the
         # group index o // Og hides that from AnnotateTIROpPattern: it said reduction, 3).
         gv = gemm.args[0]
         b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
-        if len(cs.out) == 1:
-            return gemm  # not emitted: the caller binds it (an alias binding would stop FuseOps)
+        if one_d:
+            if not panels or cs.length % self.nr == 0:
+                return gemm  # not emitted: the caller binds it (an alias binding would stop FuseOps)
+            return self._crop(b.emit(gemm), cs.length, fusable=True)
         return relax.op.reshape(b.emit(gemm), (cs.n, cs.o, *cs.out))
 
 
-def conv_gemm_pass(nr: int) -> tvm.transform.Pass:
-    """Every conv1d/conv2d the rewrite covers, as im2col + packed GEMM with panels of nr."""
+def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16) -> tvm.transform.Pass:
+    """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
+    + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
+    elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
+    padded input in the GEMM instead of columns)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _ConvGemm(mod, nr)
+        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(func))
+                # the crops the chain slid past are left unused
+                m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
         return m.builder_.get()
 
     return _pass

@@ -11,7 +11,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from blockforge.compile.schedule.base import CPURule, vector_lanes
-from blockforge.compile.conv.rewrite import IM2COL_BLOCK
+from blockforge.compile.conv.rewrite import IM2COL_BLOCK, PAD_BLOCK
 
 
 class CPUIm2col(CPURule):
@@ -20,8 +20,14 @@ class CPUIm2col(CPURule):
             blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         except Exception:
             return None
-        if len(blocks) != 1 or sch.get(blocks[0]).name_hint != IM2COL_BLOCK:
+        if len(blocks) != 1 or sch.get(blocks[0]).name_hint not in (IM2COL_BLOCK, PAD_BLOCK):
             return None
+        if sch.get(blocks[0]).name_hint == PAD_BLOCK:  # (n, c, phase, p): rows parallel, p whole vectors
+            n, c, r, p = sch.get_loops(blocks[0])
+            sch.parallel(sch.fuse(n, c, r))
+            _, pi = sch.split(p, [None, vector_lanes(target)])
+            sch.vectorize(pi)
+            return sch
         n, g, jb, k, jr = sch.get_loops(blocks[0])
         lanes = vector_lanes(target)
         nr = int(sch.get(jr).extent)

@@ -58,6 +58,25 @@ def _static(shape) -> list[int] | None:
         return None
 
 
+def is_patch_conv(call) -> bool:
+    """A conv2d the patch-conv rewrite takes: constant float32 weight, static NCHW input,
+    stride == kernel, no padding, dilation 1, one group, the image a whole number of patches."""
+    x, w = call.args
+    a = call.attrs
+    if not isinstance(w, tvm.ir.expr.GenericConst) or getattr(x.ty, "dtype", None) != "float32":
+        return False
+    xs = _static(getattr(x.ty, "shape", None) or [])
+    wt = w.value.numpy()
+    if xs is None or len(xs) != 4 or wt.ndim != 4 or wt.dtype != np.float32:
+        return False
+    _, c, h, wd = xs
+    _, ci, kh, kw = wt.shape
+    return (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) == ("NCHW", "OIHW", "NCHW") \
+        and int(a.groups) == 1 and ci == c and [int(v) for v in a.strides] == [kh, kw] \
+        and not any(int(v) for v in a.padding) and all(int(v) == 1 for v in a.dilation) \
+        and not h % kh and not wd % kw and str(a.out_dtype) in ("None", "", "void", "float32")
+
+
 @mutator
 class _FastActivations(PyExprMutator):
     def __init__(self, mod, patch_conv: bool = True):
@@ -73,21 +92,12 @@ class _FastActivations(PyExprMutator):
         return self.builder_.call_te(fn, x, primfunc_name_hint="square" if p == 2.0 else "cube")
 
     def _patch_conv(self, call):
+        if not is_patch_conv(call):
+            return call
         x, w = call.args
-        a = call.attrs
-        if not isinstance(w, tvm.ir.expr.GenericConst) or getattr(x.ty, "dtype", None) != "float32":
-            return call
-        xs = _static(getattr(x.ty, "shape", None) or [])
         wt = w.value.numpy()
-        if xs is None or len(xs) != 4 or wt.ndim != 4 or wt.dtype != np.float32:
-            return call
-        n, c, h, wd = xs
-        o, ci, kh, kw = wt.shape
-        if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCHW", "OIHW", "NCHW") \
-                or int(a.groups) != 1 or ci != c or [int(v) for v in a.strides] != [kh, kw] \
-                or any(int(v) for v in a.padding) or any(int(v) != 1 for v in a.dilation) \
-                or h % kh or wd % kw or str(a.out_dtype) not in ("None", "", "void", "float32"):
-            return call
+        n, c, h, wd = _static(x.ty.shape)
+        o, _, kh, kw = wt.shape
         hp, wp = h // kh, wd // kw
         b = self.builder_
         cols = b.emit(relax.op.reshape(x, (n, c, hp, kh, wp, kw)))

@@ -168,6 +168,8 @@ def packed_panel_width(block) -> int | None:
 
     if not block.name_hint.startswith(PACKED_BLOCK) or len(block.reads) != 2:
         return None
+    if "conv_panel_width" in block.annotations:  # conv/rewrite.py's implicit GEMM (reads x itself)
+        return int(block.annotations["conv_panel_width"])
     w = block.reads[1].source  # (N/NR, K, NR); conv/rewrite.py's im2col: (batch, group, L/NR, K, NR)
     return const_int(w.shape[-1]) if len(w.shape) >= 3 else None
 
