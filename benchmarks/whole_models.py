@@ -51,6 +51,7 @@ import blockforge
 from blockforge.bench import BenchOptions, bench, plot
 from blockforge.bench.harness import host_facts, sgemm_ceiling
 from blockforge.bench.report import KERNEL_CLASSES, class_shares
+from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_write_json, atomic_write_text
 from blockforge.settings import cache_dir
 
@@ -245,6 +246,8 @@ def markdown(doc: dict) -> str:
             continue
         top = ", ".join(f"{k['name']} {k['pct']:.0f}%" for k in m["profile"]["top_kernels"][:3])
         lines.append(f"| {m['model']} | " + " | ".join(f"{cl[c]:.0f}%" for c in KERNEL_CLASSES) + f" | {top} |")
+    if doc["failed"]:
+        lines += ["", "Failed (not in the table):", "", *(f"- {f['model']}: {f['error']}" for f in doc["failed"])]
     notes = [f"- {m['model']}: {n}" for m in doc["models"] for n in m["notes"]]
     if notes:
         lines += ["", "Notes:", "", *notes]
@@ -291,13 +294,19 @@ def run(a, mod) -> int:
     t0 = time.time()
     host = host_facts()
     ceilings = {"before": sgemm_ceiling()}
-    models, reports, export_versions = [], [], {}
+    models, reports, export_versions, failed = [], [], {}, []
     for name in names:
         path, entry, reused = smoke_model(name) if a.smoke else cached_export(mod, name, cache, a.export_python)
         export_versions.update(entry.get("versions") or {})
         load0, t1 = os.getloadavg()[0], time.time()
-        rep = bench(BenchOptions(model=path, target="host", against=AGAINST, repeat=repeat, profile=True,
-                                 shape={k: tuple(v) for k, v in entry["run_inputs"].items()}))
+        try:
+            rep = bench(BenchOptions(model=path, target="host", against=AGAINST, repeat=repeat, profile=True,
+                                     shape={k: tuple(v) for k, v in entry["run_inputs"].items()}))
+        except BlockforgeError as e:  # one model that cannot run is a row of the table, not the end of it
+            failed.append({"model": name, "error": str(e), "file_sha256": entry.get("sha256"),
+                           "wall_s": round(time.time() - t1, 1)})
+            print(f"{name}: FAILED: {e}", flush=True)
+            continue
         row = model_row(name, entry, rep, (load0, os.getloadavg()[0]), time.time() - t1, reused)
         models.append(row)
         reports.append(rep)
@@ -320,21 +329,23 @@ def run(a, mod) -> int:
     node = "smoke" if a.smoke else (platform.node() or "host") + ("-not-quotable" if why else "")
     command = "benchmarks/whole_models.py " + " ".join(sys.argv[1:])
     doc = {"schema": SCHEMA, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "command": command, "host": host,
-           "export_versions": export_versions, "threads": reports[0].threads, "repeat": repeat,
+           "export_versions": export_versions, "threads": reports[0].threads if reports else None, "repeat": repeat,
            "against": list(AGAINST), "wall_s": round(time.time() - t0, 1),
            "sgemm": {"per_measurement": ceilings, "before": ceilings["before"], "after": ceilings["after"],
                      "min": low, "median": statistics.median(ceilings.values())},
            "quiet_ceiling": {"gflops": quiet[0], "source": quiet[1]} if quiet else None,
            "quotable": why is None, "not_quotable_because": why,
-           "models": models, "reports": {n: r.to_dict() for n, r in zip(names, reports)}}
+           "models": models, "failed": failed,
+           "reports": {m["model"]: r.to_dict() for m, r in zip(models, reports)}}
     stem = out / f"whole-models-{node}"
     atomic_write_json(Path(f"{stem}.json"), doc)
     atomic_write_text(Path(f"{stem}.md"), markdown(doc) + "\n## Per model\n\n" +
-                      "\n\n".join(f"### {n}\n\n{r.markdown()}" for n, r in zip(names, reports)) + "\n")
-    plot(reports, Path(f"{stem}.png"), labels=names)
+                      "\n\n".join(f"### {m['model']}\n\n{r.markdown()}" for m, r in zip(models, reports)) + "\n")
+    if reports:
+        plot(reports, Path(f"{stem}.png"), labels=[m["model"] for m in models])
     print(markdown(doc))
-    print(f"wrote {stem}.json/.md/.png ({doc['wall_s']:.0f} s)")
-    return 0
+    print(f"wrote {stem}.json/.md{'/.png' if reports else ''} ({doc['wall_s']:.0f} s)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -185,22 +185,35 @@ def test_whole_models(tmp_path):
 
 
 def test_whole_models_quotable_gate_and_export_cache(tmp_path):
-    """Without --smoke: the model comes from the export cache (a tiny export placed under its
-    recipe key: reused, no exporter needed); a ceiling below 90% of --quiet-ceiling makes the
-    run not quotable, written beside (never over) a quotable table; a cached file that no longer
-    matches its entry is not benchmarked."""
+    """Without --smoke: the models come from the export cache (tiny exports placed under their
+    recipe keys: reused, no exporter needed); a ceiling below 90% of --quiet-ceiling makes the
+    run not quotable, written beside (never over) a quotable table; a model that cannot run is
+    a failed row (exit 1), the others are measured; a cached file that no longer matches its
+    entry is not benchmarked."""
     wm = _whole_models_module()
     fixture = REPO / "tests" / "fixtures" / "whole_models"
-    cached = tmp_path / "cache" / f"bert_base-{wm.recipe_key(wm.load_exporter(), 'bert_base')}"
-    cached.mkdir(parents=True)
-    for suffix in (".onnx", ".json"):
-        (cached / f"bert_base{suffix}").write_bytes((fixture / f"bert_base{suffix}").read_bytes())
-    args = ("--only", "bert_base", "--repeat", 3, "--cache-dir", tmp_path / "cache", "--out", tmp_path / "res")
-    out = _run("whole_models.py", *args, "--quiet-ceiling", 1e9, cwd=tmp_path)
-    assert "**NOT QUOTABLE**: SGEMM ceiling" in out and "below 90% of the quiet" in out, out
+    exporter = wm.load_exporter()
+    for name in ("bert_base", "gpt2_small"):
+        d = tmp_path / "cache" / f"{name}-{wm.recipe_key(exporter, name)}"
+        d.mkdir(parents=True)
+        for suffix in (".onnx", ".json"):
+            (d / f"{name}{suffix}").write_bytes((fixture / f"{name}{suffix}").read_bytes())
+    cached = tmp_path / "cache" / f"bert_base-{wm.recipe_key(exporter, 'bert_base')}"
+    entry = json.loads((fixture / "gpt2_small.json").read_text())
+    (tmp_path / "cache" / f"gpt2_small-{wm.recipe_key(exporter, 'gpt2_small')}" / "gpt2_small.json").write_text(
+        json.dumps({**entry, "run_inputs": {"pixel_values": [1, 3, 8, 8]}}))  # not an input of GPT-2
+    args = ("--repeat", 3, "--cache-dir", tmp_path / "cache", "--out", tmp_path / "res")
+    p = subprocess.run([sys.executable, str(BENCH / "whole_models.py"), "--only", "bert_base,gpt2_small",
+                        *map(str, args), "--quiet-ceiling", "1e9"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.returncode, p.stdout, p.stderr)
+    assert "**NOT QUOTABLE**: SGEMM ceiling" in p.stdout and "below 90% of the quiet" in p.stdout, p.stdout
+    assert "gpt2_small: FAILED: " in p.stdout and "Failed (not in the table):" in p.stdout, p.stdout
     doc = json.loads(next((tmp_path / "res").glob("whole-models-*-not-quotable.json")).read_text())
-    assert doc["quotable"] is False and doc["models"][0]["reused_export"] is True
+    assert doc["quotable"] is False and [m["model"] for m in doc["models"]] == ["bert_base"]
+    assert doc["models"][0]["reused_export"] is True and "pixel_values" in doc["failed"][0]["error"]
     assert doc["quiet_ceiling"] == {"gflops": 1e9, "source": "--quiet-ceiling"}
+    args = ("--only", "bert_base", *args)
     data = bytearray((cached / "bert_base.onnx").read_bytes())
     data[-1] ^= 1
     (cached / "bert_base.onnx").write_bytes(bytes(data))
