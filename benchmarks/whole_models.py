@@ -129,8 +129,11 @@ def cached_export(mod, name: str, cache: Path, export_python: str | None) -> tup
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
     try:
-        p = subprocess.run([export_python, str(EXPORTER), "whole", "--models", name, "--out", str(tmp)],
-                           capture_output=True, text=True)
+        try:
+            p = subprocess.run([export_python, str(EXPORTER), "whole", "--models", name, "--out", str(tmp)],
+                               capture_output=True, text=True)
+        except OSError as e:
+            raise UserError(f"--export-python {export_python}: cannot run it ({e.strerror or e})") from None
         if p.returncode != 0:
             tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise UserError(f"exporting {name} with {export_python} failed (rc {p.returncode}): {tail}")
@@ -287,6 +290,8 @@ def run(a, mod) -> int:
     if unknown or not names:
         raise UserError(f"unknown model(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(table)}")
     repeat = 3 if a.smoke else a.repeat  # 3: bench's minimum
+    if repeat < 3:
+        raise UserError("--repeat must be at least 3")
     out = Path(a.out)
     if a.smoke:
         quiet = (a.quiet_ceiling, "--quiet-ceiling") if a.quiet_ceiling else None

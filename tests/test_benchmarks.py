@@ -229,6 +229,10 @@ def test_whole_models_quiet_ceiling(tmp_path):
     line = _whole_models_fails("--only", "bert_base", "--out", res, cwd=tmp_path)
     assert "no quiet SGEMM ceiling" in line and "--quiet-ceiling" in line, line
     assert "unknown model(s) nope" in _whole_models_fails("--only", "nope", "--quiet-ceiling", 1, cwd=tmp_path)
+    assert "--repeat must be at least 3" in _whole_models_fails("--repeat", 2, "--quiet-ceiling", 1, cwd=tmp_path)
+    line = _whole_models_fails("--only", "bert_base", "--quiet-ceiling", 1, "--cache-dir", tmp_path / "empty",
+                               "--export-python", tmp_path / "no-such-python", cwd=tmp_path)
+    assert "--export-python" in line and "cannot run it" in line, line
     (res / "quiet-2026-11-30").mkdir()
     (res / "quiet-2026-11-30" / "conv.json").write_text(json.dumps({"reports": {"a": {"sgemm_gflops": 170.0},
                                                                                 "b": {"sgemm_gflops": 190.0}}}))
