@@ -38,6 +38,43 @@ class KernelProfile:
     pct: float
 
 
+# Where a model's time goes, by kind of kernel (bench --profile, benchmarks/whole_models.py).
+# A fused kernel is named after its ops (fused_matmul2_divide_erf_...): the first rule that
+# matches a word of the name decides, so a matmul with its gelu epilogue is a GEMM and
+# conv-gemm's im2col/GEMM pair is conv. An unfused softmax is attention's.
+KERNEL_CLASSES = ("GEMM", "attention", "conv", "elementwise/norm", "other")
+_CLASS_WORDS = (
+    ("attention", ("attention", "softmax")),
+    ("conv", ("conv", "conv1d", "conv2d", "im2col")),
+    ("GEMM", ("matmul", "gemm", "dense", "bmm", "packed")),
+    ("elementwise/norm", ("norm", "layer_norm", "group_norm", "rms_norm", "mean", "variance", "rsqrt", "sqrt",
+                          "power", "square", "cube", "add", "subtract", "multiply", "divide", "erf", "tanh",
+                          "sigmoid", "exp", "relu", "gelu", "silu", "maximum", "minimum", "where", "cast", "negative",
+                          "clip", "fast", "sum", "max", "min")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class of one profiled kernel: GEMM, attention, conv, elementwise/norm or other
+    (layout and data movement: reshape, transpose, split, concatenate, take, ...)."""
+    words = name.lower().split("_")
+    low = name.lower()
+    for cls, keys in _CLASS_WORDS:
+        # whole words (add1 counts as add: a numeric suffix is TVM's uniquifier)
+        if any(w.rstrip("0123456789") in keys for w in words) or any(k in low for k in keys if "_" in k):
+            return cls
+    return "other"
+
+
+def class_shares(kernels: list["KernelProfile"]) -> dict[str, float]:
+    """Percent of the profiled kernel time per class (every class present, summing to 100)."""
+    total = sum(k.total_ms for k in kernels)
+    shares = {c: 0.0 for c in KERNEL_CLASSES}
+    for k in kernels:
+        shares[kernel_class(k.name)] += k.total_ms
+    return {c: (100 * v / total if total else 0.0) for c, v in shares.items()}
+
+
 def summarize(samples: dict[str, list[float]], peers: set[str], flops: int,
               sgemm_gflops: float) -> tuple[list[ContenderResult], str | None]:
     """Results in `samples` order, and the best peer's name (None when no peer ran)."""
@@ -116,7 +153,9 @@ class BenchReport:
             lines.append(f"| {r.name} | {'peer' if r.peer else 'blockforge'} | {r.median_ms:.3f} | {r.p90_ms:.3f} | "
                          f"{r.gflops:.1f} | {ratio} | {r.pct_of_sgemm:.0f}% |")
         for name, kernels in self.profile.items():
-            lines += ["", f"profile of {name} (per run):", "", "| kernel | calls | ms | % |", "|---|---|---|---|"]
+            by_class = ", ".join(f"{c} {v:.0f}%" for c, v in class_shares(kernels).items() if v >= 0.5)
+            lines += ["", f"profile of {name} (per run; by class: {by_class}):", "",
+                      "| kernel | calls | ms | % |", "|---|---|---|---|"]
             lines += [f"| {k.name} | {k.calls} | {k.total_ms:.3f} | {k.pct:.1f}% |" for k in kernels]
         return "\n".join(lines)
 

@@ -201,14 +201,7 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
             torch.onnx.export(wrapped, args, str(path), input_names=names, output_names=["last_hidden_state"],
                               dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True)
         else:
-            # Dim.DYNAMIC, as most users write it: torch names the dims itself (s33, s50, ...),
-            # which is what binding by whole input shapes (--shape input_ids=1x128) is for.
-            dyn = torch.export.Dim.DYNAMIC
-            shapes = tuple({0: dyn} if n in ("pixel_values", "input_features") else {0: dyn, 1: dyn} for n in names)
-            prog = torch.onnx.export(wrapped, args, input_names=names, output_names=["last_hidden_state"],
-                                     dynamic_shapes=(shapes,), opset_version=opset, dynamo=True, optimize=True,
-                                     verify=False, external_data=False)
-            prog.save(str(path), external_data=False)
+            _dynamo_export(wrapped, args, names, opset, path)
     config = dict(size["swin"]) if kind == "swin" else \
         {**_config(base, size), **({"audio": dict(size["audio"])} if base in AUDIO_MODELS else {})}
     entry = _finish_export(path, kind, exporter, opset, config)
@@ -216,6 +209,24 @@ def export_one(kind: str, exporter: str, opset: int, size: dict, path: Path) -> 
         entry.update(attention="sdpa" if kind.endswith(SDPA_SUFFIX) else "eager",
                      attention_layers=_attention_layers(base, size))
     return entry
+
+
+def _dynamo_export(wrapped, args: tuple, names: list[str], opset: int, path: Path, decompose: bool = False) -> None:
+    """decompose: torch.export with torch's default decompositions first, then the ONNX
+    exporter on that program (for a model its own decomposition step fails on)."""
+    import torch
+
+    # Dim.DYNAMIC, as most users write it: torch names the dims itself (s33, s50, ...),
+    # which is what binding by whole input shapes (--shape input_ids=1x128) is for.
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = tuple({0: dyn} if n in ("pixel_values", "input_features") else {0: dyn, 1: dyn} for n in names)
+    if decompose:
+        wrapped = torch.export.export(wrapped, args, dynamic_shapes=(shapes,), strict=False).run_decompositions()
+        args = ()
+    prog = torch.onnx.export(wrapped, args, input_names=names, output_names=["last_hidden_state"],
+                             dynamic_shapes=None if decompose else (shapes,), opset_version=opset, dynamo=True, optimize=True,
+                             verify=False, external_data=False)
+    prog.save(str(path), external_data=False)
 
 
 def _finish_export(path: Path, kind: str, exporter: str, opset: int, config: dict) -> dict:
@@ -369,15 +380,141 @@ def export_decoder(kind: str, exporter: str, opset: int, size: dict, path: Path)
     return entry
 
 
+# ------------------------------------------------------------------ the whole-model peer table
+# benchmarks/whole_models.py (issue #20): each model as a user exports it, full size, random
+# weights from its config, transformers' default attention (SDPA where the model has it), the
+# dynamo exporter at opset 18, batch (and seq) dynamic. Each entry: the family, the inputs the
+# table runs (batch 1), and the config's sizes, full and tiny (`whole --tiny`: the same recipes
+# at toy sizes, committed as tests/fixtures/whole_models/, the script's --smoke models).
+WHOLE_OPSET = 18
+_TEXT = {"full": {"input_ids": [1, 128], "attention_mask": [1, 128]},
+         "tiny": {"input_ids": [1, 8], "attention_mask": [1, 8]}}
+_IMAGE = {"full": {"pixel_values": [1, 3, 224, 224]}, "tiny": {"pixel_values": [1, 3, 32, 32]}}
+_ENC = dict(full=dict(hidden=768, heads=12, layers=12, ff=3072), tiny=dict(hidden=32, heads=2, layers=2, ff=64))
+WHOLE = {
+    "bert_base": dict(family="bert", inputs=_TEXT, size={"full": dict(_ENC["full"], vocab=30522),
+                                                       "tiny": dict(_ENC["tiny"], vocab=128)}),
+    "gpt2_small": dict(family="gpt2", inputs=_TEXT, size={"full": dict(_ENC["full"], vocab=50257),
+                                                        "tiny": dict(_ENC["tiny"], vocab=128)}),
+    # Llama-style: 12 query heads over 4 key/value heads, SwiGLU 2048 (~8/3 x 768), RMSNorm, RoPE
+    "llama_gqa": dict(family="llama", inputs=_TEXT,
+                      size={"full": dict(hidden=768, heads=12, kv_heads=4, layers=12, ff=2048, vocab=32000),
+                            "tiny": dict(hidden=32, heads=4, kv_heads=2, layers=2, ff=64, vocab=128)}),
+    "vit_b16": dict(family="vit", inputs=_IMAGE, size={"full": dict(_ENC["full"], image=224, patch=16),
+                                                     "tiny": dict(_ENC["tiny"], image=32, patch=8)}),
+    # Whisper-base's encoder: 512 wide, 6 layers, 8 heads; 30 s of audio = 80 mel x 3000 frames
+    "whisper_base_encoder": dict(family="whisper",
+                                 inputs={"full": {"input_features": [1, 80, 3000]},
+                                         "tiny": {"input_features": [1, 8, 32]}},
+                                 size={"full": dict(hidden=512, heads=8, layers=6, ff=2048, mel=80, frames=3000),
+                                       "tiny": dict(_ENC["tiny"], mel=8, frames=32)}),
+    # Wav2Vec2-base: 1 s of 16 kHz audio
+    "wav2vec2_base": dict(family="wav2vec2",
+                          inputs={"full": {"input_values": [1, 16000]}, "tiny": {"input_values": [1, 400]}},
+                          size={"full": dict(_ENC["full"], **AUDIO["full"]), "tiny": dict(_ENC["tiny"], **AUDIO["tiny"])}),
+    # CLIP ViT-B/32's vision tower (transformers' CLIPVisionConfig defaults), quick_gelu
+    "clip_vision": dict(family="clip_vision", inputs=_IMAGE, size={"full": dict(_ENC["full"], image=224, patch=32),
+                                                                 "tiny": dict(_ENC["tiny"], image=32, patch=8)}),
+    # T5-base's encoder: relative position bias, RMSNorm, ReLU FFN, d_kv 64. torch 2.13's ONNX
+    # exporter fails in its own decomposition step, static shapes or not ("Cannot view a tensor
+    # with shape [1, 8, 2, 16] ... as (1, 8, 32)": a reshape made a view), so torch.export's
+    # default decompositions run first (`decompose`); the ONNX exporter then takes that program.
+    "t5_base_encoder": dict(family="t5", inputs=_TEXT, decompose=True, size={"full": dict(_ENC["full"], vocab=32128),
+                                                           "tiny": dict(_ENC["tiny"], vocab=128)}),
+}
+
+
+def make_whole(name: str, tiny: bool):
+    """A WHOLE entry's random-weight model (eval mode) and example inputs (batch 2, so the
+    exporter keeps batch dynamic; text seq 16 keeps seq dynamic)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    e = WHOLE[name]
+    s = e["size"]["tiny" if tiny else "full"]
+    h, heads, layers, ff = s["hidden"], s["heads"], s["layers"], s["ff"]
+    fam = e["family"]
+    if fam == "bert":
+        model = tf.BertModel(tf.BertConfig(vocab_size=s["vocab"], hidden_size=h, num_hidden_layers=layers,
+                                           num_attention_heads=heads, intermediate_size=ff), add_pooling_layer=False)
+    elif fam == "gpt2":
+        model = tf.GPT2Model(tf.GPT2Config(vocab_size=s["vocab"], n_embd=h, n_layer=layers, n_head=heads, n_inner=ff,
+                                           use_cache=False))
+    elif fam == "llama":
+        model = tf.LlamaModel(tf.LlamaConfig(vocab_size=s["vocab"], hidden_size=h, num_hidden_layers=layers,
+                                             num_attention_heads=heads, num_key_value_heads=s["kv_heads"],
+                                             intermediate_size=ff, use_cache=False))
+    elif fam == "vit":
+        model = tf.ViTModel(tf.ViTConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                         intermediate_size=ff, image_size=s["image"], patch_size=s["patch"]),
+                            add_pooling_layer=False)
+    elif fam == "whisper":
+        cfg = tf.WhisperConfig(d_model=h, encoder_layers=layers, encoder_attention_heads=heads, encoder_ffn_dim=ff,
+                               decoder_layers=1, decoder_attention_heads=heads, decoder_ffn_dim=ff,
+                               num_mel_bins=s["mel"], max_source_positions=s["frames"] // 2)
+        model = tf.models.whisper.modeling_whisper.WhisperEncoder(cfg)
+    elif fam == "wav2vec2":
+        model = tf.Wav2Vec2Model(tf.Wav2Vec2Config(
+            hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=ff,
+            conv_dim=s["conv_dim"], conv_kernel=s["conv_kernel"], conv_stride=s["conv_stride"],
+            num_conv_pos_embeddings=s["pos_kernel"], num_conv_pos_embedding_groups=s["pos_groups"],
+            feat_extract_norm="group", do_stable_layer_norm=False, mask_time_prob=0.0))
+    elif fam == "clip_vision":
+        model = tf.CLIPVisionModel(tf.CLIPVisionConfig(hidden_size=h, num_hidden_layers=layers,
+                                                       num_attention_heads=heads, intermediate_size=ff,
+                                                       image_size=s["image"], patch_size=s["patch"]))
+    elif fam == "t5":
+        model = tf.T5EncoderModel(tf.T5Config(vocab_size=s["vocab"], d_model=h, d_kv=h // heads, d_ff=ff,
+                                              num_layers=layers, num_heads=heads, feed_forward_proj="relu",
+                                              use_cache=False))
+    else:
+        raise ValueError(fam)
+    example = {}
+    for n, shape in e["inputs"]["tiny" if tiny else "full"].items():
+        shape = [2, *shape[1:]] if n not in ("input_ids", "attention_mask") else [2, 16]
+        example[n] = (torch.randint(0, s["vocab"], shape) if n == "input_ids" else
+                      torch.ones(shape, dtype=torch.int64) if n == "attention_mask" else torch.randn(*shape))
+    return model.eval(), example
+
+
+def export_whole(name: str, tiny: bool, path: Path) -> dict:
+    """One WHOLE model: the ONNX file and its entry (sha256, config, the inputs to run, versions)."""
+    import torch
+    import transformers
+
+    model, example = make_whole(name, tiny)
+    names = list(example)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _dynamo_export(_Wrapped(model, names), tuple(example.values()), names, WHOLE_OPSET, path,
+                       decompose=WHOLE[name].get("decompose", False))
+    e = WHOLE[name]
+    entry = _finish_export(path, name, "dynamo", WHOLE_OPSET, dict(e["size"]["tiny" if tiny else "full"]))
+    entry.update(family=e["family"], size="tiny" if tiny else "full", run_inputs=e["inputs"]["tiny" if tiny else "full"],
+                 versions={"torch": torch.__version__, "transformers": transformers.__version__})
+    return entry
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["tiny", "full"])
+    ap.add_argument("what", choices=["tiny", "full", "whole"])
+    ap.add_argument("--tiny", action="store_true", help="whole: the toy-size recipes (whole_models.py --smoke)")
     ap.add_argument("--models", default=",".join(MODELS + DECODERS))
     ap.add_argument("--exporters", default=",".join(EXPORTERS))
     ap.add_argument("--opsets", default=None, help="comma list (tiny default 17,18; full default 17)")
     ap.add_argument("--layers", type=int, default=None, help="full: layers (default the real model's: 12, DistilBERT 6)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.what == "whole":  # whole_models.py's table: <out>/<name>.onnx + <name>.json each
+        out = Path(a.out) if a.out else FULL
+        names = list(WHOLE) if a.models == ap.get_default("models") else a.models.split(",")
+        for name in names:
+            entry = export_whole(name, a.tiny, out / f"{name}.onnx")
+            (out / f"{name}.json").write_text(json.dumps(entry, indent=1) + "\n")
+            print(f"wrote {out / name}.onnx ({entry['bytes'] / 1024:.0f} KiB)", flush=True)
+        return 0
     tiny = a.what == "tiny"
     size = dict(TINY if tiny else FULL_SIZE, swin=SWIN[a.what], audio=AUDIO[a.what])
     if a.layers:

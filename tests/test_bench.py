@@ -260,3 +260,17 @@ def test_bench_cli_json_plot_profile(tmp_path):
     assert kernels and all(k["calls"] >= 1 and k["total_ms"] > 0 for k in kernels)
     assert any("matmul" in k["name"] for k in kernels)
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kernel_classes_name_where_the_time_goes():
+    """bench --profile's classes, from kernel names as the compiled models have them."""
+    from blockforge.bench.report import KernelProfile, class_shares, kernel_class
+
+    cases = {"fused_matmul2_divide_erf_add3_multiply1_multiply2": "GEMM", "matmul5": "GEMM", "bf16_gemm_0": "GEMM",
+             "fused_attention_1": "attention", "softmax": "attention", "conv_im2col": "conv", "conv_gemm1": "conv",
+             "layer_norm": "elementwise/norm", "fused_power_mean_add_rsqrt_multiply": "elementwise/norm",
+             "fused_add1_add1": "elementwise/norm", "fused_reshape_transpose1": "other", "take": "other",
+             "split": "other"}
+    assert {n: kernel_class(n) for n in cases} == cases
+    shares = class_shares([KernelProfile("matmul", 1, 3.0, 0), KernelProfile("layer_norm", 1, 1.0, 0)])
+    assert shares == {"GEMM": 75.0, "attention": 0.0, "conv": 0.0, "elementwise/norm": 25.0, "other": 0.0}

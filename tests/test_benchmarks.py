@@ -9,6 +9,7 @@ goes end to end. A new script under benchmarks/ must get a case here (the last t
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -145,8 +146,110 @@ def test_bf16_gemm(tmp_path):
     assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and "blockforge bf16:" in out), out
 
 
+def _whole_models_module():
+    spec = importlib.util.spec_from_file_location("whole_models", BENCH / "whole_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _whole_models_fails(*args, cwd: Path) -> str:
+    p = subprocess.run([sys.executable, str(BENCH / "whole_models.py"), *map(str, args)], cwd=cwd,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("whole_models.py: error: "), p.stderr
+    return lines[0]
+
+
+def test_whole_models(tmp_path):
+    """--smoke on the committed tiny Wav2Vec2 (convolutions, attention and GEMMs in one model):
+    every field the table promises is in the JSON, the markdown has its rows, the PNG is written."""
+    out = _run("whole_models.py", "--smoke", "--only", "wav2vec2_base", "--out", tmp_path / "res", cwd=tmp_path)
+    assert "wav2vec2_base: blockforge (untuned) at" in out, out
+    res = tmp_path / "res"
+    assert sorted(p.name for p in res.iterdir()) == [f"whole-models-smoke.{x}" for x in ("json", "md", "png")]
+    doc = json.loads((res / "whole-models-smoke.json").read_text())
+    assert doc["schema"] == "blockforge.whole_models/1" and doc["quotable"] is False
+    assert doc["host"]["cpu_model"] and {"apache-tvm", "numpy"} <= set(doc["host"]["versions"])
+    assert {"torch", "transformers"} <= set(doc["export_versions"])
+    assert set(doc["sgemm"]["per_measurement"]) == {"before", "wav2vec2_base", "after"}
+    (m,) = doc["models"]
+    assert m["model"] == "wav2vec2_base" and m["inputs"] == {"input_values": [1, 400]} and m["gflop"] > 0
+    assert set(m["load_avg_1m"]) == {"before", "after"} and m["threads"] >= 1
+    u = m["contenders"]["untuned"]
+    assert u["ms"]["p10"] <= u["ms"]["median"] <= u["ms"]["p90"] and u["gflops"] > 0 and u["pct_of_sgemm"] > 0
+    assert m["contenders"]["ort"]["ratio_to_best_peer"] is not None and m["best_peer"] in m["contenders"]
+    assert m["headline"]["contender"] == "untuned"
+    classes = m["profile"]["classes_pct"]
+    assert list(classes) == ["GEMM", "attention", "conv", "elementwise/norm", "other"]
+    assert abs(sum(classes.values()) - 100) < 1e-6 and classes["conv"] > 0 and classes["GEMM"] > 0
+    assert m["profile"]["top_kernels"] and doc["reports"]["wav2vec2_base"]["schema"] == "blockforge.bench/3"
+    md = (res / "whole-models-smoke.md").read_text()
+    assert "**NOT QUOTABLE**: --smoke" in md and "| wav2vec2_base | " in md and "| GEMM | attention | conv |" in md
+
+
+def test_whole_models_quotable_gate_and_export_cache(tmp_path):
+    """Without --smoke: the models come from the export cache (tiny exports placed under their
+    recipe keys: reused, no exporter needed); a ceiling below 90% of --quiet-ceiling makes the
+    run not quotable, written beside (never over) a quotable table; a model that cannot run is
+    a failed row (exit 1), the others are measured; a cached file that no longer matches its
+    entry is not benchmarked."""
+    wm = _whole_models_module()
+    fixture = REPO / "tests" / "fixtures" / "whole_models"
+    exporter = wm.load_exporter()
+    for name in ("bert_base", "gpt2_small"):
+        d = tmp_path / "cache" / f"{name}-{wm.recipe_key(exporter, name)}"
+        d.mkdir(parents=True)
+        for suffix in (".onnx", ".json"):
+            (d / f"{name}{suffix}").write_bytes((fixture / f"{name}{suffix}").read_bytes())
+    cached = tmp_path / "cache" / f"bert_base-{wm.recipe_key(exporter, 'bert_base')}"
+    entry = json.loads((fixture / "gpt2_small.json").read_text())
+    (tmp_path / "cache" / f"gpt2_small-{wm.recipe_key(exporter, 'gpt2_small')}" / "gpt2_small.json").write_text(
+        json.dumps({**entry, "run_inputs": {"pixel_values": [1, 3, 8, 8]}}))  # not an input of GPT-2
+    args = ("--repeat", 3, "--cache-dir", tmp_path / "cache", "--out", tmp_path / "res")
+    p = subprocess.run([sys.executable, str(BENCH / "whole_models.py"), "--only", "bert_base,gpt2_small",
+                        *map(str, args), "--quiet-ceiling", "1e9"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.returncode, p.stdout, p.stderr)
+    assert "**NOT QUOTABLE**: SGEMM ceiling" in p.stdout and "below 90% of the quiet" in p.stdout, p.stdout
+    assert "gpt2_small: FAILED: " in p.stdout and "Failed (not in the table):" in p.stdout, p.stdout
+    doc = json.loads(next((tmp_path / "res").glob("whole-models-*-not-quotable.json")).read_text())
+    assert doc["quotable"] is False and [m["model"] for m in doc["models"]] == ["bert_base"]
+    assert doc["models"][0]["reused_export"] is True and "pixel_values" in doc["failed"][0]["error"]
+    assert doc["quiet_ceiling"] == {"gflops": 1e9, "source": "--quiet-ceiling"}
+    args = ("--only", "bert_base", *args)
+    data = bytearray((cached / "bert_base.onnx").read_bytes())
+    data[-1] ^= 1
+    (cached / "bert_base.onnx").write_bytes(bytes(data))
+    line = _whole_models_fails(*args, "--quiet-ceiling", 1, cwd=tmp_path)
+    assert "bert_base is not in the cache" in line and "--export-python" in line, line
+
+
+def test_whole_models_quiet_ceiling(tmp_path):
+    """The default --quiet-ceiling is the newest quiet value under --out; none: exit 2, one line."""
+    wm = _whole_models_module()
+    res = tmp_path / "res"
+    res.mkdir()
+    line = _whole_models_fails("--only", "bert_base", "--out", res, cwd=tmp_path)
+    assert "no quiet SGEMM ceiling" in line and "--quiet-ceiling" in line, line
+    assert "unknown model(s) nope" in _whole_models_fails("--only", "nope", "--quiet-ceiling", 1, cwd=tmp_path)
+    assert "--repeat must be at least 3" in _whole_models_fails("--repeat", 2, "--quiet-ceiling", 1, cwd=tmp_path)
+    line = _whole_models_fails("--only", "bert_base", "--quiet-ceiling", 1, "--cache-dir", tmp_path / "empty",
+                               "--export-python", tmp_path / "no-such-python", cwd=tmp_path)
+    assert "--export-python" in line and "cannot run it" in line, line
+    (res / "quiet-2026-11-30").mkdir()
+    (res / "quiet-2026-11-30" / "conv.json").write_text(json.dumps({"reports": {"a": {"sgemm_gflops": 170.0},
+                                                                                "b": {"sgemm_gflops": 190.0}}}))
+    assert wm.last_quiet_ceiling(res) == (180.0, f"{res / 'quiet-2026-11-30'} (median of 2 ceilings)")
+    table = {"schema": wm.SCHEMA, "date": "2026-12-01T10:00:00Z", "quotable": True, "sgemm": {"median": 200.0}}
+    (res / "whole-models-vm.json").write_text(json.dumps(table))
+    (res / "whole-models-vm-not-quotable.json").write_text(json.dumps({**table, "date": "2026-12-02", "quotable": False}))
+    assert wm.last_quiet_ceiling(res) == (200.0, str(res / "whole-models-vm.json"))
+
+
 SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
-          "ragged_matmul.py", "peers.py", "run.py", "ship_records.py", "export_models.py"}
+          "ragged_matmul.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 
 
 def test_every_benchmark_script_has_a_smoke_run():
