@@ -24,12 +24,6 @@ value (--quiet-ceiling, default: the last quiet value under --out, from a quotab
 this script or a quiet-YYYY-MM-DD/ pass). Writes <out>/whole-models-<host>.{json,md,png};
 a run that is not quotable goes to whole-models-<host>-not-quotable.* (never over a quotable
 table), --smoke to whole-models-smoke.*. A model that cannot run is a "failed" row (exit 1).
-
-Known (2026-12-01): with isolation on, the prelude's child externalizes tensors over 1 KiB
-before onnxslim folds the model, and onnxslim then loses their external-data location
-("folding failed ... Location of external TensorProto ... should not be empty" in the log), so
-a dynamo export that needs folding (BERT-base) fails to import; BLOCKFORGE_ISOLATE=0 (these
-are our own exports) prepares in-process, where folding works.
 """
 
 from __future__ import annotations
