@@ -38,6 +38,7 @@ ABLATIONS = {
     "patch-conv": "patch-embedding convolutions as im2col + matmul (fast_math)",
     "conv-gemm": "conv1d/conv2d as im2col + packed GEMM with fused epilogue (phase conv-gemm, compile/conv)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
+    "matvec": "the CPU rule for packed matmuls of <= 4 rows (decode steps; left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the VNNI int8 kernel (left out: TVM's int32 "
@@ -154,12 +155,14 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     if target.is_gpu:
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
     from blockforge.compile.schedule.elementwise import CPUElementwise
+    from blockforge.compile.schedule.matvec import CPUMatvec
     from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
     from blockforge.compile.schedule.rules import default_cpu_rules
 
     from blockforge.compile.conv.schedule import CPUIm2col
 
-    rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
+    rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))
+             and not ("matvec" in without and isinstance(r, CPUMatvec))]
     return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
 
 
