@@ -16,7 +16,7 @@ from tvm import te, tirx  # noqa: E402
 
 from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
 from blockforge.compile.onnx_backend import BlockforgeBackend  # noqa: E402
-from blockforge.compile.passes.prepack import packed_matmul  # noqa: E402
+from blockforge.compile.passes.prepack import PACKED_BLOCK, packed_matmul  # noqa: E402
 from blockforge.compile.pipeline import default_rules, run_phases  # noqa: E402
 from blockforge.compile.schedule.matvec import CPUMatvec  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
@@ -48,6 +48,18 @@ def _apply(rule, func):
 def test_matvec_takes_at_most_four_rows(rows, applies):
     """Rows are batch x M: (2, 2) is 4 rows, (2, 3) is 6: CPUMatmul's 6-row tile then."""
     assert (_apply(CPUMatvec(), _packed(rows, 32, 2)) is not None) == applies
+
+
+def test_conv_gemm_packed_operand_is_not_a_matvec():
+    """conv-gemm's packed block (compile/conv/rewrite.py) reads im2col columns (batch, group,
+    L/NR, K, NR): its 2 output channels are no matvec rows; CPUMatmul keeps it."""
+    k = 32
+    w = te.placeholder((1, 2, k), "float32", name="w")
+    cols = te.placeholder((1, 1, 2, k, 64), "float32", name="cols")
+    r = te.reduce_axis((0, k), name="k")
+    y = te.compute((1, 2, 128), lambda n, o, j: te.sum(w[0, o, r] * cols[n, 0, j // 64, r, j % 64], axis=r),
+                   name=PACKED_BLOCK)
+    assert _apply(CPUMatvec(), te.create_prim_func([w, cols, y]).with_attr("global_symbol", "main")) is None
 
 
 def test_panels_are_split_over_the_cores():

@@ -50,6 +50,10 @@ class CPUMatvec(CPURule):
         if mm is None:
             return None
         nr = packed_panel_width(sch.get(mm))
+        # prepack's weights (N/NR, K, NR) only: conv-gemm's packed im2col operand carries batch
+        # and group axes, whose extents are not rows
+        if nr and len(sch.get(mm).reads[1].source.shape) != 3:
+            return None
         rows = matvec_rows(sch, mm) if nr else None
         if rows is None or rows > MATVEC_ROWS:
             return None  # CPUMatmul's case
