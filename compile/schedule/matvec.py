@@ -68,12 +68,12 @@ class CPUMatvec(CPURule):
         # NR_VECS vector chains per row: a 64-wide panel is 4 zmm, but 8 ymm (AVX2) or 16 q (NEON)
         # registers per row, so narrower targets take the panel in column strips (rows x
         # NR_VECS registers each), every strip of it still read once.
-        cols = min(nr, NR_VECS * lanes)
+        cols = NR_VECS * lanes if nr % (NR_VECS * lanes) == 0 else nr  # strips tile the panel exactly
         jo, js, ji = sch.split(j, [None, nr // cols, cols])
         sch.reorder(jo, js, k, *rowloops, ji)
         epilogue = list(blocks[idx + 1:])
         collapse_epilogue(sch, epilogue, "CPUMatvec", func)
-        acc = sch.cache_write(mm, 0, "local")  # rows x NR: registers
+        acc = sch.cache_write(mm, 0, "local")  # rows x cols: registers
         fold_into_writeback(sch, epilogue, "CPUMatvec", func, mm)
         sch.reverse_compute_at(acc, js, preserve_unit_loops=True)
         for b in epilogue:
