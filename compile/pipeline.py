@@ -42,6 +42,7 @@ ABLATIONS = {
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
+    "matvec": "the CPU rule for packed matmuls of <= 4 rows (decode steps; left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
@@ -166,12 +167,14 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     if target.is_gpu:
         return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
     from blockforge.compile.schedule.elementwise import CPUElementwise
+    from blockforge.compile.schedule.matvec import CPUMatvec
     from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
     from blockforge.compile.schedule.rules import default_cpu_rules
 
     from blockforge.compile.conv.schedule import CPUIm2col
 
-    rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))]
+    rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))
+             and not ("matvec" in without and isinstance(r, CPUMatvec))]
     return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
 
 

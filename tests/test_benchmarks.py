@@ -248,10 +248,20 @@ def test_whole_models_quiet_ceiling(tmp_path):
     assert wm.last_quiet_ceiling(res) == (200.0, str(res / "whole-models-vm.json"))
 
 
+def test_matvec(tmp_path):
+    out = _run("matvec.py", "--smoke", cwd=tmp_path)
+    for case in ("read, 1 thread", "96x273 read", "96x273 CPUMatmul", "96x273 CPUMatvec 1 thread"):
+        assert f"| {case} |" in out, out
+    out = _run("matvec.py", "--model", REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx", "--past", 4,
+               "--repeat", 3, cwd=tmp_path)
+    assert "| blockforge |" in out and "| without matvec |" in out and "| ort |" in out, out
+
+
 SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
-          "ragged_matmul.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
+          "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 
 
 def test_every_benchmark_script_has_a_smoke_run():
     scripts = {p.name for p in BENCH.glob("*.py")}
     assert scripts == SMOKED, f"give the new script a smoke test here: {sorted(scripts ^ SMOKED)}"
+

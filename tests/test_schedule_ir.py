@@ -15,6 +15,7 @@ tvm = pytest.importorskip("tvm")
 from tvm.script import tirx as T  # noqa: E402
 
 from blockforge.compile.schedule.matmul import CPUMatmul
+from blockforge.compile.schedule.matvec import CPUMatvec
 from blockforge.compile.schedule.reduction import CPURowReduction
 from blockforge.compile.schedule.base import vector_lanes  # noqa: E402
 
@@ -102,6 +103,79 @@ def _matmul_expected(nr: int):
 @pytest.mark.parametrize("target, nr", [(AVX512, 64), (AVX2, 32)])
 def test_matmul_static(target, nr):
     tvm.ir.assert_structural_equal(_schedule(CPUMatmul(), matmul_before, target), _matmul_expected(nr))
+
+
+
+# fmt: off
+@T.prim_func(s_tir=True)
+def matvec_before(a: T.Buffer((2, 96), "float32"), wp: T.Buffer((3, 96, 64), "float32"), b: T.Buffer((192,), "float32"), bias: T.Buffer((2, 192), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    packed_matmul = T.sblock_alloc_buffer((2, 192))
+    for i0, i1, k in T.grid(2, 192, 96):
+        with T.sblock("packed_matmul"):
+            v_i0, v_i1, v_k = T.axis.remap("SSR", [i0, i1, k])
+            T.reads(a[v_i0, v_k], wp[v_i1 // 64, v_k, v_i1 % 64])
+            T.writes(packed_matmul[v_i0, v_i1])
+            with T.init():
+                packed_matmul[v_i0, v_i1] = T.float32(0.0)
+            packed_matmul[v_i0, v_i1] = packed_matmul[v_i0, v_i1] + a[v_i0, v_k] * wp[v_i1 // 64, v_k, v_i1 % 64]
+    for i, j in T.grid(2, 192):
+        with T.sblock("bias"):
+            v_i, v_j = T.axis.remap("SS", [i, j])
+            T.reads(packed_matmul[v_i, v_j], b[v_j])
+            T.writes(bias[v_i, v_j])
+            bias[v_i, v_j] = packed_matmul[v_i, v_j] + b[v_j]
+# fmt: on
+
+
+def _matvec_expected(cols: int):
+    """Two rows on packed (3, 96, 64) panels: each panel's K stream read once (in 64 / cols
+    column strips of 4 vectors), both rows unrolled inside it, no row guard, the bias in the
+    write-back; the panels parallel."""
+
+    @T.prim_func(s_tir=True)
+    def main(a: T.Buffer((2, 96), "float32"), wp: T.Buffer((3, 96, 64), "float32"), b: T.Buffer((192,), "float32"), bias: T.Buffer((2, 192), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        packed_matmul_local = T.sblock_alloc_buffer((2, 192), scope="local")
+        for i1_0 in T.parallel(3):
+            for i1_1 in range(64 // cols):
+                for i0_init in T.unroll(2):
+                    for i1_2_init in T.vectorized(cols):
+                        with T.sblock("packed_matmul_init"):
+                            v_i0 = T.axis.spatial(2, i0_init)
+                            v_i1 = T.axis.spatial(192, i1_0 * 64 + i1_1 * cols + i1_2_init)
+                            T.reads()
+                            T.writes(packed_matmul_local[v_i0, v_i1])
+                            packed_matmul_local[v_i0, v_i1] = T.float32(0.0)
+                for k in range(96):
+                    for i0 in T.unroll(2):
+                        for i1_2 in T.vectorized(cols):
+                            with T.sblock("packed_matmul_update"):
+                                v_i0 = T.axis.spatial(2, i0)
+                                v_i1 = T.axis.spatial(192, i1_0 * 64 + i1_1 * cols + i1_2)
+                                v_k = T.axis.reduce(96, k)
+                                T.reads(packed_matmul_local[v_i0, v_i1], a[v_i0, v_k], wp[v_i1 // 64, v_k, v_i1 % 64])
+                                T.writes(packed_matmul_local[v_i0, v_i1])
+                                packed_matmul_local[v_i0, v_i1] = packed_matmul_local[v_i0, v_i1] + a[v_i0, v_k] * wp[v_i1 // 64, v_k, v_i1 % 64]
+                for ax0 in T.unroll(2):
+                    for ax1 in T.vectorized(cols):
+                        with T.sblock("packed_matmul_local"):
+                            v0 = T.axis.spatial(2, ax0)
+                            if cols == 64:  # one strip: its unit loop simplified out of the write-back
+                                v1 = T.axis.spatial(192, i1_0 * 64 + ax1)
+                            else:
+                                v1 = T.axis.spatial(192, i1_0 * 64 + i1_1 * cols + ax1)
+                            T.reads(packed_matmul_local[v0, v1], b[v1])
+                            T.writes(bias[v0, v1])
+                            bias[v0, v1] = packed_matmul_local[v0, v1] + b[v1]
+
+    return main
+
+
+@pytest.mark.parametrize("target, cols", [(AVX512, 64), (AVX2, 32)])
+def test_matvec_two_rows(target, cols):
+    matvec_before_named = matvec_before.with_attr("global_symbol", "main")
+    tvm.ir.assert_structural_equal(_schedule(CPUMatvec(), matvec_before_named, target), _matvec_expected(cols))
 
 
 # fmt: off
@@ -237,9 +311,10 @@ def test_softmax_row_reduction_static(target, lanes):
     tvm.ir.assert_structural_equal(_schedule(CPURowReduction(), softmax_before, target), _softmax_expected(lanes))
 
 
-@pytest.mark.parametrize("rule", [CPUMatmul(), CPURowReduction()], ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("rule", [CPUMatmul(), CPUMatvec(), CPURowReduction()], ids=lambda r: type(r).__name__)
 def test_cpu_rules_leave_other_targets_alone(rule):
     """One guard for every CPU rule (cpu_schedule.CPURule): a GPU target gets no schedule."""
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
-    assert rule.apply(matmul_before if isinstance(rule, CPUMatmul) else softmax_before, cuda, False) is None
-    assert rule.apply(matmul_before if isinstance(rule, CPUMatmul) else softmax_before, AVX512, False) is not None
+    before = {CPUMatmul: matmul_before, CPUMatvec: matvec_before}.get(type(rule), softmax_before)
+    assert rule.apply(before, cuda, False) is None
+    assert rule.apply(before, AVX512, False) is not None

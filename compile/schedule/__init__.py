@@ -15,8 +15,9 @@ Matmul micro-kernel (C[..., i, j] += A[..., i, k] * B[..., k, j], j contiguous i
 from blockforge.compile.schedule.base import MR, NR_VECS, K_BLOCK, PARTITION_HINT, vector_lanes, CPURule
 from blockforge.compile.schedule.elementwise import CPUElementwise
 from blockforge.compile.schedule.matmul import CPUMatmul, panel_width
+from blockforge.compile.schedule.matvec import CPUMatvec
 from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
 from blockforge.compile.schedule.reduction import CPURowReduction
 from blockforge.compile.schedule.rules import default_cpu_rules
 
-__all__ = ['CPUElementwise', 'CPUMatmul', 'CPUMatmulRaggedN', 'CPURowReduction', 'CPURule', 'K_BLOCK', 'MR', 'NR_VECS', 'PARTITION_HINT', 'default_cpu_rules', 'panel_width', 'vector_lanes']
+__all__ = ['CPUElementwise', 'CPUMatmul', 'CPUMatmulRaggedN', 'CPUMatvec', 'CPURowReduction', 'CPURule', 'K_BLOCK', 'MR', 'NR_VECS', 'PARTITION_HINT', 'default_cpu_rules', 'panel_width', 'vector_lanes']

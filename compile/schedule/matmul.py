@@ -60,7 +60,7 @@ def collapse_epilogue(sch, epilogue, rule: str, func) -> None:
             log_skip(rule, func, f"epilogue {sch.get(b).name_hint} not inlined", e)
 
 
-def _is_crop(sch, b, mm) -> bool:
+def is_crop(sch, b, mm) -> bool:
     """An epilogue block over fewer output positions than the matmul computes (conv/rewrite.py's
     GEMM runs whole panels, then keeps the first L columns)."""
     ext = [const_int(iv.dom.extent) for iv in sch.get(b).iter_vars]
@@ -73,7 +73,7 @@ def fold_into_writeback(sch, epilogue, rule: str, func, mm=None) -> None:
     Not a crop: TVM 0.27's reverse_compute_inline of a block over a smaller domain writes the
     whole tile, past the crop's end (row 1 of a (66, 200) conv output overwritten by row 0's tail)."""
     for b in epilogue:
-        if block_alive(sch, b) and not (mm is not None and _is_crop(sch, b, mm)):
+        if block_alive(sch, b) and not (mm is not None and is_crop(sch, b, mm)):
             try:
                 sch.reverse_compute_inline(b)
             except Exception as e:
@@ -138,13 +138,13 @@ class CPUMatmul(CPURule):
         fold_into_writeback(sch, epilogue, "CPUMatmul", func, mm)
         sch.reverse_compute_at(acc, outer[-1], preserve_unit_loops=True)
         for b in epilogue:
-            if block_alive(sch, b) and _is_crop(sch, b, mm):
+            if block_alive(sch, b) and is_crop(sch, b, mm):
                 # In the tile, after its write-back: the crop's own bounds guard the tail panel.
                 sch.reverse_compute_at(b, outer[-1], preserve_unit_loops=True)
         # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
         # as separate loops after the matmul: parallel over rows, vectorised along j.
         for b in blocks[idx + 1:]:
-            if block_alive(sch, b) and not _is_crop(sch, b, mm):
+            if block_alive(sch, b) and not is_crop(sch, b, mm):
                 schedule_elementwise(sch, b, vector_lanes(target))
         # Vectorize and parallelize while the update is still a complete reduction block.
         sch.vectorize(ji)

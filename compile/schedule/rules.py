@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from blockforge.compile.schedule.matmul import CPUMatmul
+from blockforge.compile.schedule.matvec import CPUMatvec
 from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
 from blockforge.compile.schedule.reduction import CPURowReduction
 
 
 def default_cpu_rules() -> list:
-    return [CPUMatmul(), CPUMatmulRaggedN(), CPURowReduction()]
+    return [CPUMatvec(), CPUMatmul(), CPUMatmulRaggedN(), CPURowReduction()]
