@@ -141,6 +141,12 @@ def _legalize(target: ResolvedTarget) -> Callable[[], list]:
         # The dispatch passes first: sort/scan/sampling ops have no LegalizeOps rule (RoBERTa's
         # position ids are a cumsum of the mask).
         legalize = [p for p in backend.legalize_passes(tgt) if p.info.name != "ApplyDefaultSchedule"]
+        # before FuseOps: kernels writing only dims' values stay unfused (passes/scalar_kernels.py)
+        at = next((i + 1 for i, p in enumerate(legalize) if p.info.name == "AnnotateTIROpPattern"), None)
+        if at is not None:
+            from blockforge.compile.passes.scalar_kernels import opaque_scalar_kernels
+
+            legalize.insert(at, opaque_scalar_kernels())
         return [*backend.library_dispatch_passes(tgt), *legalize,
                 ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
     return passes
