@@ -479,6 +479,7 @@ class _Importer(tvm_onnx.ONNXGraphImporter):
             sym = symbolic.consume(sv, self.bb, node, inputs, attrs)
             if sym is not None:
                 return self.bb.normalize(sym)
+            inputs = symbolic.unify_broadcast(sv, self.bb, op_name, inputs)
         if op_name in CONVERTERS:
             sym = CONVERTERS[op_name](self.bb, inputs, attrs, [self._nodes, self._params], opset)
             if sym is not None:

@@ -517,3 +517,56 @@ def _clamp(sv, s, d):
             return d
         return sv._elem(tirx.max(_pos(0), tirx.min(_pos(s), _pos(d))))
     return sv._elem(tirx.max(_pos(0), tirx.min(_pos(s), _pos(d))))
+
+
+# ---------------------------------------------------------------- broadcasts of unrelated dims
+
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "And", "Or", "Xor", "Equal", "Less", "Greater",
+                "LessOrEqual", "GreaterOrEqual", "Where", "Max", "Min", "Sum", "Mean", "BitwiseAnd",
+                "BitwiseOr"}
+
+
+def _bare(d) -> bool:
+    return isinstance(d, tirx.Var)
+
+
+def unify_broadcast(sv: ShapeValues, bb, op: str, inputs: list) -> list:
+    """Operands of a broadcasting op whose dims on an axis are two symbolic sizes TVM cannot
+    prove equal (a legacy export's attention_mask (batch, past_seq) against the causal mask's
+    past + seq; dynamo's s53 against s15 + s70): Relax gives the result an unknown shape and
+    the next Reshape fails ("Reshape expects the input tensor to have known shape"). ONNX
+    broadcasting requires such sizes to be equal (neither is 1), so the operand with the
+    model's own input dim is cast to the other's expression (R.match_cast: checked when it
+    runs). Inputs returned unchanged when nothing needs it."""
+    if op not in BROADCASTING:
+        return inputs
+    dims = [sv.dims(e) if e is not None else None for e in inputs]
+    known = [d for d in dims if d is not None]
+    if len(known) < 2:
+        return inputs
+    rank = max(len(d) for d in known)
+    target: list = [None] * rank
+    for d in known:
+        for i, x in enumerate(d, rank - len(d)):
+            t = target[i]
+            if t is None or (isinstance(t, int) and t == 1):
+                target[i] = x
+            elif isinstance(x, int) and x == 1:
+                continue
+            elif _bare(t) and not _bare(x) and not sv.analyzer.can_prove_equal(_pos(t), _pos(x)):
+                target[i] = x  # prefer the expression (past + seq) to a lone input dim (past_seq)
+    out = list(inputs)
+    for k, (e, d) in enumerate(zip(inputs, dims)):
+        if d is None:
+            continue
+        new, changed = list(d), False
+        for j, x in enumerate(d):
+            t = target[j + rank - len(d)]
+            if isinstance(x, int) and x == 1 or t is None or (isinstance(t, int) and t == 1):
+                continue
+            if not (isinstance(x, int) and isinstance(t, int)) and _is_expr(_pos(x)) and \
+                    not sv.analyzer.can_prove_equal(_pos(x), _pos(t)) and _bare(x):
+                new[j], changed = t, True
+        if changed:
+            out[k] = bb.match_cast(e, relax.TensorType([_pos(x) for x in new], e.ty.dtype))
+    return out
