@@ -21,6 +21,8 @@ import pytest
 
 from conftest import run_cli, save_npz
 
+from blockforge.errors import BlockforgeError
+
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 INDEX = json.loads((FIXTURES / "index.json").read_text())
 DECODERS = ("gpt2_past", "llama_past", "qwen2_past")
@@ -173,6 +175,11 @@ def test_one_artifact_every_past(entry, monkeypatch):
         for (name, g), w in zip(got.items(), sess.run(None, feeds)):
             assert g.shape == w.shape, (name, past, seq)
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=f"{name} P={past} S={seq}")
+    if entry["exporter"] == "legacy":  # its present is declared past_seq long, the mask's length
+        feeds = _feeds(entry, 2, 1)
+        feeds["attention_mask"] = np.ones((1, 5), np.int64)  # not past + seq: refused, not broadcast
+        with pytest.raises(BlockforgeError, match="present.0.key"):
+            run_vm(vm, dev, session.inputs, session.outputs, feeds)
 
 
 def ort_greedy_hf(path: Path, entry: dict, prompt: np.ndarray, n: int) -> tuple[list[int], dict]:

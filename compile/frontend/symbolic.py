@@ -175,26 +175,21 @@ class ShapeValues:
 # ---------------------------------------------------------------- elementwise helpers
 
 
-def _binary(f):
+def _binary(f, dtype: str | None = None):
+    """Elementwise with numpy broadcasting; the result has `dtype` (comparisons: bool) or the
+    first operand's."""
     uf = np.frompyfunc(f, 2, 1)
 
     def run(sv, vals, attrs, inputs):
         a, b = vals[0], vals[1]
         if a is None or b is None:
             return None
-        return Value(_obj(uf(a.array, b.array)), a.dtype)
+        return Value(_obj(uf(a.array, b.array)), dtype or a.dtype)
     return run
 
 
 def _compare(f):
-    uf = np.frompyfunc(f, 2, 1)
-
-    def run(sv, vals, attrs, inputs):
-        a, b = vals[0], vals[1]
-        if a is None or b is None:
-            return None
-        return Value(_obj(uf(a.array, b.array)), "bool")
-    return run
+    return _binary(f, "bool")
 
 
 def _div(a, b):
