@@ -154,6 +154,12 @@ def _legalize(target: ResolvedTarget) -> Callable[[], list]:
         # The dispatch passes first: sort/scan/sampling ops have no LegalizeOps rule (RoBERTa's
         # position ids are a cumsum of the mask).
         legalize = [p for p in backend.legalize_passes(tgt) if p.info.name != "ApplyDefaultSchedule"]
+        # before FuseOps: kernels writing only dims' values stay unfused (passes/symbolic_dims.py)
+        at = next((i + 1 for i, p in enumerate(legalize) if p.info.name == "AnnotateTIROpPattern"), None)
+        if at is not None:
+            from blockforge.compile.passes.symbolic_dims import opaque_scalar_kernels
+
+            legalize.insert(at, opaque_scalar_kernels())
         return [*backend.library_dispatch_passes(tgt), *legalize,
                 ieee_division]  # before any TIR simplification can fold a 0.0 / 0.0 into an error
     return passes
@@ -192,7 +198,11 @@ def _lower(target: ResolvedTarget) -> Callable[[], list]:
 
         # ieee_division again: scheduling (compute_inline) and tuning records join expressions
         # across blocks
-        return [ieee_division, *tvm_backend(target).dataflow_lower_passes(target.tvm_target())]
+        from blockforge.compile.passes.symbolic_dims import guarded_reshape_views
+
+        lower = tvm_backend(target).dataflow_lower_passes(target.tvm_target())
+        return [ieee_division, *(guarded_reshape_views(p) if p.info.name == "RewriteDataflowReshape" else p
+                                 for p in lower)]
     return passes
 
 

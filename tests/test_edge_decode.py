@@ -112,3 +112,22 @@ def test_fixed_past_refused(tmp_path):
     res = _app(pkg, _npys(tmp_path, x=np.zeros((1, 1, D), np.float32), past_key=three, past_value=three),
                "--decode", "2")
     assert res.returncode == 2 and "past length is fixed at 3" in res.stderr, res.stdout + res.stderr
+
+
+def test_hf_export_prompt_and_steps_one_artifact(tmp_path):
+    """A Hugging Face export (Llama, dynamo) compiled with past and seq symbolic: the app runs
+    the 4-token prompt and 7 steps through the one module, the cache growing in its memory;
+    the tokens are ORT's greedy tokens (tests/test_decoders.py)."""
+    from test_decoders import FIXTURES, SYMBOLIC_ENTRIES, batch_dims, ort_greedy_hf
+
+    entry = next(e for e in SYMBOLIC_ENTRIES if e["model"] == "llama_past")
+    path = FIXTURES / entry["file"]
+    pkg = _package(tmp_path, path, ",".join(f"{k}={v}" for k, v in batch_dims(path).items()))
+    prompt = np.array([[3, 14, 15, 9]], np.int64)
+    empty = np.zeros((1, entry["past"]["kv_heads"], 0, entry["past"]["head_dim"]), np.float32)
+    pasts = {f"past_key_values.{i}.{w}": empty for i in range(entry["past"]["layers"]) for w in ("key", "value")}
+    res = _app(pkg, _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 4), np.int64), **pasts),
+               "--decode", "8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    want, _ = ort_greedy_hf(path, entry, prompt, 8)
+    assert len(set(want)) > 1 and f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout

@@ -39,6 +39,8 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
+from blockforge.compile.frontend import symbolic
+
 _T = relax.op
 
 
@@ -434,6 +436,15 @@ class _Importer(tvm_onnx.ONNXGraphImporter):
     node: onnx.NodeProto | None = None
     weights_dir = None  # where the model's external tensors are (isolate.prepare_untrusted's folder)
 
+    shape_values: symbolic.ShapeValues | None = None
+
+    def _shape_values(self) -> symbolic.ShapeValues:
+        if self.shape_values is None:  # the inputs' dims are known once the graph inputs are parsed
+            self.shape_values = symbolic.ShapeValues(
+                [list(v.ty.shape.values) for v in self._inputs.values()
+                 if isinstance(getattr(v, "ty", None), relax.TensorType) and isinstance(v.ty.shape, relax.ShapeExpr)])
+        return self.shape_values
+
     def _parse_array(self, tensor_proto):
         """An external tensor is read from weights_dir into TVM a tensor at a time; onnx's
         to_array would load it into the proto itself, where it stays (the whole model twice)."""
@@ -458,6 +469,17 @@ class _Importer(tvm_onnx.ONNXGraphImporter):
             raise OnnxImportError("unsupported ONNX op(s): " + ", ".join(_node(n, self.opset) for n in first.values()))
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
+        node = self.node if self.node is not None and self.node.op_type == op_name else None
+        if node is not None:  # shape arithmetic on symbolic dims (compile/frontend/symbolic.py)
+            sv = self._shape_values()
+            v = sv.evaluate(node, inputs, attrs) if len(node.output) == 1 else None
+            if v is not None:
+                sv.table[node.output[0]] = v
+                return self.bb.normalize(sv.to_relax(self.bb, v))
+            sym = symbolic.consume(sv, self.bb, node, inputs, attrs)
+            if sym is not None:
+                return self.bb.normalize(sym)
+            inputs = symbolic.unify_broadcast(sv, self.bb, op_name, inputs)
         if op_name in CONVERTERS:
             sym = CONVERTERS[op_name](self.bb, inputs, attrs, [self._nodes, self._params], opset)
             if sym is not None:

@@ -48,7 +48,9 @@ def _shape_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     has an unknown output shape. Exports fold their shape arithmetic into such initializers
     (prepare), so they must stay constants: e.g. an Attention op fed by Expand(mask, rows)
     was refused with "needs an input of known shape"."""
-    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    # bool too: a folded Equal of a shape against -1 (Llama/Qwen2's Expand of the causal mask)
+    # must stay a constant for the shape arithmetic on symbolic dims (frontend/symbolic.py)
+    ints = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
     small = [t for t in model.graph.initializer if t.data_type in ints and
              int(np.prod(t.dims, dtype=np.int64)) <= SHAPE_CONST_MAX]
     if not small:

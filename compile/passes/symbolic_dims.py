@@ -1,0 +1,56 @@
+"""Two TVM passes guarded for models with symbolic dims (a decoder's past length).
+
+1. Kernels that only write symbolic dims' values are not fused.
+
+`shape_to_tensor(shape_of(mask))` (TVM's GatherND converter normalising negative indices; the
+shape values of compile/frontend/symbolic.py) legalizes to a PrimFunc whose inputs are the dims
+as scalars (`m: T.int64`). FuseOps puts it in a group whose other kernels take another dim
+through tir_vars, and FuseTIR then fails in RenewDefs ("Check failed: (VarRemapGet(source) ==
+nullptr)"): GPT-2/Llama/Qwen2 exported by dynamo with the past left symbolic hit it. Marked
+opaque (pattern 8), such a kernel runs on its own: a few int64 elements, once per call.
+
+2. RewriteDataflowReshape (lower) turns reshape kernels into views. Its reshape-pattern check
+aborts instead of answering no on some symbolic extents: GPT-2 compiled with seq bound to 5 (or
+128) and past symbolic, "The padding factor (past + 5) * 8 is not divisible by past + 5". The
+rewrite is an optimisation: where it fails, the module keeps its reshape kernels (a copy each)."""
+
+from __future__ import annotations
+
+import logging
+
+_log = logging.getLogger("blockforge.pipeline")
+
+OPAQUE = 8  # relay/relax OpPatternKind kOpaque
+
+
+def _scalar_inputs_only(f) -> bool:
+    params = list(f.params)
+    return len(params) > 1 and all(str(p.ty) in ("int64", "int32") for p in params[:-1])
+
+
+def opaque_scalar_kernels():
+    """A module pass, placed after AnnotateTIROpPattern and before FuseOps."""
+    import tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="OpaqueScalarKernels")
+    def run(mod, ctx):
+        for gv, f in list(mod.functions_items()):
+            if isinstance(f, tvm.tirx.PrimFunc) and _scalar_inputs_only(f):
+                mod[gv] = f.with_attr("op_pattern", OPAQUE)
+        return mod
+    return run
+
+
+def guarded_reshape_views(rewrite):
+    """`rewrite` (TVM's RewriteDataflowReshape) applied, or skipped where it aborts (see 2.)."""
+    import tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="GuardedRewriteDataflowReshape")
+    def run(mod, ctx):
+        try:
+            return rewrite(mod)
+        except tvm.error.InternalError as e:
+            _log.info("RewriteDataflowReshape skipped (reshapes stay kernels): %s",
+                      str(e).strip().splitlines()[-1][:200])
+            return mod
+    return run
