@@ -94,12 +94,15 @@ def target_has_vnni(target: ResolvedTarget) -> bool:
     return has_vnni(target.tvm_target())
 
 
-def _int8_gemm() -> list:
-    from blockforge.compile.quant.rewrite import int8_gemm
+def _int8_gemm(target: ResolvedTarget, database) -> Callable[[], list]:
+    def passes() -> list:
+        from blockforge.compile.quant.rewrite import int8_gemm
 
-    # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would no
-    # longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
-    return [int8_gemm()]
+        # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would
+        # no longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
+        # The database: tuned tiles per kernel (compile/quant/tiles.py).
+        return [int8_gemm(target.tvm_target(), database)]
+    return passes
 
 
 def _bf16_gemm() -> list:
@@ -265,7 +268,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if cpu and default_schedules and fuse:
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
     if int8 and cpu and default_schedules and "int8-gemm" not in without and target_has_vnni(target):
-        out.append(Phase("int8-gemm", _int8_gemm))
+        out.append(Phase("int8-gemm", _int8_gemm(target, database)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm))
     out.append(Phase("optimize", _optimize(without)))
@@ -326,7 +329,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
 def extract_tasks(mod, target: ResolvedTarget) -> list:
     """MetaSchedule tasks of a legalized, fused module. The fused attention kernels are not
     among them: hand-written loop nests, not a search space; tune times their tiles instead.
-    Nor are the int8 GEMM and range kernels (compile/quant): their tiles are fixed for now."""
+    Nor are the int8 GEMM and range kernels (compile/quant): tune times the GEMM's tiles instead."""
     from tvm.s_tir import meta_schedule as ms
 
     from blockforge.compile.attention.flash import is_kernel

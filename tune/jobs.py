@@ -395,6 +395,21 @@ def _attention_tiles(job: _Job, builder, runner, term) -> None:
                          say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
 
 
+def _int8_tiles(job: _Job, builder, runner, term) -> None:
+    """Time the int8 GEMM kernels' tile candidates (not MetaSchedule tasks; see
+    blockforge.tune.int8_tiles). Like seeds, they do not count against the budget."""
+    from blockforge.compile.pipeline import has_int8_matmul, phases
+
+    from .int8_tiles import tune_int8_tiles
+
+    target, relax_mod = job.session.target, job.session.relax()
+    if "int8-gemm" not in [p.name for p in phases(target, int8=has_int8_matmul(relax_mod))]:
+        return
+    mod, _ = run_phases(relax_mod, target, stop_after="int8-gemm")
+    tune_int8_tiles(mod, job.db, target, builder, runner, job.session.dims, job.id, job.db.cpu,
+                    say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
+
+
 def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
     """One round of one task into a scratch database, merged when complete; returns trials."""
     from tvm.s_tir import meta_schedule as ms
@@ -448,6 +463,7 @@ def _search(job: _Job, term) -> None:
             cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
             _seed_all(job, builder, runner)
             _attention_tiles(job, builder, runner, term)
+            _int8_tiles(job, builder, runner, term)
             while job.todo():
                 for task, w, fl in job.todo():
                     if bar:
