@@ -11,46 +11,60 @@ Semantics (VPDPBUSD): C[i] += sum_k u8(A[k]) * s8(B[i, k]), i < 16, k < 4.
 from __future__ import annotations
 
 VNNI_16X4 = "blockforge_vnni_16x4_u8s8s32"
+# The 256-bit form: 8 int32 lanes, B (8, 4). LLVM selects its encoding from the target: VEX
+# ({vex} vpdpbusd) with AVX-VNNI (Alder Lake+, Zen 5 client) and no AVX-512, EVEX with
+# AVX512_VNNI + AVX512VL.
+VNNI_8X4 = "blockforge_vnni_8x4_u8s8s32"
+_LLVM = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
 
 
-def _funcs():
+def _funcs(lanes: int = 16):
     from tvm.script import tirx as T
 
     @T.prim_func(s_tir=True)
-    def desc(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
-             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+    def desc(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
         with T.sblock("root"):
-            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-            T.writes(C[0:16])
-            for i in T.serial(0, 16):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            for i in T.serial(0, lanes):
                 for k in T.serial(0, 4):
                     with T.sblock("update"):
                         vi, vk = T.axis.remap("SR", [i, k])
                         C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
 
     @T.prim_func(s_tir=True)
-    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
-             C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
         with T.sblock("root"):
-            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-            T.writes(C[0:16])
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
             a4 = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-            a64 = T.reinterpret(T.broadcast(a4, 16), dtype="int8x64")
-            b64 = B.vload([0, 0], dtype="int8x64")
-            C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
-                C.vload([0], dtype="int32x16"), a64, b64, dtype="int32x16")
+            a8 = T.reinterpret(T.broadcast(a4, lanes), dtype=f"int8x{4 * lanes}")
+            b8 = B.vload([0, 0], dtype=f"int8x{4 * lanes}")
+            C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(_LLVM[lanes]),
+                C.vload([0], dtype=f"int32x{lanes}"), a8, b8, dtype=f"int32x{lanes}")
 
     return desc, impl
 
 
-def vnni_16x4() -> str:
-    """Registers the intrinsic on first call (TVM's registry is process-global); its name."""
+def _register(name: str, lanes: int) -> str:
     from tvm.s_tir import TensorIntrin
 
-    if TensorIntrin.get(VNNI_16X4, allow_missing=True) is None:
-        TensorIntrin.register(VNNI_16X4, *_funcs())
-    return VNNI_16X4
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        TensorIntrin.register(name, *_funcs(lanes))
+    return name
+
+
+def vnni_16x4() -> str:
+    """Registers the intrinsic on first call (TVM's registry is process-global); its name."""
+    return _register(VNNI_16X4, 16)
+
+
+def vnni_8x4() -> str:
+    """The 256-bit intrinsic (AVX-VNNI, or AVX512_VNNI + AVX512VL), registered on first call."""
+    return _register(VNNI_8X4, 8)
 
 
 def has_vnni(target) -> bool:
@@ -59,5 +73,15 @@ def has_vnni(target) -> bool:
 
     try:
         return bool(target_has_features("avx512vnni", target)) and bool(target_has_features("avx512bw", target))
+    except Exception:  # not an x86 LLVM target
+        return False
+
+
+def has_avxvnni(target) -> bool:
+    """The target has AVX-VNNI (256-bit VPDPBUSD, VEX-encoded): vnni_8x4's instruction there."""
+    from tvm.target.codegen import target_has_features
+
+    try:
+        return bool(target_has_features("avxvnni", target))
     except Exception:  # not an x86 LLVM target
         return False
