@@ -6,11 +6,12 @@ The kernel is hand-scheduled and tensorized on the VNNI intrinsic, so MetaSchedu
 spaces do not apply; the tile space is small (gemm.tile_candidates: at most 20 per kernel)
 and is timed whole, each candidate built once with the job's builder and timed with its
 runner. The fastest is then A/B-tested against the default tiles (both re-timed, taking
-turns, AB_ROUNDS times): only a candidate whose median beats the default's is recorded as
-the winner; otherwise this CPU's verdict keeps the default (the same in_model verdict the
+turns, AB_ROUNDS times): only a candidate that beats the default by AB_MARGIN in the median
+and in every round (tune.kernel_timing.wins, the MetaSchedule records' in-model rule) wins;
+otherwise this CPU's verdict keeps the default (the same in_model verdict the
 MetaSchedule tasks' A/B writes, so compile/records' plan_apply leaves the record out).
-Two records go into the database, the default and the winner, each with its A/B median,
-and the ledger keeps every candidate's time (us per call).
+The default's record goes into the database, and the winner's when there is one, each
+with its A/B median; the ledger keeps every candidate's time (us per call).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import numpy as np
 from blockforge.compile.quant import gemm, tiles as int8_tiles
 from blockforge.compile.records.reader import FAILED_RUN_SECS
 
-from .kernel_timing import build_kernel, run_kernel
+from .kernel_timing import build_kernel, run_kernel, wins
 
 _log = logging.getLogger("blockforge")
 AB_ROUNDS = 3  # default and challenger re-timed alternately, this many times each
+AB_MARGIN = 0.02  # the challenger's median must beat the default's by 2%, and every round
 LEDGER_KEY = "int8_tiles"
 
 
@@ -64,19 +66,21 @@ def tune_int8_tiles(mod, db, target, builder, runner, dims: dict[str, int], job_
             _log.warning("int8 GEMM %s: the default tiles did not run; nothing recorded", spec.describe())
             continue
         best = min(secs, key=lambda t: _median(secs[t]))
-        ab = {default: [], best: []}
+        ab = {default: [], best: []}  # per round: the median of the runner's samples
         if best != default:  # the A/B: both again, taking turns (drift hits both alike)
             for r in range(AB_ROUNDS):
                 for t in ((default, best) if r % 2 == 0 else (best, default)):
                     s = run_kernel(*built[t], target, runner, dims, f"int8 GEMM tiles {t.describe()}")
-                    ab[t] += s or []
-        if not ab[best] or not ab[default]:
-            ab = {default: secs[default]}
-        win = best != default and _median(ab[best]) < _median(ab[default])
+                    if s:
+                        ab[t].append(_median(s))
+        if len(ab[best]) != AB_ROUNDS or len(ab[default]) != AB_ROUNDS:
+            ab = {default: [_median(secs[default])]}
+        # the rule the MetaSchedule records' in-model A/B applies: in doubt, the default stays
+        win = best != default and wins(ab[default], ab[best], AB_MARGIN)
         rnd = db.begin_round(job_id, 20000 + n)
         scratch = ms.database.JSONDatabase(work_dir=str(rnd.path))
         wl = scratch.commit_workload(wl_mod)
-        for t in ab:
+        for t in (ab if win else [default]):  # a challenger that did not win is not a record to apply
             scratch.commit_tuning_record(ms.database.TuningRecord(
                 int8_tiles.tile_trace(spec, t, cands), wl, [_median(ab[t])], tgt, None))
         db.commit_round(rnd)

@@ -34,6 +34,7 @@ from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import cpu_id
 
 from .database import DeviceDB
+from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
 
@@ -268,14 +269,6 @@ def _ab_ms(a, b, session: Session) -> tuple[list[float], list[float]]:
     return ta, tb
 
 
-def _wins(base: list[float], cand: list[float], margin: float) -> bool:
-    """cand beats base by `margin` in the median AND is faster in every paired round. On a
-    shared machine one round can swing 2x (measured: the same default build at 18 and
-    45 ms, load 7 on 2 cores), so in doubt the default schedule stays."""
-    return (float(np.median(cand)) < float(np.median(base)) * (1 - margin)
-            and all(c < b for b, c in zip(base, cand)))
-
-
 def validate_in_model(db: DeviceDB, session: Session, tasks, workloads, untuned, cpu: str) -> list[str]:
     """Keep a task's tuned record only if it makes the whole model faster on this CPU.
 
@@ -294,7 +287,7 @@ def validate_in_model(db: DeviceDB, session: Session, tasks, workloads, untuned,
         one_db, _ = load_database(db.path, only={w}, exclude=set())
         with_record = session.build(database=one_db).executable
         t_default, t_record = _ab_ms(untuned, with_record, session)
-        prefer = not _wins(t_default, t_record, IN_MODEL_MARGIN)
+        prefer = not wins(t_default, t_record, IN_MODEL_MARGIN)
         db.set_verdict(w, cpu, prefer, float(np.median(t_default)), float(np.median(t_record)))
         if prefer:
             kept_default.append(task.task_name)
@@ -525,7 +518,7 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
     """Whole-model latency: TVM's naive lowering, untuned, and tuned (after the A/B checks).
 
     Records that each won alone are then A/B-tested together against the untuned build:
-    unless the combination wins (_wins, no margin) on this CPU, every one of them is marked
+    unless the combination wins (kernel_timing.wins, no margin) on this CPU, every one of them is marked
     to keep the default here, so a tuned build is never slower than an untuned one where
     applied. untuned_ms/tuned_ms are then that A/B's medians (same rounds, interleaved)."""
     session, db, cpu = job.session, job.db, cpu_id()
@@ -543,7 +536,7 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
         tuned_db, _ = load_database(db.path, exclude=plan.exclude)
         t_untuned, t_tuned = _ab_ms(untuned, session.build(database=tuned_db).executable, session)
         summary.untuned_ms = summary.tuned_ms = float(np.median(t_untuned))
-        if _wins(t_untuned, t_tuned, 0.0):
+        if wins(t_untuned, t_tuned, 0.0):
             summary.tuned_ms = float(np.median(t_tuned))
         else:
             for task, w in applied:

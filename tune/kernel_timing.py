@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from blockforge.graph.model_io import DEFAULT_DIMS
 
 _log = logging.getLogger("blockforge")
@@ -51,3 +53,11 @@ def run_kernel(artifact: str, func, target, runner, dims, what: str) -> list[flo
 def time_kernel(func, target, builder, runner, dims, what: str) -> list[float] | None:
     artifact = build_kernel(func, target, builder, what)
     return None if artifact is None else run_kernel(artifact, func, target, runner, dims, what)
+
+
+def wins(base: list[float], cand: list[float], margin: float) -> bool:
+    """cand beats base by `margin` in the median AND is faster in every paired round. On a
+    shared machine one round can swing 2x (measured: the same default build at 18 and
+    45 ms, load 7 on 2 cores), so in doubt the default schedule stays."""
+    return (float(np.median(cand)) < float(np.median(base)) * (1 - margin)
+            and all(c < b for b, c in zip(base, cand)))
