@@ -151,3 +151,23 @@ def test_tune_times_real_candidates(tmp_path, quantized_ffn, monkeypatch):
     # whatever won here, the build takes a candidate of each kernel, exactly as the verdict says
     got = _applied_tiles(s, db.path, "cpu-a")
     assert len(got) == 2 and set(got) <= {"6x64 tiles", "4x64 panels"}
+
+
+def test_whole_model_ab_that_loses_keeps_the_default_tiles_too(tmp_path, quantized_ffn, monkeypatch):
+    """tune's last A/B (all winning records together vs the untuned build) covers the int8
+    tile records: when the tuned build loses, they are marked to keep the default as well."""
+    _need_vnni_host()
+    from types import SimpleNamespace
+
+    from blockforge.tune import jobs
+
+    s, db, _ = _tune(tmp_path, quantized_ffn, monkeypatch, {"6x64 tiles": 2e-5, "4x64 panels": 1e-5})
+    assert _applied_tiles(s, db.path, "cpu-a") == ["4x64 panels"] * 2
+    monkeypatch.setattr(jobs, "cpu_id", lambda: "cpu-a")
+    monkeypatch.setattr(jobs, "measure_latency_ms", lambda *a, **k: 1.0)
+    monkeypatch.setattr(jobs, "validate_in_model", lambda *a, **k: [])
+    monkeypatch.setattr(jobs, "_ab_ms", lambda *a, **k: ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]))  # tuned loses
+    summary = SimpleNamespace()
+    jobs._measure_model(SimpleNamespace(session=s, db=db, tasks=[], workloads=[]), summary, naive=False)
+    assert len(summary.kept_default) == 2 and all(n.startswith("int8_gemm (") for n in summary.kept_default)
+    assert _applied_tiles(s, db.path, "cpu-a") == ["6x64 tiles"] * 2

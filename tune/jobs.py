@@ -34,6 +34,7 @@ from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import cpu_id
 
 from .database import DeviceDB
+from .int8_tiles import LEDGER_KEY as INT8_TILES
 from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
@@ -530,7 +531,10 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
     summary.kept_default = validate_in_model(db, session, job.tasks, job.workloads, untuned, cpu)
     plan = plan_apply(db.path, cpu)
     by_w = db.contents().by_workload()
-    applied = [(t, w) for t, w in zip(job.tasks, job.workloads) if by_w.get(w) and w not in plan.exclude]
+    applied = [(t.task_name, w) for t, w in zip(job.tasks, job.workloads) if by_w.get(w) and w not in plan.exclude]
+    # the int8 GEMMs' tile records (tune/int8_tiles.py) are in the tuned build too
+    applied += [(str(e.get("task", sh)), sh) for sh, e in db.ledger().items()
+                if e.get(INT8_TILES) and by_w.get(sh) and sh not in plan.exclude]
     summary.tuned_ms = summary.untuned_ms  # nothing applies: the tuned build is the untuned one
     if applied:
         tuned_db, _ = load_database(db.path, exclude=plan.exclude)
@@ -539,9 +543,9 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
         if wins(t_untuned, t_tuned, 0.0):
             summary.tuned_ms = float(np.median(t_tuned))
         else:
-            for task, w in applied:
+            for name, w in applied:
                 db.set_verdict(w, cpu, True, float(np.median(t_untuned)), float(np.median(t_tuned)), scope="model")
-                summary.kept_default.append(task.task_name)
+                summary.kept_default.append(name)
 
 
 def tune(opts: TuneOptions) -> TuneSummary:
