@@ -1,34 +1,55 @@
 """int8 on the VNNI kernel (compile/quant) against float32, interleaved in one process:
 
-1. the int8 GEMM kernel alone vs numpy's SGEMM and blockforge's fp32 GEMM at the same shape
-   (GOP/s; % of the SGEMM ceiling, the faster of the two: the rate fp32 reaches here);
+1. the int8 GEMM kernels the quantized FFN runs (their specs taken from its int8-gemm phase:
+   scale, bias and gelu in the epilogue) and the bare int32 kernel at the same shape, vs
+   blockforge's fp32 GEMM and a VNNI probe (independent VPDPBUSD zmm chains: the instruction
+   rate this machine gives now), with numpy's SGEMM ceiling (a 2048 square, as `bench`
+   measures it) before and after: GOP/s, the multiple of the SGEMM ceiling, % of the VNNI
+   peak (cores x 128 ops/cycle x the clock) and of the probe;
 2. the BERT-base FFN (d_model 768, d_ff 3072, gelu, seq 128) quantized with ORT's
    quantize_dynamic (QInt8 weights) and quantize_static (QDQ S8S8 per-channel): blockforge
    before (the int8-gemm phase left out: TVM's int32 GEMM loops, or dequantize + float32
    GEMM for QDQ) / after / ONNX Runtime on the same quantized file / blockforge on the
    float32 model.
 
-Every line carries the load average and the SGEMM ceiling measured in the same run: on a
-shared machine the absolute numbers are not quotable, the ratios within one run are.
+numpy's SGEMM is never interleaved with TVM's kernels: OpenBLAS's workers spin for longer
+than measure_interleaved's pause after each call and took the two cores from TVM's pool
+(this script once timed the FFN's 128x768x3072 GEMM at 3.9 ms beside them, 1.9 ms alone,
+and the whole FFN, two such GEMMs, at 1.86 ms).
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--smoke]
+`--threads 1` times one thread in CPU time (time.thread_time): on a shared machine a
+descheduled thread's wait then does not count, so these ratios hold under load; `--tiles`
+also times every tile candidate of the FFN's kernels (gemm.tile_candidates: what `tune`
+searches) against the default tiles.
+
+Every line carries the load average: on a shared machine the absolute numbers are not
+quotable, the ratios within one run are.
+
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
+# --threads N: TVM's pool and OpenBLAS read their thread counts when they start (before numpy's import)
+_T = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 1] for i, a in enumerate(sys.argv)
+           if a.split("=", 1)[0] == "--threads" and ("=" in a or i + 1 < len(sys.argv))), None)
+if _T:
+    os.environ["TVM_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = _T
+
+import numpy as np  # noqa: E402
 
 from blockforge import configure  # noqa: E402
 from blockforge.bench import REGISTRY, measure_interleaved  # noqa: E402
 from blockforge.bench.contenders import BenchModel  # noqa: E402
+from blockforge.bench.harness import sgemm_ceiling  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import FFNSpec, export  # noqa: E402
 from blockforge.graph import ort as ort_runner  # noqa: E402
@@ -42,47 +63,141 @@ def _load() -> str:
     return "load %.1f/%.1f/%.1f" % os.getloadavg()
 
 
-def _interleaved(calls: dict, repeat: int) -> dict[str, float]:
-    """Median ms of each call, the calls taking turns (drift hits all alike)."""
-    samples = {k: [] for k in calls}
-    for _ in range(repeat):
-        for k, call in calls.items():
-            call()  # warm: caches and thread pools as the next call finds them
-            t0 = time.perf_counter()
-            call()
-            samples[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: float(np.median(v)) for k, v in samples.items()}
+# Per core and cycle: one 512-bit VPDPBUSD = 64 u8 x s8 products = 128 ops. Zen 4 runs it
+# double-pumped on two 256-bit units (measured here: 2 ymm or 1 zmm per cycle); Ice Lake and
+# Sapphire Rapids issue one zmm per cycle too.
+VNNI_OPS_PER_CYCLE = 128
 
 
-def _gemm(shape, repeat: int) -> float:
+def _cpu_mhz() -> float | None:
+    """/proc/cpuinfo's clock (a VM reports the nominal one; boost can be higher)."""
+    try:
+        mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("cpu MHz")]
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(mhz) if mhz else None
+
+
+def _vnni_probe(threads: int, iters: int = 200000, chains: int = 24):
+    """(call, ops): `chains` independent VPDPBUSD zmm accumulators per thread, in registers,
+    on `threads` threads: the instruction rate the cores give now (no loads, no epilogue).
+    ~1.3 ms a call at 3.7 GHz: at 0.13 ms the call's own overhead read ~5% low."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from blockforge.targets import resolve
+
+    @T.prim_func(s_tir=True)
+    def probe(A: T.Buffer((64,), "uint8"), B: T.Buffer((64,), "int8"), C: T.Buffer((threads, chains, 16), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads):
+            acc = T.alloc_buffer((chains, 16), "int32", scope="local")
+            for c in T.unroll(chains):
+                acc[c, T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+            for _ in range(iters):
+                for c in T.unroll(chains):
+                    acc[c, T.ramp(0, 1, 16)] = T.call_llvm_pure_intrin(
+                        T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc[c, T.ramp(0, 1, 16)],
+                        T.reinterpret(A.vload([0], "uint8x64"), dtype="int8x64"), B.vload([0], "int8x64"),
+                        dtype="int32x16")
+            for c in T.unroll(chains):
+                C[t, c, T.ramp(0, 1, 16)] = acc[c, T.ramp(0, 1, 16)]
+
+    lib = tvm.compile(tvm.IRModule({"main": probe}), target=resolve("host").tvm_target())
+    args = [tvm.runtime.tensor(np.ones(64, np.uint8)), tvm.runtime.tensor(np.ones(64, np.int8)),
+            tvm.runtime.tensor(np.zeros((threads, chains, 16), np.int32))]
+    lib["main"](*args)
+    assert (args[2].numpy() == 4 * iters).all(), "the probe's chains did not run"
+    return (lambda: lib["main"](*args)), threads * iters * chains * VNNI_OPS_PER_CYCLE
+
+
+def _kernel_call(spec, tiles=None):
+    """(call, max |kernel - numpy|) of one int8 GEMM kernel on random operands (int32 out: exact)."""
     import tvm
 
     from blockforge.compile.quant import gemm
     from blockforge.targets import resolve
 
-    m, k, n = shape
-    spec = gemm.Int8GemmSpec(k=k, n=n, m=m)
-    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=resolve("host").tvm_target())
+    m, k, n = spec.m, spec.k, spec.n
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, tiles)}), target=resolve("host").tvm_target())
     rng = np.random.default_rng(0)
     a = rng.integers(0, 256, (m, k), dtype=np.uint8)
     w = rng.integers(-128, 128, (k, n), dtype=np.int8)
-    args = [tvm.runtime.tensor(x) for x in (a, gemm.pack_weights(w), gemm.column_sums(w), np.array(3, np.int32))]
-    out = tvm.runtime.tensor(np.zeros((m, n), np.int32))
+    scale = {"none": None, "scalar": np.array(2e-6, np.float32), "column": np.full(n, 2e-6, np.float32)}[spec.scale]
+    bias = rng.standard_normal(n).astype(np.float32) if spec.bias else None
+    rowcorr = np.zeros(m, np.int32) if spec.rowcorr else None
+    ins = [a, gemm.pack_weights(w), gemm.column_sums(w), np.array(3, np.int32)]
+    ins += [x for x in (rowcorr, scale, bias) if x is not None]
+    args = [tvm.runtime.tensor(np.asarray(x)) for x in ins]
+    out = tvm.runtime.tensor(np.zeros((m, n), spec.out_dtype))
     lib["main"](*args, out)
-    exact = np.array_equal(out.numpy(), gemm.reference(spec, a, w, 3))
-    af, wf = a.astype(np.float32), w.astype(np.float32)
-    fp32 = _fp32_gemm(af, wf)
-    med = _interleaved({"int8": lambda: lib["main"](*args, out), "sgemm": lambda: af @ wf, "fp32": fp32}, repeat)
-    ops = 2 * m * n * k
-    rate = {key: ops / (ms * 1e-3) / 1e9 for key, ms in med.items()}
-    # The ceiling: the faster of numpy's SGEMM and blockforge's own fp32 GEMM (under load,
-    # OpenBLAS's busy-waiting threads have measured 5x below blockforge's fp32 kernel here).
-    ceiling = max(rate["sgemm"], rate["fp32"])
-    print(f"GEMM {m}x{k}x{n} (exact int32 vs numpy: {exact}; {_load()}): int8 kernel {med['int8']:.3f} ms "
-          f"= {rate['int8']:.0f} GOP/s; numpy SGEMM {med['sgemm']:.3f} ms = {rate['sgemm']:.0f} GFLOP/s; "
-          f"blockforge fp32 GEMM {med['fp32']:.3f} ms = {rate['fp32']:.0f} GFLOP/s; "
-          f"int8 = {100 * rate['int8'] / ceiling:.0f}% of the SGEMM ceiling ({ceiling:.0f} GFLOP/s) in this run")
+    err = 0.0
+    if spec.activation == "none":  # (gelu's polynomial is tests/test_int8_gemm.py's business)
+        err = float(np.abs(out.numpy().astype(np.float64) - gemm.reference(spec, a, w, 3, 0, scale, bias)).max())
+    return (lambda: lib["main"](*args, out)), err
+
+
+def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool) -> float:
+    """The int8 kernels against the SGEMM ceiling and the VNNI rate; returns the ceiling."""
+    from blockforge.compile.quant import gemm
+
+    m, k, n = shape
+    clock = time.thread_time if threads == 1 else time.perf_counter  # one thread: its CPU time
+    ceil_before = sgemm_ceiling(clock=clock)
+    time.sleep(0.5)  # OpenBLAS's workers stop spinning before TVM's pool is timed
+    bare = gemm.Int8GemmSpec(k=k, n=n, m=m)
+    specs = {f"bare {bare.describe()}": bare, **{f"FFN {sp.describe()}": sp for sp in ffn_specs}}
+    calls, errs, ops = {}, {}, {}
+    for name, sp in specs.items():
+        calls[name], errs[name] = _kernel_call(sp)
+        ops[name] = 2 * sp.m * sp.k * sp.n
+    af = np.random.default_rng(0).standard_normal((m, k)).astype(np.float32)
+    calls["blockforge fp32 GEMM"], ops["blockforge fp32 GEMM"] = _fp32_gemm(af, np.ones((k, n), np.float32)), 2 * m * k * n
+    calls["VNNI probe"], ops["VNNI probe"] = _vnni_probe(threads)
+    load = _load()
+    med = {key: float(np.median(v)) for key, v in measure_interleaved(calls, repeat, warmup=2, clock=clock).items()}
+    time.sleep(0.2)
+    ceil_after = sgemm_ceiling(clock=clock)
+    rate = {key: ops[key] / (ms * 1e-3) / 1e9 for key, ms in med.items()}
+    # The ceiling: numpy's SGEMM (before and after) or blockforge's own fp32 GEMM, the fastest
+    ceiling = max(ceil_before, ceil_after, rate["blockforge fp32 GEMM"])
+    mhz = _cpu_mhz()
+    peak = threads * VNNI_OPS_PER_CYCLE * mhz / 1e3 if mhz else None
+    probe = rate["VNNI probe"]
+    print(f"{threads} thread(s), {'CPU time' if threads == 1 else 'wall time'} ({load} -> {_load()}): "
+          f"SGEMM ceiling {ceil_before:.0f} before / {ceil_after:.0f} after GFLOP/s (numpy 2048^2), "
+          f"blockforge fp32 GEMM {m}x{k}x{n} {med['blockforge fp32 GEMM']:.3f} ms = {rate['blockforge fp32 GEMM']:.0f} "
+          f"GFLOP/s; ceiling used {ceiling:.0f}. VNNI probe {probe:.0f} GOP/s"
+          + (f"; VNNI peak {threads} x {VNNI_OPS_PER_CYCLE} ops/cycle x {mhz / 1e3:.2f} GHz (/proc/cpuinfo) = "
+             f"{peak:.0f} GOP/s (probe / peak {probe / peak:.2f}: above 1 the cores boost past that clock, below "
+             f"they are shared)" if peak else ""))
+    for name in specs:
+        print(f"  int8 {name} (max err vs numpy {errs[name]:.1e}): {med[name]:.3f} ms = {rate[name]:.0f} GOP/s = "
+              f"{rate[name] / ceiling:.2f}x the SGEMM ceiling, {100 * rate[name] / probe:.0f}% of the VNNI probe"
+              + (f", {100 * rate[name] / peak:.0f}% of the nominal-clock VNNI peak" if peak else ""))
+    if ffn_specs:
+        t = sum(med[f"FFN {sp.describe()}"] for sp in ffn_specs)
+        r = sum(2 * sp.m * sp.k * sp.n for sp in ffn_specs) / (t * 1e-3) / 1e9
+        print(f"  the FFN's {len(ffn_specs)} GEMMs together: {t:.3f} ms = {r:.0f} GOP/s = {r / ceiling:.2f}x the SGEMM "
+              f"ceiling, {100 * r / probe:.0f}% of the VNNI probe")
+    if tiles:
+        _tiles(ffn_specs, repeat, clock)
     return ceiling
+
+
+def _tiles(specs: list, repeat: int, clock) -> None:
+    """Every tile candidate of each kernel (what `tune` searches) against the default tiles."""
+    from blockforge.compile.quant import gemm
+
+    for sp in specs:
+        calls = {t.describe(): _kernel_call(sp, t)[0] for t in gemm.tile_candidates(sp)}
+        default = gemm.default_tiles(sp).describe()
+        load = _load()
+        med = {key: float(np.median(v)) for key, v in measure_interleaved(calls, repeat, warmup=2, clock=clock).items()}
+        ranked = sorted(med, key=med.get)
+        print(f"  tiles of {sp.describe()} ({load} -> {_load()}), time / default {default}: "
+              + ", ".join(f"{key} {med[key] / med[default]:.3f}" for key in ranked))
 
 
 def _fp32_gemm(af: np.ndarray, wf: np.ndarray):
@@ -130,7 +245,7 @@ def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path) -> Path:
     return out
 
 
-def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: str) -> None:
+def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: str, threads: int) -> None:
     import tvm
     from tvm import relax
 
@@ -152,7 +267,7 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
     # ORT as `bench` runs it (spinning workers on: its default and its speed); the harness's
     # interleaving pauses between contenders so those workers stop before the next one runs
     # (ORT with spinning off measured 3.4 ms here against 2.0 ms with it on).
-    ort = ort_runner.session(sq.model, threads=2)
+    ort = ort_runner.session(sq.model, threads=threads)
     ref = next(iter(ort_runner.run(ort, inputs).values()))
     err = float(np.abs(after().numpy() - ref).max())
     peer = f"ORT int8 {mode} (same file)"
@@ -162,7 +277,7 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint
         bm = BenchModel(session=sq, onnx=sq.model, spec=None, dims=dims)
-        calls["OpenVINO (same file)"] = ov.make_runner(bm, inputs, 2)
+        calls["OpenVINO (same file)"] = ov.make_runner(bm, inputs, threads)
         peers.append("OpenVINO (same file)")
     samples = measure_interleaved(calls, repeat, warmup=2)
     med = {k: float(np.median(v)) for k, v in samples.items()}
@@ -175,9 +290,24 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
         print(f"  {k}: {ms:.3f} ms ({ms / base:.2f}x blockforge fp32, {ms / best:.2f}x the best peer)")
 
 
+def _ffn_kernel_specs(spec: FFNSpec, seq: int, tmp: Path) -> list:
+    """The int8 GEMM specs the dynamic-quantized FFN's int8-gemm phase emits."""
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.quant import gemm
+
+    quant = _quantize(export(spec, tmp / "ffn.onnx").model_path, "dynamic", seq, spec.d_model, tmp)
+    s = open_model(quant, "host", {"batch": 1, "seq": seq})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    return list(dict.fromkeys(gemm.kernel_specs(mod)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="TVM's and OpenBLAS's threads (default: the "
+                    "physical cores); 1: timed in CPU time")
+    ap.add_argument("--tiles", action="store_true", help="also time every tile candidate of the FFN's kernels")
+    ap.add_argument("--gemm-only", action="store_true", help="the kernels only, not the FFN contenders")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
     a = ap.parse_args()
     configure(redirect_native_output=False)
@@ -192,9 +322,13 @@ def main() -> int:
         print("this CPU has no AVX-512 VNNI: the int8 kernel cannot run here; nothing to measure")
         return 0
     cfg = SMOKE if a.smoke else FULL
-    sgemm = _gemm(cfg["gemm"], a.repeat)
+    threads = int(os.environ["TVM_NUM_THREADS"])  # configure() set it (or --threads did)
+    specs = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], Path(tempfile.mkdtemp()))
+    sgemm = _gemm(cfg["gemm"], a.repeat, specs, threads, a.tiles)
+    if a.gemm_only:
+        return 0
     for mode in ("dynamic", "static"):
-        _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()), mode)
+        _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()), mode, threads)
     return 0
 
 

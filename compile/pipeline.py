@@ -105,13 +105,14 @@ def target_int8_isa(target: ResolvedTarget) -> str | None:
     return isa.name if isa is not None else None
 
 
-def _int8_gemm(isa: str) -> Callable[[], list]:
+def _int8_gemm(isa: str, target: ResolvedTarget, database) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.quant.rewrite import int8_gemm
 
         # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would
         # no longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
-        return [int8_gemm(isa)]
+        # The database: tuned tiles per kernel (compile/quant/tiles.py).
+        return [int8_gemm(isa, target.tvm_target(), database)]
     return passes
 
 
@@ -293,7 +294,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fuse-attention", _fuse_attention(target, database)))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
-        out.append(Phase("int8-gemm", _int8_gemm(isa)))
+        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
@@ -367,7 +368,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
 def extract_tasks(mod, target: ResolvedTarget) -> list:
     """MetaSchedule tasks of a legalized, fused module. The fused attention kernels are not
     among them: hand-written loop nests, not a search space; tune times their tiles instead.
-    Nor are the int8 GEMM and range kernels (compile/quant): their tiles are fixed for now."""
+    Nor are the int8 GEMM and range kernels (compile/quant): tune times the GEMM's tiles instead."""
     from tvm.s_tir import meta_schedule as ms
 
     from blockforge.compile.attention.flash import is_kernel

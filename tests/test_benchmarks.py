@@ -133,7 +133,16 @@ def test_export_models(tmp_path):
 
 def test_int8_gemm(tmp_path):
     out = _run("int8_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
-    assert "no AVX-512 VNNI" in out or ("exact int32 vs numpy: True" in out and out.count("blockforge int8 (after)") == 2), out
+    # the kernels the FFN runs (its two specs) beside the bare one, none interleaved with numpy
+    assert "no AVX-512 VNNI" in out or (out.count("x the SGEMM ceiling") == 4 and "VNNI probe" in out
+                                        and "int8 FFN 8x64x128 scale=scalar +bias +gelu" in out
+                                        and out.count("blockforge int8 (after)") == 2), out
+
+
+def test_int8_gemm_one_thread_tiles(tmp_path):
+    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", cwd=tmp_path)
+    assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and out.count("time / default 6x64 tiles") == 2
+                                        and "blockforge int8 (after)" not in out), out
 
 
 def test_compile_memory(tmp_path):

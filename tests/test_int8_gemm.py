@@ -435,3 +435,51 @@ def test_quantize_dynamic_encoder_block_matches_ort(tmp_path, monkeypatch):
     got = vm["main"](*[tvm.runtime.tensor(inputs[x.name]) for x in s.inputs]).numpy()
     ref = next(iter(ort_runner.run(s.model, inputs).values()))
     assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+ALDERLAKE = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "alderlake", "num-cores": 2})
+
+
+def _vnni_8x4_gemm(m=12, n=32, k=64):
+    """A toy u8 x s8 GEMM on (N/8, K/4, 8, 4) packed weights, tensorized with the 256-bit intrinsic."""
+    from tvm import s_tir, te
+
+    from blockforge.compile.quant.intrin import vnni_8x4
+
+    a = te.placeholder((m, k), "uint8", name="A")
+    w = te.placeholder((n // 8, k // 4, 8, 4), "int8", name="W")
+    r = te.reduce_axis((0, k), name="k")
+    c = te.compute((m, n), lambda i, j: te.sum(
+        a[i, r].astype("int32") * w[j // 8, r // 4, j % 8, r % 4].astype("int32"), axis=r), name="C")
+    sch = s_tir.Schedule(te.create_prim_func([a, w, c]))
+    b = sch.get_sblock("C")
+    i, j, kk = sch.get_loops(b)
+    jo, ji = sch.split(j, [None, 8])
+    ko, ki = sch.split(kk, [None, 4])
+    sch.reorder(i, jo, ko, ji, ki)
+    sch.decompose_reduction(b, ko)
+    sch.tensorize(ji, vnni_8x4())
+    return sch.mod
+
+
+def test_256_bit_intrinsic_is_vex_encoded_on_avxvnni_and_exact_where_it_runs():
+    """AVX-VNNI (Alder Lake+, Zen 5 client): VEX-encoded ymm VPDPBUSD, checked in the assembly
+    of a fixed target (this Zen 4 has no AVX-VNNI, so the VEX form cannot run here); the same
+    intrinsic is EVEX on AVX512_VNNI + AVX512VL, which runs here, exact against numpy."""
+    from blockforge.compile.quant.intrin import has_avxvnni
+
+    assert has_avxvnni(ALDERLAKE) and not has_vnni(ALDERLAKE), "Alder Lake: AVX-VNNI, no AVX-512"
+    assert not has_avxvnni(ZNVER4) and not has_avxvnni(SKYLAKE)
+    mod = _vnni_8x4_gemm()
+    vex = [ln for ln in tvm.compile(mod, target=ALDERLAKE).mod.inspect_source("asm").splitlines() if "vpdpbusd" in ln]
+    assert vex and all("{vex}" in ln and "%ymm" in ln for ln in vex), vex
+    evex = [ln for ln in tvm.compile(mod, target=ZNVER4).mod.inspect_source("asm").splitlines() if "vpdpbusd" in ln]
+    assert evex and all("{vex}" not in ln and "%ymm" in ln for ln in evex), evex
+    _need_vnni_host()
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, 256, (12, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 32), dtype=np.int8)
+    packed = np.ascontiguousarray(w.reshape(16, 4, 4, 8).transpose(2, 0, 3, 1))  # (N/8, K/4, 8, 4)
+    out = tvm.runtime.tensor(np.zeros((12, 32), np.int32))
+    tvm.compile(mod, target=_host())["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(packed), out)
+    np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ w.astype(np.int64))

@@ -11,43 +11,10 @@ record's decision (attention.tile_record); MetaSchedule's own tools read the rec
 
 from __future__ import annotations
 
-import logging
-
 from blockforge.compile import attention
 from blockforge.compile.records.reader import FAILED_RUN_SECS
-from blockforge.graph.model_io import DEFAULT_DIMS
 
-_log = logging.getLogger("blockforge")
-
-
-def _args_info(func, dims: dict[str, int]):
-    """Concrete argument shapes of a kernel: its symbolic dims at the job's bound dims."""
-    from tvm import tirx
-    from tvm.s_tir import meta_schedule as ms
-
-    bound = {**DEFAULT_DIMS, **dims}
-    out = []
-    for p in func.params:  # buffer-typed parameters
-        shape = [int(s.value) if isinstance(s, tirx.IntImm) else int(bound[s.name]) for s in p.shape]
-        out.append(ms.arg_info.TensorInfo(str(p.dtype), shape))
-    return out
-
-
-def _time(func, target, builder, runner, dims) -> list[float] | None:
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
-
-    tgt = target.tvm_target()
-    built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": func}), tgt)])[0]
-    if built.error_msg:
-        _log.warning("attention tile candidate did not build: %s", str(built.error_msg)[-300:])
-        return None
-    device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name
-    res = runner.run([ms.runner.RunnerInput(built.artifact_path, device, _args_info(func, dims))])[0].result()
-    if res.error_msg or not res.run_secs:
-        _log.warning("attention tile candidate failed to run: %s", str(res.error_msg)[-300:])
-        return None
-    return [float(x) for x in res.run_secs]
+from .kernel_timing import time_kernel
 
 
 def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int], job_id: str,
@@ -73,7 +40,8 @@ def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int],
         times = {}
         candidates = attention.tile_candidates(lanes)
         for tiles in candidates:
-            secs = _time(attention.kernel(spec, tiles, lanes), target, builder, runner, dims)
+            secs = time_kernel(attention.kernel(spec, tiles, lanes), target, builder, runner, dims,
+                               "attention tile candidate")
             if secs is None:
                 continue
             scratch.commit_tuning_record(ms.database.TuningRecord(

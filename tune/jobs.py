@@ -34,6 +34,8 @@ from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import cpu_id
 
 from .database import DeviceDB
+from .int8_tiles import LEDGER_KEY as INT8_TILES
+from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
 
@@ -268,14 +270,6 @@ def _ab_ms(a, b, session: Session) -> tuple[list[float], list[float]]:
     return ta, tb
 
 
-def _wins(base: list[float], cand: list[float], margin: float) -> bool:
-    """cand beats base by `margin` in the median AND is faster in every paired round. On a
-    shared machine one round can swing 2x (measured: the same default build at 18 and
-    45 ms, load 7 on 2 cores), so in doubt the default schedule stays."""
-    return (float(np.median(cand)) < float(np.median(base)) * (1 - margin)
-            and all(c < b for b, c in zip(base, cand)))
-
-
 def validate_in_model(db: DeviceDB, session: Session, tasks, workloads, untuned, cpu: str) -> list[str]:
     """Keep a task's tuned record only if it makes the whole model faster on this CPU.
 
@@ -294,7 +288,7 @@ def validate_in_model(db: DeviceDB, session: Session, tasks, workloads, untuned,
         one_db, _ = load_database(db.path, only={w}, exclude=set())
         with_record = session.build(database=one_db).executable
         t_default, t_record = _ab_ms(untuned, with_record, session)
-        prefer = not _wins(t_default, t_record, IN_MODEL_MARGIN)
+        prefer = not wins(t_default, t_record, IN_MODEL_MARGIN)
         db.set_verdict(w, cpu, prefer, float(np.median(t_default)), float(np.median(t_record)))
         if prefer:
             kept_default.append(task.task_name)
@@ -395,6 +389,21 @@ def _attention_tiles(job: _Job, builder, runner, term) -> None:
                          say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
 
 
+def _int8_tiles(job: _Job, builder, runner, term) -> None:
+    """Time the int8 GEMM kernels' tile candidates (not MetaSchedule tasks; see
+    blockforge.tune.int8_tiles). Like seeds, they do not count against the budget."""
+    from blockforge.compile.pipeline import has_int8_matmul, phases
+
+    from .int8_tiles import tune_int8_tiles
+
+    target, relax_mod = job.session.target, job.session.relax()
+    if "int8-gemm" not in [p.name for p in phases(target, int8=has_int8_matmul(relax_mod))]:
+        return
+    mod, _ = run_phases(relax_mod, target, stop_after="int8-gemm")
+    tune_int8_tiles(mod, job.db, target, builder, runner, job.session.dims, job.id, job.db.cpu,
+                    say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
+
+
 def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
     """One round of one task into a scratch database, merged when complete; returns trials."""
     from tvm.s_tir import meta_schedule as ms
@@ -448,6 +457,7 @@ def _search(job: _Job, term) -> None:
             cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
             _seed_all(job, builder, runner)
             _attention_tiles(job, builder, runner, term)
+            _int8_tiles(job, builder, runner, term)
             while job.todo():
                 for task, w, fl in job.todo():
                     if bar:
@@ -509,7 +519,7 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
     """Whole-model latency: TVM's naive lowering, untuned, and tuned (after the A/B checks).
 
     Records that each won alone are then A/B-tested together against the untuned build:
-    unless the combination wins (_wins, no margin) on this CPU, every one of them is marked
+    unless the combination wins (kernel_timing.wins, no margin) on this CPU, every one of them is marked
     to keep the default here, so a tuned build is never slower than an untuned one where
     applied. untuned_ms/tuned_ms are then that A/B's medians (same rounds, interleaved)."""
     session, db, cpu = job.session, job.db, cpu_id()
@@ -521,18 +531,21 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
     summary.kept_default = validate_in_model(db, session, job.tasks, job.workloads, untuned, cpu)
     plan = plan_apply(db.path, cpu)
     by_w = db.contents().by_workload()
-    applied = [(t, w) for t, w in zip(job.tasks, job.workloads) if by_w.get(w) and w not in plan.exclude]
+    applied = [(t.task_name, w) for t, w in zip(job.tasks, job.workloads) if by_w.get(w) and w not in plan.exclude]
+    # the int8 GEMMs' tile records (tune/int8_tiles.py) are in the tuned build too
+    applied += [(str(e.get("task", sh)), sh) for sh, e in db.ledger().items()
+                if e.get(INT8_TILES) and by_w.get(sh) and sh not in plan.exclude]
     summary.tuned_ms = summary.untuned_ms  # nothing applies: the tuned build is the untuned one
     if applied:
         tuned_db, _ = load_database(db.path, exclude=plan.exclude)
         t_untuned, t_tuned = _ab_ms(untuned, session.build(database=tuned_db).executable, session)
         summary.untuned_ms = summary.tuned_ms = float(np.median(t_untuned))
-        if _wins(t_untuned, t_tuned, 0.0):
+        if wins(t_untuned, t_tuned, 0.0):
             summary.tuned_ms = float(np.median(t_tuned))
         else:
-            for task, w in applied:
+            for name, w in applied:
                 db.set_verdict(w, cpu, True, float(np.median(t_untuned)), float(np.median(t_tuned)), scope="model")
-                summary.kept_default.append(task.task_name)
+                summary.kept_default.append(name)
 
 
 def tune(opts: TuneOptions) -> TuneSummary:

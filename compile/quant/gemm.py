@@ -41,7 +41,17 @@ NV = ISAS["vnni"].nv  # 16-lane int32 vectors per row of the micro-tile
 # whole d_model 64 FFN took 0.034 ms on int8 vs 0.020 ms on TVM's int32 loops).
 PARALLEL_MACS = 1 << 22
 KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
+TILES_ATTR = KERNEL_ATTR + ".tiles"  # PrimFunc attr: the tiles it was scheduled with (describe())
 ACTIVATIONS = ("none", "relu", "gelu")
+# The parallel split: "tiles" runs (column panel, row tile) pairs in parallel (static M);
+# "panels" runs the column panels in parallel with their row tiles serial inside (the only
+# split for a symbolic M: LoopPartition splits the guarded last row tile off the full ones).
+SPLITS = ("tiles", "panels")
+ZMM = 32  # vector registers the micro-tile must fit: MR*NV accumulators, NV weights, 1 broadcast
+# (rows, vectors) per micro-tile that tune times (tune/int8_tiles.py); each fits ZMM registers.
+# K is not blocked: one panel (K x 16*NV bytes: 48 KiB at K=768, NV=4) streams from L2 per
+# row tile and a row tile of A (MR x K bytes) stays in L1.
+MICRO_TILES = ((6, 4), (4, 4), (5, 4), (4, 6), (6, 3), (8, 3), (9, 3), (8, 2), (12, 2), (14, 2))
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,41 @@ class Int8GemmSpec:
             (f" [{self.isa}]" if self.isa != "vnni" else "")
 
 
+@dataclass(frozen=True)
+class Int8Tiles:
+    """The micro-kernel's shape: rows per tile, 16-lane vectors per row, the parallel split."""
+    mr: int = MR
+    nv: int = NV
+    split: str = "tiles"
+
+    def __post_init__(self):
+        if self.mr < 1 or self.nv < 1 or self.mr * self.nv + self.nv + 1 > ZMM or self.split not in SPLITS:
+            raise ValueError(f"int8 GEMM tiles: {self}")
+
+    def describe(self) -> str:
+        return f"{self.mr}x{self.nv * 16} {self.split}"
+
+
+def default_tiles(spec: "Int8GemmSpec") -> Int8Tiles:
+    isa = ISAS[spec.isa]
+    return Int8Tiles(isa.mr, _nv(spec.n, isa.nv), "panels" if spec.m is None else "tiles")
+
+
+def tile_candidates(spec: "Int8GemmSpec") -> list[Int8Tiles]:
+    """What tune times for a spec (the default first): the micro-tiles whose vectors divide
+    N, under each split the spec allows."""
+    splits = ("panels",) if spec.m is None else SPLITS
+    out = [default_tiles(spec)]
+    if spec.isa != "vnni":  # the micro-tiles are sized for 32 zmm (SDOT's: isa.py)
+        return out
+    for mr, nv in MICRO_TILES:
+        for split in splits:
+            t = Int8Tiles(mr, nv, split)
+            if (spec.n // 16) % nv == 0 and t not in out:
+                out.append(t)
+    return out
+
+
 def supported(k: int, n: int) -> bool:
     return k > 0 and n > 0 and k % 4 == 0 and n % 16 == 0
 
@@ -99,7 +144,7 @@ def _nv(n: int, most: int) -> int:
     return next(v for v in (most, 2, 1) if v <= most and (n // 16) % v == 0)
 
 
-def compute(spec: Int8GemmSpec):
+def compute(spec: Int8GemmSpec, mr: int = MR):
     """The TE definition: (inputs, output) tensors, in the kernel's argument order."""
     from tvm import te, tirx
 
@@ -150,15 +195,18 @@ def compute(spec: Int8GemmSpec):
     return ins, out
 
 
-def kernel(spec: Int8GemmSpec):
+def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
     """The scheduled, tensorized PrimFunc (needs a target with the spec's instruction to build:
-    AVX-512 VNNI, or aarch64 +dotprod)."""
+    AVX-512 VNNI, or aarch64 +dotprod); `tiles` None: default_tiles (what an untuned build runs)."""
     from tvm import s_tir, te
 
     from blockforge.compile.schedule.base import PARTITION_HINT
 
     isa = ISAS[spec.isa]
-    ins, out = compute(spec)
+    tiles = tiles or default_tiles(spec)
+    if (spec.n // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
+        raise ValueError(f"int8 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
+    ins, out = compute(spec, tiles.mr)
     func = te.create_prim_func([*ins, out])
     sch = s_tir.Schedule(func)
     mm = sch.get_sblock("acc")
@@ -168,8 +216,8 @@ def kernel(spec: Int8GemmSpec):
         sch.compute_inline(b)
     ep = steps[-1]
     i, j, k = sch.get_loops(mm)
-    nv = _nv(spec.n, isa.nv)
-    io, ii = sch.split(i, [None, isa.mr])
+    nv = tiles.nv
+    io, ii = sch.split(i, [None, tiles.mr])
     jo, jv, ji = sch.split(j, [None, nv, 16])
     ko, ki = sch.split(k, [None, 4])
     # A narrower instruction (SDOT: 4 lanes) covers the 16-column group in 16 / lanes steps,
@@ -182,11 +230,13 @@ def kernel(spec: Int8GemmSpec):
     *_, ei, ej = sch.get_loops(ep)
     _, ejv = sch.split(ej, [None, 16])
     sch.vectorize(ejv)
-    if spec.m is None:
-        # Symbolic rows: the column panels are the parallel work, the row tiles inside are
-        # serial so LoopPartition (the hint) splits the guarded last tile off the full ones.
-        sch.parallel(jo)
-        sch.annotate(io, PARTITION_HINT, 1)
+    if tiles.split == "panels":
+        # The column panels are the parallel work, the row tiles inside are serial (symbolic
+        # rows: so LoopPartition, the hint, splits the guarded last tile off the full ones).
+        if spec.m is None or spec.m * spec.k * spec.n >= PARALLEL_MACS:
+            sch.parallel(jo)
+        if spec.m is None:
+            sch.annotate(io, PARTITION_HINT, 1)
     else:
         par = sch.fuse(jo, io)
         if spec.m * spec.k * spec.n >= PARALLEL_MACS:
@@ -199,7 +249,8 @@ def kernel(spec: Int8GemmSpec):
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(ji, isa.intrin())
     f = sch.mod["main"]
-    return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json()})
+    return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
+                        TILES_ATTR: tiles.describe()})
 
 
 def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,

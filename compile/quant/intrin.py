@@ -11,6 +11,11 @@ Semantics (VPDPBUSD): C[i] += sum_k u8(A[k]) * s8(B[i, k]), i < 16, k < 4.
 from __future__ import annotations
 
 VNNI_16X4 = "blockforge_vnni_16x4_u8s8s32"
+# The 256-bit form: 8 int32 lanes, B (8, 4). LLVM selects its encoding from the target: VEX
+# ({vex} vpdpbusd) with AVX-VNNI (Alder Lake+, Zen 5 client) and no AVX-512, EVEX with
+# AVX512_VNNI + AVX512VL.
+VNNI_8X4 = "blockforge_vnni_8x4_u8s8s32"
+_LLVM = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
 
 
 def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
@@ -58,7 +63,12 @@ def register_once(name: str, funcs) -> str:
 
 
 def vnni_16x4() -> str:
-    return register_once(VNNI_16X4, lambda: dot_funcs(16, "uint8", "llvm.x86.avx512.vpdpbusd.512"))
+    return register_once(VNNI_16X4, lambda: dot_funcs(16, "uint8", _LLVM[16]))
+
+
+def vnni_8x4() -> str:
+    """The 256-bit intrinsic (AVX-VNNI, or AVX512_VNNI + AVX512VL), registered on first call."""
+    return register_once(VNNI_8X4, lambda: dot_funcs(8, "uint8", _LLVM[8]))
 
 
 def has_vnni(target) -> bool:
@@ -67,5 +77,15 @@ def has_vnni(target) -> bool:
 
     try:
         return bool(target_has_features("avx512vnni", target)) and bool(target_has_features("avx512bw", target))
+    except Exception:  # not an x86 LLVM target
+        return False
+
+
+def has_avxvnni(target) -> bool:
+    """The target has AVX-VNNI (256-bit VPDPBUSD, VEX-encoded): vnni_8x4's instruction there."""
+    from tvm.target.codegen import target_has_features
+
+    try:
+        return bool(target_has_features("avxvnni", target))
     except Exception:  # not an x86 LLVM target
         return False

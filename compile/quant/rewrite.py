@@ -220,9 +220,11 @@ class _Finder:
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
-def int8_gemm(isa: str = "vnni"):
+def int8_gemm(isa: str = "vnni", target=None, database=None):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
-    (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod)."""
+    (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
+    tiles come from the tuning database where it has a record for its spec
+    (compile/quant/tiles.py), else the defaults."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
@@ -241,7 +243,12 @@ def int8_gemm(isa: str = "vnni"):
 
         def kernel_gv(self, spec):
             if spec not in self.funcs:
-                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec), f"int8_gemm_{len(self.funcs)}")
+                from blockforge.compile.quant.tiles import tile_record
+
+                tiles = tile_record(database, spec, target) if target is not None else None
+                if tiles is not None:
+                    _log.info("int8 gemm %s: tuned tiles %s", spec.describe(), tiles.describe())
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, tiles), f"int8_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 
         def emit_call(self, mt: _Match):
