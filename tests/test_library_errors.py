@@ -61,41 +61,74 @@ def _parse(text):
     ShapeRequest.parse(text)
 
 
+def _tune(m, **opts):
+    from blockforge.tune import TuneOptions, tune
+
+    tune(TuneOptions(model=m["ffn"], target="host", tuning_db=m["dir"] / "db", progress=False, **opts))
+
+
+def _tune_cli(m, *args):
+    return ["tune", m["ffn"], "--target", "host", "--db", m["dir"] / "db", "--no-progress", *args]
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
     api: Callable  # models -> raises
     cli: Callable  # models -> argv
-    says: str  # in both messages, with {} for the argument: "shape" / "--shape"
-    argument: str = "shape"
+    says: str  # in both messages; {name}: the API's argument name there, its flag in the CLI's
+    arguments: tuple[str, ...] = ("shape",)  # .arguments; the first is .argument
+
+    def message(self, name_of) -> str:
+        s = self.says
+        for a in self.arguments:
+            s = s.replace("{" + a + "}", name_of(a))
+        return s
 
 
 CASES = [
     Case("unknown-dim", lambda m: _open(m, "sq=3"), lambda m: ["inspect", m["ffn"], "--shape", "sq=3"],
-         "{} names sq, which the model does not have"),
+         "{shape} names sq, which the model does not have"),
     Case("fixed-axis", lambda m: _open(m, "x=1x2x3"), lambda m: ["inspect", m["ffn"], "--shape", "x=1x2x3"],
-         "{} gives input 'x' shape [1, 2, 3], but axis 2"),
+         "{shape} gives input 'x' shape [1, 2, 3], but axis 2"),
     Case("bad-entry", lambda m: _parse("batch=0"), lambda m: ["inspect", m["ffn"], "--shape", "batch=0"],
-         "bad {} entry 'batch=0'"),
+         "bad {shape} entry 'batch=0'"),
     Case("inputs-disagree", lambda m: _verify(m, "seq=4", m["seq8"]),
          lambda m: ["verify", m["ffn"], "--shape", "seq=4", "--inputs", m["seq8"]],
-         "{} gives seq=8 through input 'x', but ", argument="inputs"),
+         "{inputs} gives seq=8 through input 'x', but {shape} gave seq=4", ("inputs", "shape")),
     Case("unbound-dim", _bench_relu, lambda m: ["bench", m["relu"], "--against", "ort", "--repeat", "3"],
-         "has symbolic dim 'n': bind it in {}: n=N, or the whole input's shape, x=Nx4"),
+         "has symbolic dim 'n': bind it in {shape}: n=N, or the whole input's shape, x=Nx4"),
     Case("too-large", lambda m: _verify(m, "batch=65536,seq=65536"),
-         lambda m: ["verify", m["ffn"], "--shape", "batch=65536,seq=65536"], "bind smaller dims with {}"),
+         lambda m: ["verify", m["ffn"], "--shape", "batch=65536,seq=65536"], "bind smaller dims with {shape}"),
+    Case("tune-trials", lambda m: _tune(m, trials=0), lambda m: _tune_cli(m, "--trials", 0),
+         "{trials} must be a positive integer, got 0", ("trials",)),
+    Case("tune-per-task", lambda m: _tune(m, trials_per_task=-3), lambda m: _tune_cli(m, "--trials-per-task", -3),
+         "{trials_per_task} must be a positive integer", ("trials_per_task",)),
+    Case("tune-round", lambda m: _tune(m, round_trials=0), lambda m: _tune_cli(m, "--round-trials", 0),
+         "{round_trials} must be a positive integer", ("round_trials",)),
+    Case("tune-population", lambda m: _tune(m, population=8), lambda m: _tune_cli(m, "--population", 8),
+         "{population} must be an integer >= 16, got 8", ("population",)),
+    Case("tune-rpc-pair", lambda m: _tune(m, rpc_key="k"), lambda m: _tune_cli(m, "--rpc-key", "k"),
+         "{rpc_tracker} and {rpc_key} go together", ("rpc_tracker", "rpc_key")),
+    Case("tune-rpc-tracker", lambda m: _tune(m, rpc_tracker="nohost", rpc_key="k"),
+         lambda m: _tune_cli(m, "--rpc-tracker", "nohost", "--rpc-key", "k"),
+         "bad {rpc_tracker} 'nohost': expected HOST:PORT", ("rpc_tracker",)),
+    Case("tune-check-only-rpc", lambda m: _tune(m, check_only=True, rpc_tracker="h:1", rpc_key="k"),
+         lambda m: _tune_cli(m, "--check-only", "--rpc-tracker", "h:1", "--rpc-key", "k"),
+         "{check_only} measures on this machine; drop {rpc_tracker}/{rpc_key}", ("check_only", "rpc_tracker", "rpc_key")),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_api_names_the_argument_cli_the_flag(models, case, tmp_path):
+    from blockforge.cli.common import flag_of
+
     with pytest.raises(ArgumentError) as info:
         case.api(models)
     e = info.value
-    assert e.argument == case.argument, e.arguments
+    assert e.arguments == case.arguments and e.argument == case.arguments[0], e.arguments
     assert "--" not in str(e), str(e)
-    assert case.says.format(case.argument) in str(e), str(e)
+    assert case.message(str) in str(e), str(e)
 
     res = run_cli_in_process(*case.cli(models), cwd=tmp_path)
-    flag = "--" + case.argument
-    assert_user_error(res, case.says.format(flag))
+    assert_user_error(res, case.message(flag_of))

@@ -30,8 +30,16 @@ def ffn(tmp_path_factory):
     return export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
 
 
-def _tune(model, db, *extra, cwd, run=run_cli):
-    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", *extra, cwd=cwd)
+# These tests check records, resume, budgets, locking and RPC, not the search: a small
+# evolutionary population (the default 512 costs ~70 s more CPU per tiny tune). The first
+# test tunes at the default, so the default path stays covered.
+SEARCH_POPULATION = 32
+
+
+def _tune(model, db, *extra, cwd, run=run_cli, population: int | None = SEARCH_POPULATION):
+    pop = ("--population", population) if population else ()
+    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", *pop, *extra,
+               cwd=cwd)
 
 
 def _refused(model, db, *extra, cwd):
@@ -46,7 +54,7 @@ def _summary(db: Path, model: Path) -> dict:
 
 def test_tune_resume_apply_verify(ffn, tmp_path):
     db = tmp_path / "db"
-    r = _tune(ffn, db, "--trials-per-task", 4, "--json", tmp_path / "s.json", cwd=tmp_path)
+    r = _tune(ffn, db, "--trials-per-task", 4, "--json", tmp_path / "s.json", cwd=tmp_path, population=None)
     assert r.rc == 0, r.text
     s = json.loads((tmp_path / "s.json").read_text())
     assert len(s["tasks"]) == 2 and all(t["trials_new"] == 4 and t["status"] == "new" for t in s["tasks"])
@@ -110,7 +118,7 @@ def test_budget_semantics():
 def test_second_job_refused_while_first_runs(ffn, tmp_path):
     db = tmp_path / "db"
     cmd = [*BLOCKFORGE, "tune", ffn, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress",
-           "--no-measure", "--trials-per-task", 8]
+           "--no-measure", "--trials-per-task", 8, "--population", SEARCH_POPULATION]
     p = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env={**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")})
     try:
