@@ -49,10 +49,10 @@ def _verify(m, shape, inputs=None):
     verify(VerifyOptions(model=m["ffn"], shape=shape, inputs=inputs))
 
 
-def _bench_relu(m):
+def _bench_relu(m, repeat=3):
     from blockforge.bench import BenchOptions, bench
 
-    bench(BenchOptions(model=m["relu"], against=("ort",), repeat=3, default_dims={"batch": 1, "seq": 128}))
+    bench(BenchOptions(model=m["relu"], against=("ort",), repeat=repeat, default_dims={"batch": 1, "seq": 128}))
 
 
 def _parse(text):
@@ -69,6 +69,24 @@ def _tune(m, **opts):
 
 def _tune_cli(m, *args):
     return ["tune", m["ffn"], "--target", "host", "--db", m["dir"] / "db", "--no-progress", *args]
+
+
+def _mha(**kw):
+    from blockforge.graph import MHASpec
+
+    MHASpec(d_model=16, heads=2, **kw)
+
+
+def _compile_bf16(m):
+    from blockforge.compile import CompileOptions, compile_model
+
+    compile_model(CompileOptions(model=m["ffn"], target="aarch64-linux", precision="bf16", output=m["dir"] / "a"))
+
+
+def _quantize_dynamic(m):
+    from blockforge.graph.quantize import QuantizeOptions, quantize
+
+    quantize(QuantizeOptions(model=m["ffn"], output=m["dir"] / "q.onnx", mode="dynamic", calibration=m["seq8"]))
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,20 @@ CASES = [
     Case("tune-check-only-rpc", lambda m: _tune(m, check_only=True, rpc_tracker="h:1", rpc_key="k"),
          lambda m: _tune_cli(m, "--check-only", "--rpc-tracker", "h:1", "--rpc-key", "k"),
          "{check_only} measures on this machine; drop {rpc_tracker}/{rpc_key}", ("check_only", "rpc_tracker", "rpc_key")),
+    Case("kv-cache-cross", lambda m: _mha(kv_cache=True, cross=True),
+         lambda m: ["export", "mha", "--d-model", 16, "--heads", 2, "--kv-cache", "--cross", "-o", m["dir"] / "k.onnx"],
+         "drop {kv_cache} or {kv_seq}/{cross}", ("kv_cache", "kv_seq", "cross")),
+    Case("causal-cross", lambda m: _mha(causal=True, cross=True),
+         lambda m: ["export", "mha", "--d-model", 16, "--heads", 2, "--causal", "--cross", "-o", m["dir"] / "c.onnx"],
+         "drop {causal} or {kv_seq}/{cross}", ("causal", "kv_seq", "cross")),
+    Case("bf16-target", _compile_bf16,
+         lambda m: ["compile", m["ffn"], "--target", "aarch64-linux", "--precision", "bf16", "-o", m["dir"] / "a"],
+         "or {precision} fp32)", ("precision",)),
+    Case("bench-repeat", lambda m: _bench_relu(m, repeat=2), lambda m: ["bench", m["relu"], "--repeat", 2],
+         "{repeat} must be at least 3", ("repeat",)),
+    Case("quantize-dynamic-calibration", _quantize_dynamic,
+         lambda m: ["quantize", m["ffn"], "--mode", "dynamic", "--calibration", m["seq8"], "-o", m["dir"] / "q.onnx"],
+         "{calibration} is for {mode} static", ("calibration", "mode")),
 ]
 
 

@@ -31,15 +31,13 @@ def ffn(tmp_path_factory):
 
 
 # These tests check records, resume, budgets, locking and RPC, not the search: a small
-# evolutionary population (the default 512 costs ~70 s more CPU per tiny tune). The first
-# test tunes at the default, so the default path stays covered.
+# evolutionary population (the default 512 scores that many candidates every round).
 SEARCH_POPULATION = 32
 
 
-def _tune(model, db, *extra, cwd, run=run_cli, population: int | None = SEARCH_POPULATION):
-    pop = ("--population", population) if population else ()
-    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", *pop, *extra,
-               cwd=cwd)
+def _tune(model, db, *extra, cwd, run=run_cli):
+    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress",
+               "--population", SEARCH_POPULATION, *extra, cwd=cwd)
 
 
 def _refused(model, db, *extra, cwd):
@@ -54,7 +52,7 @@ def _summary(db: Path, model: Path) -> dict:
 
 def test_tune_resume_apply_verify(ffn, tmp_path):
     db = tmp_path / "db"
-    r = _tune(ffn, db, "--trials-per-task", 4, "--json", tmp_path / "s.json", cwd=tmp_path, population=None)
+    r = _tune(ffn, db, "--trials-per-task", 4, "--json", tmp_path / "s.json", cwd=tmp_path)
     assert r.rc == 0, r.text
     s = json.loads((tmp_path / "s.json").read_text())
     assert len(s["tasks"]) == 2 and all(t["trials_new"] == 4 and t["status"] == "new" for t in s["tasks"])
