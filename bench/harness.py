@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import blockforge
-from blockforge.errors import BlockforgeError
+from blockforge.errors import ArgumentError, BlockforgeError
 from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
 from blockforge.graph.model_io import bind_dims, model_spec, random_inputs
@@ -209,7 +209,7 @@ def bench(opts: BenchOptions) -> BenchReport:
     if unknown or not opts.against:
         raise BlockforgeError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(CONTENDERS)}")
     if opts.repeat < 3:
-        raise BlockforgeError("--repeat must be at least 3")
+        raise ArgumentError("{repeat} must be at least 3", "repeat")
     target = resolve(opts.target)
     problem = target.run_problem()
     if problem:

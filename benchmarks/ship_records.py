@@ -32,6 +32,8 @@ DEST = Path("artifacts/shipped/tuning") / PRESET
 BLOCKS = [("mha_bert", MHASpec(d_model=768, heads=12)),
           ("ffn_bert", FFNSpec(d_model=768, d_ff=3072, activation="gelu"))]
 SMOKE_BLOCKS = [("ffn_tiny", FFNSpec(d_model=32, d_ff=64))]  # one block: a tune is ~1 min even so
+# The smoke test proves the script runs and writes records, not the search: a small population.
+SMOKE_POPULATION = 32
 
 
 def main() -> int:
@@ -51,7 +53,8 @@ def main() -> int:
         if not path.exists():
             export(spec, path)
         s = tune(TuneOptions(model=path, target=PRESET, trials_per_task=a.trials_per_task,
-                             shape={"batch": 1, "seq": 8 if a.smoke else 128}, measure=True, progress=False))
+                             shape={"batch": 1, "seq": 8 if a.smoke else 128}, measure=True, progress=False,
+                             **({"population": SMOKE_POPULATION} if a.smoke else {})))
         print(f"{name}: {s.trials_new} new trials, {s.trials_reused} reused")
     n = DeviceDB(default_db_dir(target), target).export_best(a.dest)
     print(f"wrote {n} records to {a.dest}, judged inside the models on {cpu_id()}")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.errors import BlockforgeError, raise_if_stopped
+from blockforge.errors import ArgumentError, BlockforgeError, raise_if_stopped
 
 _log = logging.getLogger("blockforge.isolate")
 LOGGED_TAIL = 64 * 1024  # of a child's native output (ORT's, TVM's) kept in the log file
@@ -116,6 +116,10 @@ def _memory_error(path: Path, verb: str, c: _Child) -> BlockforgeError | None:
     return None
 
 
+# The child's last stdout line for an ArgumentError: its template and arguments as JSON.
+_ARGUMENT_ERROR = "blockforge-argument-error: "
+
+
 def _run_checked(path: Path, cmd: list[str], what: str, verb: str, timeout: float | None = None) -> _Child:
     """_run_child, every way it can fail as one BlockforgeError: `what` failed, `verb` the
     memory message's."""
@@ -140,6 +144,11 @@ def _run_checked(path: Path, cmd: list[str], what: str, verb: str, timeout: floa
         raise BlockforgeError(f"{path}: {what} crashed ({sig}) on this model; refusing it")
     if c.rc == 2:
         lines = [ln for ln in c.stdout.splitlines() if ln.strip()]
+        if lines and lines[-1].startswith(_ARGUMENT_ERROR):  # crosses as data: the CLI names its flags
+            try:
+                raise ArgumentError.from_dict(json.loads(lines[-1][len(_ARGUMENT_ERROR):]))
+            except (ValueError, KeyError, TypeError):
+                lines = lines[:-1]
         raise BlockforgeError(lines[-1] if lines else f"{path}: rejected")
     if c.rc != 0:
         # An exception the child did not expect: its last line is the reason (TVM puts it last).
@@ -337,6 +346,10 @@ def _main(argv: list[str]) -> int:
             mode = "tvm" if a.tvm else ("prepare" if a.prepare else "sizes")
             out = Path(a.out).resolve()
             _write_back(_prepare(Path(a.model), a.model, json.loads(a.request), mode, out), out)
+    except ArgumentError as e:
+        print(str(e))
+        print(_ARGUMENT_ERROR + json.dumps(e.to_dict()))
+        return 2
     except BlockforgeError as e:
         print(str(e))
         return 2

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import onnx
 
-from blockforge.errors import BlockforgeError, printable
+from blockforge.errors import BlockforgeError, printable, with_note
 from blockforge.fsutil import atomic_write_bytes, atomic_write_json
 from blockforge.graph.model_io import TensorSig, load_model
 from blockforge.graph.shape import Binding, ShapeRequest
@@ -140,8 +140,8 @@ def import_prepared(prepared: onnx.ModelProto, binding: Binding, weights_dir: Pa
             raise
         example = ",".join(f"{printable(s.name)}={'x'.join(str(d) if isinstance(d, int) else 'N' for d in s.dims)}"
                            for s in binding.signature()[0])
-        raise BlockforgeError(f"{e} (dims {', '.join(open_dims)} are unbound: exports often import only with "
-                              f"static shapes, e.g. --shape {example})") from None
+        raise with_note(e, f" (dims {', '.join(open_dims)} are unbound: exports often import only with "
+                           f"static shapes, e.g. {{shape}} {example})", "shape") from None
 
 
 def open_model(model: str | Path, target: str | dict | ResolvedTarget | None = "host",

@@ -11,6 +11,44 @@ class BlockforgeError(Exception):
     exit_code = 2
 
 
+class ArgumentError(BlockforgeError):
+    """A user error about arguments of a library call, said in the library's terms. The
+    template names each argument as {name}, the API's own name (shape, inputs, tuning_db):
+    str() spells them so, and the CLI as its flags (`render(flag_of)`: --shape, --inputs), so
+    a library caller never reads about a flag it did not pass. `argument` is the first one
+    named (the structured field a caller can branch on)."""
+
+    def __init__(self, template: str, *arguments: str):
+        self.template, self.arguments = template, tuple(arguments)
+        super().__init__(self.render())
+
+    @property
+    def argument(self) -> str:
+        return self.arguments[0]
+
+    def render(self, name_of=str) -> str:
+        s = self.template
+        for a in self.arguments:
+            s = s.replace("{" + a + "}", name_of(a))
+        return s
+
+    def to_dict(self) -> dict:
+        return {"template": self.template, "arguments": list(self.arguments)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArgumentError":
+        """What an isolation child wrote (to_dict): the error crosses as data, not as text."""
+        return cls(str(d["template"]), *map(str, d["arguments"]))
+
+
+def with_note(e: BlockforgeError, note: str, *arguments: str) -> BlockforgeError:
+    """e's message followed by `note` (which may name `arguments` as {name}), keeping e's own
+    arguments: one ArgumentError when either names one."""
+    if isinstance(e, ArgumentError):
+        return ArgumentError(e.template + note, *dict.fromkeys(e.arguments + arguments))
+    return ArgumentError(str(e) + note, *arguments) if arguments else BlockforgeError(str(e) + note)
+
+
 def printable(s, limit: int | None = 200) -> str:
     """A model-controlled string (a tensor, node, op or dim name) as output may show it:
     newlines, ANSI escapes and every other non-printable character escaped as repr() writes

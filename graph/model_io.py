@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper
 
-from blockforge.errors import BlockforgeError, printable
+from blockforge.errors import ArgumentError, BlockforgeError, printable
 from blockforge.errors import error_line
 
 from .spec import Spec, spec_from_dict
@@ -65,9 +65,9 @@ class TensorSig:
                 out.append(dims[d])
             else:
                 shape = "x".join(str(x) if isinstance(x, int) else "N" for x in self.dims)
-                raise BlockforgeError(
-                    f"input {self.name!r} has symbolic dim {d!r}: give it a value with --shape {d}=N "
-                    f"or the whole input shape, --shape {printable(self.name)}={shape}"
+                raise ArgumentError(
+                    f"input {self.name!r} has symbolic dim {d!r}: bind it in {{shape}}: {d}=N, "
+                    f"or the whole input's shape, {printable(self.name)}={shape}", "shape"
                 )
         return tuple(out)
 
@@ -190,8 +190,8 @@ def bind_dims(model: onnx.ModelProto, dims: dict[str, int], *, strict: bool = Tr
         known = {d for s in signature(model)[0] for d in s.dims if isinstance(d, str)}
         unknown = sorted(set(dims) - known)
         if unknown:
-            raise BlockforgeError(f"--shape names {', '.join(unknown)}, but the model's symbolic dims are "
-                                  f"{', '.join(sorted(known)) or 'none'}")
+            raise ArgumentError(f"{{shape}} names {', '.join(unknown)}, but the model's symbolic dims are "
+                                f"{', '.join(sorted(known)) or 'none'}", "shape")
     m = onnx.ModelProto()
     m.CopyFrom(model)
     for vi in list(m.graph.input) + list(m.graph.output):
@@ -224,15 +224,15 @@ def parse_dims(text: str | None) -> dict[str, int | tuple[int, ...]]:
     for part in text.split(","):
         name, sep, value = part.strip().partition("=")
         if not sep or not name.strip():
-            raise BlockforgeError(f"bad --shape entry {part!r}: expected NAME=INT (a dim) or INPUT=AxB "
-                                  "(an input's shape), e.g. seq=128 or input_ids=1x128")
+            raise ArgumentError(f"bad {{shape}} entry {part!r}: expected NAME=INT (a dim) or INPUT=AxB "
+                                "(an input's shape), e.g. seq=128 or input_ids=1x128", "shape")
         try:
             vals = tuple(int(v) for v in value.strip().lower().split("x"))
         except ValueError:
-            raise BlockforgeError(f"bad --shape entry {part!r}: {value!r} is not an integer "
-                                  "or a shape like 1x128") from None
+            raise ArgumentError(f"bad {{shape}} entry {part!r}: {value!r} is not an integer "
+                                "or a shape like 1x128", "shape") from None
         if not all(0 < v <= MAX_BOUND_DIM for v in vals):
-            raise BlockforgeError(f"bad --shape entry {part!r}: every value must be in [1, {MAX_BOUND_DIM}]")
+            raise ArgumentError(f"bad {{shape}} entry {part!r}: every value must be in [1, {MAX_BOUND_DIM}]", "shape")
         out[name.strip()] = vals[0] if len(vals) == 1 and "x" not in value.lower() else vals
     return out
 
@@ -247,23 +247,29 @@ def describe_inputs(sigs: list[TensorSig]) -> str:
     return ", ".join(f"{printable(s.name)} [{', '.join(printable(d) for d in s.dims)}]" for s in sigs) or "none"
 
 
+# The arguments binding errors name ({shape}, {inputs}: the API's names; the CLI says its flags).
+_BINDING_ARGS = ("shape", "inputs")
+
+
 def _bind_shape(sig: TensorSig, shape: tuple[int, ...], bound: dict[str, int], source: dict[str, str],
                 what: str) -> None:
-    """Bind sig's symbolic dims from a whole shape; static dims must match."""
+    """Bind sig's symbolic dims from a whole shape; static dims must match. `what`: the
+    argument that gave it ("shape", "inputs")."""
     if len(shape) != len(sig.dims):
-        raise BlockforgeError(f"{what} gives input {sig.name!r} rank {len(shape)} {list(shape)}, "
-                              f"the model's is rank {len(sig.dims)} {list(sig.dims)}")
+        raise ArgumentError(f"{{{what}}} gives input {sig.name!r} rank {len(shape)} {list(shape)}, "
+                            f"the model's is rank {len(sig.dims)} {list(sig.dims)}", what)
     for axis, (v, d) in enumerate(zip(shape, sig.dims)):
         if isinstance(d, int):
             if v != d:
-                raise BlockforgeError(f"{what} gives input {sig.name!r} shape {list(shape)}, but axis {axis} "
-                                      f"of the model's {list(sig.dims)} is fixed at {d}")
+                raise ArgumentError(f"{{{what}}} gives input {sig.name!r} shape {list(shape)}, but axis {axis} "
+                                    f"of the model's {list(sig.dims)} is fixed at {d}", what)
         elif isinstance(d, str):
             if d in bound and bound[d] != v:
-                raise BlockforgeError(f"{what} gives {d}={v} through input {sig.name!r}, "
-                                      f"but {source[d]} gave {d}={bound[d]}")
+                raise ArgumentError(f"{{{what}}} gives {d}={v} through input {sig.name!r}, "
+                                    f"but {source[d]} gave {d}={bound[d]}",
+                                    what, *(a for a in _BINDING_ARGS if a != what))
             bound.setdefault(d, v)
-            source.setdefault(d, f"{what} ({printable(sig.name)})")
+            source.setdefault(d, f"{{{what}}} ({printable(sig.name)})")
         else:
             raise BlockforgeError(f"input {sig.name!r} axis {axis} is dynamic without a name; "
                                   "it cannot be bound (re-export the model with named dynamic axes)")
@@ -289,21 +295,22 @@ def resolve_dims(sigs: list[TensorSig], spec: dict | None, *, input_shapes: dict
                 unknown.append(name)
                 continue
             _bind_shape(by_input[name], tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else (v,))),
-                        bound, source, "--shape")
+                        bound, source, "shape")
         elif name in names:
             if name in bound and bound[name] != int(v):
-                raise BlockforgeError(f"--shape gives {name}={v}, but {source[name]} gave {name}={bound[name]}")
+                raise ArgumentError(f"{{shape}} gives {name}={v}, but {source[name]} gave {name}={bound[name]}",
+                                    "shape")
             bound[name] = int(v)
-            source[name] = "--shape"
+            source[name] = "{shape}"
         else:
             unknown.append(name)
     if unknown:
-        raise BlockforgeError(
-            f"--shape names {', '.join(sorted(unknown))}, which the model does not have: its inputs are "
-            f"{describe_inputs(sigs)}; its symbolic dims are {', '.join(names) or 'none (fully static)'}")
+        raise ArgumentError(
+            f"{{shape}} names {', '.join(sorted(unknown))}, which the model does not have: its inputs are "
+            f"{describe_inputs(sigs)}; its symbolic dims are {', '.join(names) or 'none (fully static)'}", "shape")
     for name, shape in (input_shapes or {}).items():
         if name in by_input:  # names the model lacks: check_inputs reports them
-            _bind_shape(by_input[name], tuple(shape), bound, source, "--inputs")
+            _bind_shape(by_input[name], tuple(shape), bound, source, "inputs")
     for name, v in (defaults or {}).items():
         if name in names and name not in bound:
             bound[name] = int(v)
@@ -323,8 +330,8 @@ def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, see
         shape = s.bind(bound)
         nbytes = int(np.prod(shape, dtype=np.float64)) * (np.dtype(s.dtype).itemsize if s.dtype in NP_DTYPE.values() else 8)
         if nbytes > MAX_INPUT_BYTES:
-            raise BlockforgeError(f"input {s.name!r} of shape {list(shape)} would need {nbytes / 2**30:.1f} GiB "
-                                  f"(limit {MAX_INPUT_BYTES >> 30} GiB); bind smaller dims with --shape")
+            raise ArgumentError(f"input {s.name!r} of shape {list(shape)} would need {nbytes / 2**30:.1f} GiB "
+                                f"(limit {MAX_INPUT_BYTES >> 30} GiB); bind smaller dims with {{shape}}", "shape")
         # Zero is a length (an empty KV cache: a decoder's first step); masks below keep a
         # row's first key, so their last axis must have one.
         masked = s.dtype == "bool" or s.name == "key_padding_mask"

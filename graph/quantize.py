@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from blockforge.errors import BlockforgeError, error_line
+from blockforge.errors import ArgumentError, BlockforgeError, error_line
 from blockforge.fsutil import Output, atomic_write_bytes, check_outputs, write_error
 
 from .model_io import check_inputs, load_model, load_npz, random_inputs, resolve_dims, signature
@@ -118,13 +118,13 @@ def _calibration_batches(opts: QuantizeOptions, model: onnx.ModelProto) -> tuple
         ranks = {s.name: len(s.dims) for s in ins}
         stacked = [k for k, v in arrays.items() if k in ranks and v.ndim == ranks[k] + 1]
         if stacked and len(stacked) != len(arrays):
-            raise BlockforgeError(f"--calibration {opts.calibration}: either every array is one batch (the inputs' "
-                                  "ranks) or every array stacks batches on a new axis 0, not a mix")
+            raise ArgumentError(f"{{calibration}} {opts.calibration}: either every array is one batch (the inputs' "
+                                "ranks) or every array stacks batches on a new axis 0, not a mix", "calibration")
         if stacked:
             n = {v.shape[0] for v in arrays.values()}
             if len(n) != 1 or 0 in n:
-                raise BlockforgeError(f"--calibration {opts.calibration}: the arrays stack different numbers of "
-                                      f"batches ({', '.join(map(str, sorted(n)))})")
+                raise ArgumentError(f"{{calibration}} {opts.calibration}: the arrays stack different numbers of "
+                                    f"batches ({', '.join(map(str, sorted(n)))})", "calibration")
             batches = [{k: np.ascontiguousarray(v[i]) for k, v in arrays.items()} for i in range(n.pop())]
         else:
             batches = [arrays]
@@ -180,8 +180,8 @@ def quantize_model(model: onnx.ModelProto, opts: QuantizeOptions,
     if opts.activation_type not in ACTIVATION_TYPES:
         raise BlockforgeError(f"unknown activation type {opts.activation_type!r}; choose from {', '.join(ACTIVATION_TYPES)}")
     if opts.mode == "dynamic" and opts.calibration is not None:
-        raise BlockforgeError("--calibration is for --mode static (dynamic quantization computes activation "
-                              "scales at run time)")
+        raise ArgumentError("{calibration} is for {mode} static (dynamic quantization computes activation "
+                            "scales at run time)", "calibration", "mode")
     if is_quantized(model):
         raise BlockforgeError(f"{opts.model}: the model is already quantized (it has "
                               f"{sorted({n.op_type for n in model.graph.node if n.op_type in QUANTIZED_OPS})[0]})")

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Union
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import ArgumentError, BlockforgeError
 
 DTYPES = ("float32", "float16")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -103,11 +103,11 @@ def _check_kv_cache(spec) -> None:
     if not isinstance(spec.kv_cache, bool):
         raise BlockforgeError(f"kv_cache must be true or false, got {spec.kv_cache!r}")
     if spec.kv_cache and spec.cross:
-        raise BlockforgeError("a key/value cache is for self-attention (the cached keys are this sequence's "
-                              "earlier positions); drop --kv-cache or --kv-seq/--cross")
+        raise ArgumentError("a key/value cache is for self-attention (the cached keys are this sequence's "
+                            "earlier positions); drop {kv_cache} or {kv_seq}/{cross}", "kv_cache", "kv_seq", "cross")
     if spec.kv_cache and spec.mask is not None:
-        raise BlockforgeError("--mask with --kv-cache is not supported (the padding mask would have to span "
-                              "past + seq); drop one of them")
+        raise ArgumentError("{mask} with {kv_cache} is not supported (the padding mask would have to span "
+                            "past + seq); drop one of them", "mask", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ class MHASpec(Common):
         if self.kv_seq is not None and not self.cross:
             object.__setattr__(self, "cross", True)
         if self.causal and self.cross:
-            raise BlockforgeError("a causal mask needs self-attention (query and key of one length); drop --causal or --kv-seq/--cross")
+            raise ArgumentError("a causal mask needs self-attention (query and key of one length); "
+                                "drop {causal} or {kv_seq}/{cross}", "causal", "kv_seq", "cross")
         _check_choice("mask", self.mask, MASKS)
         _check_choice("layout", self.layout, LAYOUTS)
         if not isinstance(self.bias, bool):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import ArgumentError, BlockforgeError
 
 from .resolve import ResolvedTarget
 
@@ -56,7 +56,7 @@ def resolve_precision(name: str | None, target: ResolvedTarget) -> Precision:
     p = PRECISIONS[name]
     if p.feature is not None and not target_has(target, p.feature):
         cpu = target.target_json.get("mcpu", target.kind)
-        raise BlockforgeError(f"precision {name} needs a CPU target with {p.feature_name}; target {target.name} "
-                              f"({cpu}) has none (choose one whose mcpu has it, e.g. znver4 or sapphirerapids, "
-                              f"or --precision {DEFAULT})")
+        raise ArgumentError(f"precision {name} needs a CPU target with {p.feature_name}; target {target.name} "
+                            f"({cpu}) has none (choose one whose mcpu has it, e.g. znver4 or sapphirerapids, "
+                            f"or {{precision}} {DEFAULT})", "precision")
     return p

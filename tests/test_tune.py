@@ -30,8 +30,14 @@ def ffn(tmp_path_factory):
     return export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
 
 
+# These tests check records, resume, budgets, locking and RPC, not the search: a small
+# evolutionary population (the default 512 scores that many candidates every round).
+SEARCH_POPULATION = 32
+
+
 def _tune(model, db, *extra, cwd, run=run_cli):
-    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", *extra, cwd=cwd)
+    return run("tune", model, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress",
+               "--population", SEARCH_POPULATION, *extra, cwd=cwd)
 
 
 def _refused(model, db, *extra, cwd):
@@ -110,7 +116,7 @@ def test_budget_semantics():
 def test_second_job_refused_while_first_runs(ffn, tmp_path):
     db = tmp_path / "db"
     cmd = [*BLOCKFORGE, "tune", ffn, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress",
-           "--no-measure", "--trials-per-task", 8]
+           "--no-measure", "--trials-per-task", 8, "--population", SEARCH_POPULATION]
     p = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env={**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")})
     try:

@@ -184,7 +184,7 @@ def test_tune_env_and_a_second_folder_share_the_default_database(installed):
     log = installed.cache / "logs" / "blockforge.log"
     before = log.stat().st_size if log.exists() else 0
     out = installed.ok("tune", "ffn.onnx", "--target", "host", "--shape", SHAPE, "--trials-per-task", 1,
-                       "--no-measure", "--no-progress", cwd=work, timeout=900)
+                       "--population", 32, "--no-measure", "--no-progress", cwd=work, timeout=900)
     root = installed.cache / "tuning"
     (db,) = [d for d in root.iterdir() if d.is_dir()]
     assert str(db) in out, out
@@ -223,12 +223,16 @@ def test_tune_env_and_a_second_folder_share_the_default_database(installed):
                     "/usr/aarch64-linux-gnu missing (Debian packages g++-aarch64-linux-gnu and qemu-user)")
 def test_aarch64_package_runs_under_qemu(installed):
     """The cross-built app from the wheel's sources. The TVM runtime it links is built from the
-    apache-tvm wheel's sources, which the wheel test does not change: when the suite's cache
-    already holds that build (test_edge makes it) it is copied in, so only the app is rebuilt
-    here (make decides; a cold cache builds everything, minutes)."""
+    apache-tvm wheel's sources, which the wheel test does not change: it is built once per run,
+    in the suite's cache (conftest), and copied in, so only the app is built here. Asking the
+    suite's cache for it first (under its build lock) makes this test wait for the build
+    test_edge may be running on the other xdist worker, or do it for test_edge, instead of a
+    second cross-build of the runtime in this cache (minutes of CPU on a clean clone)."""
     from blockforge import settings
+    from blockforge.deploy.package import runtime_libs
     from blockforge.graph import ort
 
+    runtime_libs("aarch64")  # the suite's one build of the aarch64 runtime
     built = settings.edge_build_root() / "aarch64"  # the suite's cache (conftest)
     mine = installed.cache / "edge" / "aarch64"
     if built.is_dir() and not mine.exists():

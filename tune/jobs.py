@@ -25,7 +25,7 @@ from blockforge.compile.pipeline import extract_tasks, run_phases
 from blockforge.compile.records.reader import FAILED_RUN_SECS, default_db_dir, load_database, plan_apply
 from blockforge.compile.artifact.runtime import tvm_device
 from blockforge.compile.session import Session, open_model
-from blockforge.errors import BlockforgeError, raise_if_stopped
+from blockforge.errors import ArgumentError, BlockforgeError, raise_if_stopped
 from blockforge.fsutil import INTO, Output, atomic_write_json, check_outputs, private_temp_root
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
@@ -134,9 +134,9 @@ class TuneSummary:
 # ---------------------------------------------------------------- budgets
 
 def check_trials(trials: int | None, trials_per_task: int | None) -> None:
-    for name, v in (("--trials", trials), ("--trials-per-task", trials_per_task)):
+    for name, v in (("trials", trials), ("trials_per_task", trials_per_task)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise BlockforgeError(f"{name} must be a positive integer, got {v!r}")
+            raise ArgumentError(f"{{{name}}} must be a positive integer, got {v!r}", name)
 
 
 def per_task_budget(n_tasks: int, trials: int | None, trials_per_task: int | None) -> int:
@@ -146,8 +146,8 @@ def per_task_budget(n_tasks: int, trials: int | None, trials_per_task: int | Non
     budget = trials_per_task or DEFAULT_TRIALS_PER_TASK
     if trials is not None:
         if trials < n_tasks:
-            raise BlockforgeError(f"--trials {trials} is less than the model's {n_tasks} tasks; "
-                                  "every task needs at least one trial")
+            raise ArgumentError(f"{{trials}} {trials} is less than the model's {n_tasks} tasks; "
+                                "every task needs at least one trial", "trials")
         budget = min(budget, trials // n_tasks) if trials_per_task else trials // n_tasks
     return budget
 
@@ -298,21 +298,26 @@ def validate_in_model(db: DeviceDB, session: Session, tasks, workloads, untuned,
 def _check_options(opts: TuneOptions, target: ResolvedTarget) -> int:
     """Everything that can be refused before the slow import; returns the RPC server count."""
     if not isinstance(opts.round_trials, int) or opts.round_trials <= 0:
-        raise BlockforgeError("--round-trials must be a positive integer")
+        raise ArgumentError("{round_trials} must be a positive integer", "round_trials")
+    # 16: the smallest population the suite tunes with (test_real_models); below it is untried.
+    if isinstance(opts.population, bool) or not isinstance(opts.population, int) or opts.population < 16:
+        raise ArgumentError(f"{{population}} must be an integer >= 16, got {opts.population!r}", "population")
     check_trials(opts.trials, opts.trials_per_task)
     if opts.check_only and (opts.rpc_tracker or opts.rpc_key):
-        raise BlockforgeError("--check-only measures on this machine; drop --rpc-tracker/--rpc-key")
+        raise ArgumentError("{check_only} measures on this machine; drop {rpc_tracker}/{rpc_key}",
+                            "check_only", "rpc_tracker", "rpc_key")
     if opts.rpc_tracker or opts.rpc_key:
         if not (opts.rpc_tracker and opts.rpc_key):
-            raise BlockforgeError("--rpc-tracker and --rpc-key go together")
+            raise ArgumentError("{rpc_tracker} and {rpc_key} go together", "rpc_tracker", "rpc_key")
         host, port = parse_tracker(opts.rpc_tracker)
         return wait_for_devices(host, port, opts.rpc_key, opts.rpc_wait_s)
     rp = target.run_problem()
     if rp and opts.check_only:
-        raise BlockforgeError(f"--check-only times the model on this machine, and {target.name} cannot run here ({rp})")
+        raise ArgumentError(f"{{check_only}} times the model on this machine, and {target.name} cannot run here ({rp})",
+                            "check_only")
     if rp:
-        raise BlockforgeError(f"cannot measure {target.name} on this machine ({rp}); "
-                              "tune through a device: --rpc-tracker HOST:PORT --rpc-key KEY")
+        raise ArgumentError(f"cannot measure {target.name} on this machine ({rp}); "
+                            "tune through a device: {rpc_tracker} HOST:PORT {rpc_key} KEY", "rpc_tracker", "rpc_key")
     return 0
 
 

@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 
-from blockforge.errors import BlockforgeError, error_line, raise_if_stopped, stop_deferred
+from blockforge.errors import ArgumentError, BlockforgeError, error_line, raise_if_stopped, stop_deferred
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TRACKER_PORT = 9190  # TVM's conventional ports
@@ -22,13 +22,13 @@ SERVER_PORT = 9090
 def parse_tracker(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host:
-        raise BlockforgeError(f"bad --rpc-tracker {text!r}: expected HOST:PORT")
+        raise ArgumentError(f"bad {{rpc_tracker}} {text!r}: expected HOST:PORT", "rpc_tracker")
     try:
         p = int(port)
     except ValueError:
-        raise BlockforgeError(f"bad --rpc-tracker {text!r}: port {port!r} is not an integer") from None
+        raise ArgumentError(f"bad {{rpc_tracker}} {text!r}: port {port!r} is not an integer", "rpc_tracker") from None
     if not 0 < p < 65536:
-        raise BlockforgeError(f"bad --rpc-tracker {text!r}: port out of range")
+        raise ArgumentError(f"bad {{rpc_tracker}} {text!r}: port out of range", "rpc_tracker")
     return host, p
 
 

@@ -117,7 +117,9 @@ def _dispatch(args, log) -> int:
         if _stop_requested():
             return _stopped()
         # one line whatever the message quotes (a model's names, TVM's text): no raw control characters
-        print(f"blockforge: error: {printable(e, limit=None)}", file=sys.stderr)
+        from blockforge.cli.common import error_message
+
+        print(f"blockforge: error: {printable(error_message(e), limit=None)}", file=sys.stderr)
         return e.exit_code
     except (KeyboardInterrupt, Terminated):
         return _stopped()

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import ArgumentError, BlockforgeError
 
 
 def print_table(headers: list[str], rows: list[list], out=None) -> None:
@@ -19,6 +19,20 @@ def print_table(headers: list[str], rows: list[list], out=None) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|", file=out)
     for r in cells:
         print(line(r), file=out)
+
+
+# The API's argument names whose flag is not `--` + the name with dashes.
+_FLAG_OF = {"use_tuning": "--no-tuning"}
+
+
+def flag_of(argument: str) -> str:
+    """The CLI flag for a library argument: shape -> --shape, tuning_db -> --tuning-db."""
+    return _FLAG_OF.get(argument, "--" + argument.replace("_", "-"))
+
+
+def error_message(e: BlockforgeError) -> str:
+    """A library error as the CLI says it: the arguments it names (ArgumentError) as flags."""
+    return e.render(flag_of) if isinstance(e, ArgumentError) else str(e)
 
 
 def path_or_none(v: str | None, flag: str) -> Path | None:
@@ -44,7 +58,7 @@ def _shape_type(text: str):
     try:
         return ShapeRequest.parse(text)
     except BlockforgeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(error_message(e)) from None
 
 
 def add_shape(p: argparse.ArgumentParser, default_note: str | None = None) -> None:

@@ -8,7 +8,7 @@ from .common import add_force, add_shape, check_outputs, shape, print_table, wri
 
 
 def add(sub) -> None:
-    from blockforge.tune.jobs import DEFAULT_ROUND_TRIALS, DEFAULT_TRIALS_PER_TASK
+    from blockforge.tune.jobs import DEFAULT_ROUND_TRIALS, DEFAULT_TRIALS_PER_TASK, POPULATION
 
     p = sub.add_parser("tune", help="MetaSchedule autotuning into the device's database (resumable)",
                        description=f"Every task gets --trials-per-task trials (default {DEFAULT_TRIALS_PER_TASK}); "
@@ -19,6 +19,9 @@ def add(sub) -> None:
     p.add_argument("--trials", type=int, default=None, help="total budget for this job")
     p.add_argument("--trials-per-task", type=int, default=None, help=f"budget per task (default {DEFAULT_TRIALS_PER_TASK})")
     p.add_argument("--round-trials", type=int, default=DEFAULT_ROUND_TRIALS, help="trials per task between database merges")
+    p.add_argument("--population", type=int, default=POPULATION,
+                   help=f"candidates the evolutionary search keeps per round (default {POPULATION}); smaller is "
+                        "cheaper per round: a 4-trial FFN tune took ~40%% less CPU with 32")
     p.add_argument("--tuning-db", "--db", dest="tuning_db", default=None,
                    help="tuning database dir (default: the device's, in the blockforge cache)")
     p.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker")
@@ -46,7 +49,8 @@ def run(a) -> int:
     s = tune(TuneOptions(model=a.model, target=a.target, trials=a.trials, trials_per_task=a.trials_per_task,
                          tuning_db=a.tuning_db, rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
                          shape=shape(a), round_trials=a.round_trials, measure=not a.no_measure,
-                         progress=not a.no_progress, rpc_wait_s=a.rpc_wait, check_only=a.check_only))
+                         progress=not a.no_progress, rpc_wait_s=a.rpc_wait, check_only=a.check_only,
+                         population=a.population))
     rows = [[t.name, f"{t.flops / 1e6:.2f}", f"{t.best_us:.1f}" if t.best_us else "-",
              f"{t.gflops:.1f}" if t.gflops else "-", f"{min(t.trials_before, t.budget) + t.trials_new}/{t.budget}",
              t.trials_new, t.status] for t in s.tasks]

@@ -200,7 +200,7 @@ def base(tmp_path_factory) -> dict:
 
 def _tune_args(b, db: Path) -> list:
     return ["tune", b["model"], "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress", "--no-measure",
-            "--trials-per-task", 8, "--round-trials", 2]
+            "--trials-per-task", 8, "--round-trials", 2, "--population", 32]  # the stop is under test, not the search
 
 
 def _db_checks(db: Path, min_records: int) -> None:

@@ -20,7 +20,7 @@ from conftest import BLOCKFORGE
 
 pytestmark = pytest.mark.slow
 SHAPE = {"batch": 1, "seq": 8}
-# The library-call test checks merges, not the search: a small evolutionary population (the
+# These tests check kills and merges, not the search: a small evolutionary population (the
 # default 512 samples and scores that many candidates every 1-trial round). Measured: one tune
 # of this FFN, 4 trials per task in 1-trial rounds: 96 s of CPU with 32, 165 s with 512.
 POPULATION = 32
@@ -42,7 +42,8 @@ def test_sigkill_at_several_points(tmp_path):
     model = export(FFNSpec(d_model=32, d_ff=64), tmp_path / "f.onnx").model_path
     db = tmp_path / "db"
     cmd = [*map(str, BLOCKFORGE), "tune", str(model), "--target", "host", "--shape", "batch=1,seq=8", "--db", str(db),
-           "--no-progress", "--no-measure", "--trials-per-task", "4", "--round-trials", "1"]
+           "--no-progress", "--no-measure", "--trials-per-task", "4", "--round-trials", "1",
+           "--population", str(POPULATION)]
     env = {**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")}
     kept: list[str] = []
     survived = 0
