@@ -144,15 +144,16 @@ def _nv(n: int, most: int) -> int:
     return next(v for v in (most, 2, 1) if v <= most and (n // 16) % v == 0)
 
 
-def compute(spec: Int8GemmSpec, mr: int = MR):
-    """The TE definition: (inputs, output) tensors, in the kernel's argument order."""
+def compute(spec: Int8GemmSpec, mr: int | None = None):
+    """The TE definition: (inputs, output) tensors, in the kernel's argument order; `mr` the
+    micro-tile's rows (None: the instruction's default)."""
     from tvm import te, tirx
 
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
     m = tirx.Var("m", "int64") if spec.m is None else i64(spec.m)
     K, N = spec.k, spec.n
     isa = ISAS[spec.isa]
-    mr = isa.mr
+    mr = isa.mr if mr is None else mr
     a = te.placeholder((m, i64(K)), isa.act_dtype, name="A")
     wp = te.placeholder((i64(N // 16), i64(K // 4), i64(16), i64(4)), "int8", name="Wp")
     colsum = te.placeholder((i64(N),), "int32", name="colsum")
