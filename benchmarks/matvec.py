@@ -76,8 +76,9 @@ def matvec(tt, m: int, k: int, n: int, rule):
 
 
 def decode_step(model: str, past: int, repeat: int) -> int:
-    """One decode step of `model`: blockforge with and without the matvec rule, ORT, OpenVINO,
-    every output checked against ORT, timed interleaved (bench/harness.py)."""
+    """One decode step of `model`: blockforge as it builds by default (CPUMatvec off) and with
+    the matvec rule (BLOCKFORGE_MATVEC=1), ORT, OpenVINO, every output checked against ORT,
+    timed interleaved (bench/harness.py)."""
     from blockforge.bench.contenders import REGISTRY, BenchModel, TvmRunner
     from blockforge.bench.decode import cache_layout, shapes, weight_bytes
     from blockforge.bench.harness import measure_interleaved
@@ -92,9 +93,14 @@ def decode_step(model: str, past: int, repeat: int) -> int:
     inputs = random_inputs(s.inputs, {}, seed=0)
     threads = int(s.target.target_json.get("num-cores", 1))
     bm = BenchModel(s, bind_dims(s.model, s.dims, strict=False), None, dict(s.dims))
-    runners = {"blockforge": TvmRunner(s.build().executable, s.target.device, s.inputs, s.outputs, inputs),
-               "without matvec": TvmRunner(s.build(without={"matvec"}).executable, s.target.device, s.inputs,
-                                           s.outputs, inputs)}
+    runners = {"blockforge": TvmRunner(s.build().executable, s.target.device, s.inputs, s.outputs, inputs)}
+    from blockforge import settings
+
+    os.environ[settings.MATVEC] = "1"  # the opt-in rule (core/settings.py), this build only
+    try:
+        runners["with matvec"] = TvmRunner(s.build().executable, s.target.device, s.inputs, s.outputs, inputs)
+    finally:
+        del os.environ[settings.MATVEC]
     for peer in ("ort", "openvino"):
         if REGISTRY[peer].available():
             runners[peer] = REGISTRY[peer].make_runner(bm, inputs, threads)
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="toy sizes, one round (tests)")
     ap.add_argument("--model", type=str, default=None,
                     help="a decoder with past_key_values inputs: one decode step (seq 1 after --past cached "
-                         "positions), built with and without CPUMatvec (ablation matvec), against ORT and "
+                         "positions), built as by default and with CPUMatvec (BLOCKFORGE_MATVEC=1), against ORT and "
                          "OpenVINO, interleaved, instead of the kernels")
     ap.add_argument("--past", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=20)

@@ -42,7 +42,7 @@ ABLATIONS = {
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
-    "matvec": "the CPU rule for packed matmuls of <= 4 rows (decode steps; left out: CPUMatmul's 6-row tile)",
+    "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
@@ -181,7 +181,7 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     from blockforge.compile.conv.schedule import CPUIm2col
 
     rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))
-             and not ("matvec" in without and isinstance(r, CPUMatvec))]
+             and not (isinstance(r, CPUMatvec) and ("matvec" in without or not settings.matvec()))]
     return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
 
 

@@ -13,6 +13,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_MAX_TENSOR_GB` | 2, or 1/4 of the memory limit when lower | GiB a tensor computed at compile time (a folded constant: ConstantOfShape, Expand, Tile, Range, ... of constants) may have; a model over it is refused before anything is allocated |
 | `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
+| `BLOCKFORGE_MATVEC` | `0` | `1` schedules packed matmuls of <= 4 rows with CPUMatvec (compile/schedule/matvec.py) instead of CPUMatmul |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
 
@@ -35,6 +36,7 @@ MEMORY_LIMIT = "BLOCKFORGE_MEMORY_LIMIT_GB"
 MAX_TENSOR = "BLOCKFORGE_MAX_TENSOR_GB"
 PREPACK = "BLOCKFORGE_PREPACK"
 FUSE_ATTENTION = "BLOCKFORGE_FUSE_ATTENTION"
+MATVEC = "BLOCKFORGE_MATVEC"
 
 # Measured: TVM's pool starts one thread on these VMs and runtime.config_threadpool does
 # not change it; the variable does (a 128x768x3072 GEMM: 252 GFLOP/s with 1, 516 with 2).
@@ -175,6 +177,13 @@ def fuse_attention() -> bool:
     return _flag(FUSE_ATTENTION, True)
 
 
+def matvec() -> bool:
+    # Off: quiet, a GPT-2-small decode step took 21.98 ms with it vs 21.14 without (P = 128)
+    # and 26.79 vs 25.23 (P = 512), its kernels within 5% of CPUMatmul's (both at the read
+    # bandwidth); kept for the A/B (benchmarks/matvec.py) on machines where it may win.
+    return _flag(MATVEC, False)
+
+
 def physical_cores() -> int:
     """Physical cores of this machine (TVM's pool and ORT's intra-op threads use as many)."""
     try:
@@ -200,6 +209,7 @@ def documented() -> dict[str, str]:
             MEMORY_LIMIT: f"{memory_limit_bytes() / 2**30:.1f}", MAX_TENSOR: f"{max_tensor_bytes() / 2**30:.1f}",
             PREPACK: "1" if prepack() else "0",
             FUSE_ATTENTION: "1" if fuse_attention() else "0",
+            MATVEC: "1" if matvec() else "0",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}
 

@@ -263,7 +263,7 @@ def test_matvec(tmp_path):
         assert f"| {case} |" in out, out
     out = _run("matvec.py", "--model", REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx", "--past", 4,
                "--repeat", 3, cwd=tmp_path)
-    assert "| blockforge |" in out and "| without matvec |" in out and "| ort |" in out, out
+    assert "| blockforge |" in out and "| with matvec |" in out and "| ort |" in out, out
 
 
 SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
