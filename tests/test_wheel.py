@@ -158,7 +158,7 @@ def test_export_compile_package_run_from_anywhere(installed):
     ref = ort.run(onnx.load(str(work / "ffn.onnx")), {"x": x})["output"]
     assert np.allclose(np.load(work / "out.npy"), ref, rtol=1e-4, atol=1e-5)
 
-    assert _tree(work) == {"ffn.onnx", "ffn.json", "out.npy"} | {f"ffn.host/{n}" for n in ("module.so", "manifest.json")} \
+    assert _tree(work) == {"ffn.onnx", "ffn.json", "out.npy"} | {f"ffn.host/{n}" for n in ("module.so", "weights.bin", "manifest.json")} \
         | {"ffn.host", "ffn.pkg"} | {f"ffn.pkg/{n}" for n in _tree(work / "ffn.pkg")}, _tree(work)
     assert _tree(inputs) == {"x.npy"}
     # the CLI opened its log in the cache (export, compile, package log nothing there yet)
@@ -216,7 +216,7 @@ def test_tune_env_and_a_second_folder_share_the_default_database(installed):
     installed.ok("compile", work / "ffn.onnx", "--target", "host", "--shape", SHAPE, "-o", "ffn.tuned", cwd=other)
     tuning = json.loads((other / "ffn.tuned" / "manifest.json").read_text())["tuning"]
     assert tuning is not None and tuning["path"] == str(db) and tuning["records"] == listed["records"], tuning
-    assert _tree(other) == {"ffn.tuned", "ffn.tuned/module.so", "ffn.tuned/manifest.json"}, _tree(other)
+    assert _tree(other) == {"ffn.tuned", "ffn.tuned/module.so", "ffn.tuned/weights.bin", "ffn.tuned/manifest.json"}, _tree(other)
 
 
 @pytest.mark.skipif(not HAS_AARCH64, reason="aarch64-linux-gnu-g++, qemu-aarch64 or the aarch64 sysroot "

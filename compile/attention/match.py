@@ -345,6 +345,8 @@ class _Finder:
         src = self.value(c.args[0])
         if _is_call(src, "relax.broadcast_to"):
             src = self.value(src.args[0])
+        elif _is_call(src, "relax.full"):  # ConstantOfShape of a symbolic shape (frontend/symbolic)
+            src = self.value(src.args[1])
         value = getattr(src, "value", None)
         return value is not None and hasattr(value, "numpy") and value.numpy().dtype == np.bool_ \
             and bool(value.numpy().all())
