@@ -52,7 +52,7 @@ from blockforge.bench import BenchOptions, bench, plot
 from blockforge.bench.harness import host_facts, sgemm_ceiling
 from blockforge.bench.report import KERNEL_CLASSES, class_shares
 from blockforge.errors import BlockforgeError
-from blockforge.fsutil import atomic_write_json, atomic_write_text
+from blockforge.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from blockforge.settings import cache_dir
 
 HERE = Path(__file__).resolve().parent
@@ -89,14 +89,6 @@ def recipe_key(mod, name: str) -> str:
             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     parts += [defs[f] for f in RECIPE]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verified_entry(onnx_path: Path) -> dict | None:
