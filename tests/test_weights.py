@@ -67,7 +67,8 @@ def test_round_trip_bfloat16(tmp_path):
     a = np.array([[1.5, -3.0, 1e30]], dtype=ml_dtypes.bfloat16)
     table = write_weights(tmp_path / "weights.bin", [LiftedWeight("w0", _tensor(a))])
     assert table["tensors"][0]["dtype"] == "bfloat16" and table["tensors"][0]["nbytes"] == 6
-    m = parse_manifest(json.dumps(_manifest(table, "0" * 64)).encode())
+    m = parse_manifest(json.dumps(_manifest(table, hashlib.sha256((tmp_path / "weights.bin").read_bytes())
+                                            .hexdigest())).encode())
     (got,) = load_weights(tmp_path, m)
     assert got.dtype == a.dtype and np.array_equal(got.astype(np.float32), a.astype(np.float32))
 
@@ -113,3 +114,42 @@ def test_truncated_weights_refused_by_run(ffn, tmp_path):
     r = run_cli("run", art, "--inputs", ffn["inputs"], "--output", tmp_path / "out.npz", cwd=tmp_path)
     assert_user_error(r, "weights.bin is 1000 bytes", "truncated or replaced")
     assert not (tmp_path / "out.npz").exists()
+
+
+def test_load_weights_hashes_what_it_copies(tmp_path):
+    """The digest is checked over the bytes handed out: a wrong one is refused by the loader
+    itself, not only by an earlier verify_files pass."""
+    from blockforge.compile.artifact.manifest import parse_manifest
+    from blockforge.compile.artifact.weights import load_weights, write_weights
+    from blockforge.compile.passes.lift_weights import LiftedWeight
+    from blockforge.errors import BlockforgeError
+
+    table = write_weights(tmp_path / "weights.bin", [LiftedWeight(k, _tensor(a)) for k, a in ARRAYS.items()])
+    m = parse_manifest(json.dumps(_manifest(table, "1" * 64)).encode())
+    with pytest.raises(BlockforgeError, match="weights.bin does not match its sha256"):
+        load_weights(tmp_path, m)
+
+
+@pytest.mark.parametrize("name", ["weights.bin", "module.so"])
+def test_file_replaced_after_the_check_is_refused(ffn, tmp_path, monkeypatch, name):
+    """A file rewritten in place between the hash check and its use (same size, same name):
+    before, verify_files hashed every file and the loader then opened them again, so the
+    changed weights ran (wrong outputs) and a changed module.so was dlopened. Now the bytes
+    used are the bytes hashed: module.so through a private copy, weights.bin as it is copied."""
+    from blockforge.compile.artifact import runtime
+
+    art = tmp_path / "art"
+    shutil.copytree(ffn["art"], art)
+    real = runtime.verify_files
+
+    def check_then_tamper(artifact, manifest, **kw):
+        real(artifact, manifest, **kw)
+        data = bytearray((art / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (art / name).write_bytes(bytes(data))
+
+    monkeypatch.setattr(runtime, "verify_files", check_then_tamper)
+    from blockforge.errors import BlockforgeError
+
+    with pytest.raises(BlockforgeError, match=f"{name} does not match its sha256"):
+        runtime.load_artifact(art)

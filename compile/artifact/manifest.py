@@ -397,22 +397,54 @@ def hash_regular(path: Path, label: str, *, where: str) -> tuple[str, bytes]:
     return h.hexdigest(), head
 
 
+def refuse_tampered(artifact: Path, name: str):
+    raise BlockforgeError(f"{artifact}: {name} does not match its sha256 in manifest.json "
+                          "(tampered or corrupted); refusing to load it")
+
+
 def _check_listed(artifact: Path, name: str, digest: str) -> bytes:
     """The first 64 bytes of artifact/name, a bounded regular file (no symlink) whose
     sha256 is `digest`."""
     sha, head = hash_regular(Path(artifact) / name, name, where=str(artifact))
     if sha != digest:
-        raise BlockforgeError(f"{artifact}: {name} does not match its sha256 in manifest.json "
-                              "(tampered or corrupted); refusing to load it")
+        refuse_tampered(artifact, name)
     return head
 
 
-def verify_files(artifact: Path, manifest: dict) -> None:
-    """Every listed file is a bounded regular file (no symlink) whose sha256 matches."""
+def verify_files(artifact: Path, manifest: dict, *, at_use: frozenset = frozenset()) -> None:
+    """Every listed file is a bounded regular file (no symlink) whose sha256 matches. The
+    names in `at_use` are hashed by their reader over the very bytes it uses (private_copy,
+    weights.load_weights): a file replaced between a check here and a later open would
+    otherwise pass."""
     for name in sorted(manifest["files"]):
         if not PLAIN_NAME.fullmatch(name):
             raise BlockforgeError(f"{artifact}: 'files' names '{_printable(name)}': not a plain file name {_OUTSIDE}")
-        _check_listed(artifact, name, manifest["files"][name])
+        if name not in at_use:
+            _check_listed(artifact, name, manifest["files"][name])
+
+
+def private_copy(artifact: Path, name: str, digest: str, dest: Path) -> None:
+    """Copies artifact/name (a bounded regular file, no symlink) to `dest`, hashing the bytes
+    as they are written: `dest` holds exactly what matched `digest`, so a library loaded from
+    it is the one that was checked, whatever happens to the artifact meanwhile."""
+    fd, size = open_regular(Path(artifact) / name, name, MAX_FILE_BYTES, where=str(artifact))
+    h, off = hashlib.sha256(), 0
+    try:
+        with open(dest, "wb") as out:
+            while off < size:
+                chunk = os.pread(fd, min(1 << 20, size - off), off)
+                if not chunk:
+                    break
+                h.update(chunk)
+                out.write(chunk)
+                off += len(chunk)
+        changed = off != size or os.pread(fd, 1, size)
+    finally:
+        os.close(fd)
+    if changed:
+        raise BlockforgeError(f"{artifact}: {name} changed while being read")
+    if h.hexdigest() != digest:
+        refuse_tampered(artifact, name)
 
 
 def verify_package(artifact: Path, manifest: dict, arch: str) -> None:

@@ -1,8 +1,10 @@
 """Load an artifact and run it. Loading a .so runs native code, so the manifest and
-the sha256 of every file are checked first, and the target must run here."""
+the sha256 of every file are checked first (module.so and weights.bin over the very bytes
+used), and the target must run here."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +15,8 @@ from blockforge.graph.model_io import TensorSig, check_inputs
 from blockforge.targets import resolve
 from blockforge.targets.toolchain import cuda_load_env, host_arch
 
-from blockforge.compile.artifact.manifest import elf_arch, read_manifest, verify_files, verify_package
+from blockforge import settings
+from blockforge.compile.artifact.manifest import elf_arch, private_copy, read_manifest, verify_files, verify_package
 from blockforge.compile.artifact.weights import load_weights
 
 
@@ -158,30 +161,47 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
 
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
-    verify_files(artifact, manifest)
-    verify_package(artifact, manifest, elf_arch(artifact / manifest["module"]) or host_arch())
-    weights = load_weights(artifact, manifest)  # checked against the table before any native code
-    t = manifest["target"]
-    target = resolve(t["json"]) if t["name"] == "custom" else resolve(t["name"])
-    problem = target.run_problem()
-    if problem:
-        raise BlockforgeError(f"{artifact}: built for {t['name']} ({t['json'].get('kind')}), cannot run here: {problem}")
     module = manifest["module"]
-    so = artifact / module
-    arch = elf_arch(so)
-    if arch is None:
-        raise BlockforgeError(f"{artifact}: {module} is not an ELF shared object; refusing to load it")
-    if arch != host_arch():
-        raise BlockforgeError(f"{artifact}: {module} is for {arch}, this machine is {host_arch()}")
-    try:
-        if target.kind == "cuda":
-            with cuda_load_env():
+    weights_file = (manifest.get("weights") or {}).get("file")
+    # module.so and weights.bin are hashed over the bytes that are used (a private copy of the
+    # library, the weights as they are copied into TVM's memory), not in a pass before.
+    verify_files(artifact, manifest, at_use=frozenset({module, weights_file} - {None}))
+    with tempfile.TemporaryDirectory(prefix="module-", dir=_private_dir()) as tmp:
+        so = Path(tmp) / "module.so"
+        private_copy(artifact, module, manifest["files"][module], so)
+        arch = elf_arch(so)
+        verify_package(artifact, manifest, arch or host_arch())
+        t = manifest["target"]
+        target = resolve(t["json"]) if t["name"] == "custom" else resolve(t["name"])
+        problem = target.run_problem()
+        if problem:
+            raise BlockforgeError(f"{artifact}: built for {t['name']} ({t['json'].get('kind')}), cannot run here: {problem}")
+        if arch is None:
+            raise BlockforgeError(f"{artifact}: {module} is not an ELF shared object; refusing to load it")
+        if arch != host_arch():
+            raise BlockforgeError(f"{artifact}: {module} is for {arch}, this machine is {host_arch()}")
+        dev = tvm_device(target.device)
+        # One copy into TVM's memory (aligned, on the device), tensor by tensor, before any native code.
+        weights = load_weights(artifact, manifest, convert=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
+        try:
+            if target.kind == "cuda":
+                with cuda_load_env():
+                    lib = tvm.runtime.load_module(str(so))
+            else:
                 lib = tvm.runtime.load_module(str(so))
-        else:
-            lib = tvm.runtime.load_module(str(so))
-    except Exception as e:
-        raise BlockforgeError(f"{artifact}: cannot load {module}: {error_line(e, last=True)}") from None
-    dev = tvm_device(target.device)
+        except Exception as e:
+            raise BlockforgeError(f"{artifact}: cannot load {module}: {error_line(e, last=True)}") from None
+    # (the copy is unlinked once loaded: the mapping stays)
     vm = relax.VirtualMachine(lib, dev)
-    # One copy into TVM's memory (aligned, on the device); the mapping goes with the arrays.
-    return LoadedModule(artifact, manifest, vm, dev, [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in weights])
+    return LoadedModule(artifact, manifest, vm, dev, weights)
+
+
+def _private_dir() -> str | None:
+    """Where the checked copy of module.so is loaded from: the user's blockforge cache (a
+    /tmp mounted noexec would refuse to map it), else the system's temporary directory."""
+    d = settings.cache_dir() / "run"
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return str(d)
+    except OSError:
+        return None

@@ -20,7 +20,7 @@ compile holds its weights once while it writes them.
 
 from __future__ import annotations
 
-import mmap
+import hashlib
 import os
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from blockforge.errors import BlockforgeError
 
-from blockforge.compile.artifact.manifest import WEIGHTS_ALIGN, open_regular, MAX_FILE_BYTES
+from blockforge.compile.artifact.manifest import MAX_FILE_BYTES, WEIGHTS_ALIGN, open_regular, refuse_tampered
 
 FILE = "weights.bin"
 
@@ -69,25 +69,51 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name).newbyteorder("<")
 
 
-def load_weights(artifact: Path, manifest: dict) -> list[np.ndarray]:
-    """The weights of a checked manifest (read_manifest; verify_files hashed the file), in
-    parameter order: arrays over a private (copy-on-write) mapping of the checked descriptor.
-    [] for an artifact without weights (built before weights.bin existed)."""
+def load_weights(artifact: Path, manifest: dict, convert=None) -> list:
+    """The weights of a checked manifest (read_manifest), in parameter order, each a private
+    copy of its bytes (`convert(array)` of it when given: the runtime passes each straight into
+    TVM's memory, so no more than one tensor is held twice). The file's sha256 is taken over
+    the bytes copied (and the padding between them), not in an earlier pass: a file replaced
+    after a check could otherwise pass it. [] for an artifact without weights (built before
+    weights.bin existed)."""
     w = manifest.get("weights")
     if w is None:
         return []
     artifact = Path(artifact)
+    digest = manifest["files"].get(w["file"])
+    if digest is None:  # check_manifest lists it; a hand-made dict may not
+        raise BlockforgeError(f"{artifact}: {w['file']} is not among the hashed 'files' of manifest.json")
     fd, size = open_regular(artifact / w["file"], w["file"], MAX_FILE_BYTES, where=str(artifact))
+    h, pos, out = hashlib.sha256(), 0, []
     try:
         if size != w["bytes"]:
             raise BlockforgeError(f"{artifact}: {w['file']} is {size} bytes, manifest.json's 'weights' says "
                                   f"{w['bytes']} (truncated or replaced)")
-        buf = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else b""
+        for t in w["tensors"]:  # offsets, sizes and order were checked against `bytes` (manifest.py)
+            h.update(os.pread(fd, t["offset"] - pos, pos))  # the padding (< 64 bytes)
+            data = bytearray(t["nbytes"])  # the private copy, read into directly
+            if _read_into(fd, data, t["offset"]) != t["nbytes"]:
+                raise BlockforgeError(f"{artifact}: {w['file']} changed while being read")
+            h.update(data)
+            pos = t["offset"] + t["nbytes"]
+            a = np.frombuffer(data, dtype=_numpy_dtype(t["dtype"])).reshape(t["shape"])
+            out.append(convert(a) if convert else a)
+            del data, a
+        h.update(os.pread(fd, size - pos, pos))
+        if os.pread(fd, 1, size):
+            raise BlockforgeError(f"{artifact}: {w['file']} changed while being read")
     finally:
         os.close(fd)
-    out = []
-    for t in w["tensors"]:  # offsets, sizes and order were checked against `bytes` (manifest.py)
-        dtype = _numpy_dtype(t["dtype"])
-        a = np.frombuffer(buf, dtype=dtype, count=t["nbytes"] // dtype.itemsize, offset=t["offset"])
-        out.append(a.reshape(t["shape"]))
+    if h.hexdigest() != digest:
+        refuse_tampered(artifact, w["file"])
     return out
+
+
+def _read_into(fd: int, data: bytearray, offset: int) -> int:
+    view, done = memoryview(data), 0
+    while done < len(data):
+        n = os.preadv(fd, [view[done:done + (1 << 26)]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
