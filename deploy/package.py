@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.compile.artifact.manifest import (MAX_FILE_BYTES, elf_arch, elf_arch_of, hash_regular, is_artifact,
-                                         open_regular, read_manifest, read_regular, verify_files, verify_package)
+from blockforge.compile.artifact.manifest import (copy_regular, elf_arch, elf_arch_of, hash_regular, is_artifact,
+                                         read_manifest, read_regular, verify_files, verify_package)
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import TREE, Output, atomic_directory, atomic_write_json, check_outputs
 from blockforge.targets.toolchain import CROSS_COMPILERS, arch_name, host_arch, package_version
@@ -308,21 +308,7 @@ def runtime_libs(arch: str) -> list[Path]:
 def _copy_shipped(item: Shipped, dest: Path) -> None:
     """Copy through an O_NOFOLLOW descriptor, hashing what is written: the package holds
     exactly the bytes that were checked, or packaging stops."""
-    fd, size = open_regular(item.path, str(item.path), MAX_FILE_BYTES, where="package")
-    h = hashlib.sha256()
-    try:
-        with open(dest, "xb") as f:
-            off = 0
-            while off < size:
-                chunk = os.pread(fd, min(1 << 20, size - off), off)
-                if not chunk:
-                    break
-                h.update(chunk)
-                f.write(chunk)
-                off += len(chunk)
-    finally:
-        os.close(fd)
-    if h.hexdigest() != item.sha256:
+    if copy_regular(item.path, str(item.path), dest, where="package", exclusive=True) != item.sha256:
         raise BlockforgeError(f"package: {item.path} changed while being packaged; run package again")
     os.chmod(dest, 0o755)
 

@@ -423,14 +423,14 @@ def verify_files(artifact: Path, manifest: dict, *, at_use: frozenset = frozense
             _check_listed(artifact, name, manifest["files"][name])
 
 
-def private_copy(artifact: Path, name: str, digest: str, dest: Path) -> None:
-    """Copies artifact/name (a bounded regular file, no symlink) to `dest`, hashing the bytes
-    as they are written: `dest` holds exactly what matched `digest`, so a library loaded from
-    it is the one that was checked, whatever happens to the artifact meanwhile."""
-    fd, size = open_regular(Path(artifact) / name, name, MAX_FILE_BYTES, where=str(artifact))
+def copy_regular(path: Path, label: str, dest: Path, *, where: str, exclusive: bool = False) -> str | None:
+    """Copies a bounded regular file (reached without following a symlink) to `dest`, hashing
+    the bytes as they are written: the sha256 of exactly what `dest` holds, or None when the
+    file changed size while being read."""
+    fd, size = open_regular(path, label, MAX_FILE_BYTES, where=where)
     h, off = hashlib.sha256(), 0
     try:
-        with open(dest, "wb") as out:
+        with open(dest, "xb" if exclusive else "wb") as out:
             while off < size:
                 chunk = os.pread(fd, min(1 << 20, size - off), off)
                 if not chunk:
@@ -441,9 +441,16 @@ def private_copy(artifact: Path, name: str, digest: str, dest: Path) -> None:
         changed = off != size or os.pread(fd, 1, size)
     finally:
         os.close(fd)
-    if changed:
+    return None if changed else h.hexdigest()
+
+
+def private_copy(artifact: Path, name: str, digest: str, dest: Path) -> None:
+    """artifact/name copied to `dest` and checked against `digest` as it is copied: a library
+    loaded from `dest` is the one that was checked, whatever happens to the artifact meanwhile."""
+    got = copy_regular(Path(artifact) / name, name, dest, where=str(artifact))
+    if got is None:
         raise BlockforgeError(f"{artifact}: {name} changed while being read")
-    if h.hexdigest() != digest:
+    if got != digest:
         refuse_tampered(artifact, name)
 
 
