@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from blockforge.errors import BlockforgeError
+from blockforge.graph.model_io import numpy_dtype
 
 from blockforge.compile.artifact.manifest import WEIGHTS_ALIGN, open_regular, MAX_FILE_BYTES
 
@@ -61,14 +62,6 @@ def write_weights(path: Path, weights: list) -> dict:
     return {"file": path.name, "bytes": total, "tensors": tensors}
 
 
-def _numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name).newbyteorder("<")
-
-
 def load_weights(artifact: Path, manifest: dict) -> list[np.ndarray]:
     """The weights of a checked manifest (read_manifest; verify_files hashed the file), in
     parameter order: arrays over a private (copy-on-write) mapping of the checked descriptor.
@@ -87,7 +80,7 @@ def load_weights(artifact: Path, manifest: dict) -> list[np.ndarray]:
         os.close(fd)
     out = []
     for t in w["tensors"]:  # offsets, sizes and order were checked against `bytes` (manifest.py)
-        dtype = _numpy_dtype(t["dtype"])
+        dtype = numpy_dtype(t["dtype"])
         a = np.frombuffer(buf, dtype=dtype, count=t["nbytes"] // dtype.itemsize, offset=t["offset"])
         out.append(a.reshape(t["shape"]))
     return out
