@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import ArgumentError, BlockforgeError
 from blockforge.graph.model_io import TensorSig, load_model, signature
 from blockforge.targets import resolve
 
@@ -107,15 +107,16 @@ def cache_layout(model: onnx.ModelProto) -> _Cache:
     ins, _ = signature(model)
     past = [s for s in ins if "past" in s.name and len(s.dims) == 4]
     if not past:
-        raise BlockforgeError(f"--decode needs a decoder exported with its KV cache (past_key_values.N.key / "
-                              f".value inputs); its inputs are {', '.join(s.name for s in ins)}")
+        raise ArgumentError(f"{{bench_decode}} needs a decoder exported with its KV cache (past_key_values.N.key / "
+                            f".value inputs); its inputs are {', '.join(s.name for s in ins)}", "bench_decode")
     for s in past:
         if not (isinstance(s.dims[1], int) and isinstance(s.dims[3], int)):
-            raise BlockforgeError(f"--decode: past input {s.name!r} {list(s.dims)} needs fixed heads and head size "
-                                  "(axes 1 and 3)")
+            raise ArgumentError(f"{{bench_decode}}: past input {s.name!r} {list(s.dims)} needs fixed heads and head "
+                                "size (axes 1 and 3)", "bench_decode")
     others = [s for s in ins if s not in past]
     if not any(s.name == "input_ids" for s in others):
-        raise BlockforgeError(f"--decode needs an input_ids input; its inputs are {', '.join(s.name for s in ins)}")
+        raise ArgumentError(f"{{bench_decode}} needs an input_ids input; its inputs are "
+                            f"{', '.join(s.name for s in ins)}", "bench_decode")
     return _Cache(past, others)
 
 
@@ -124,7 +125,8 @@ def shapes(cache: _Cache, past: int, seq: int) -> dict[str, tuple]:
     out = {s.name: (1, s.dims[1], past, s.dims[3]) for s in cache.past}
     for s in cache.others:
         if len(s.dims) != 2:
-            raise BlockforgeError(f"--decode: input {s.name!r} {list(s.dims)} is not (batch, length)")
+            raise ArgumentError(f"{{bench_decode}}: input {s.name!r} {list(s.dims)} is not (batch, length)",
+                                "bench_decode")
         out[s.name] = (1, past + seq) if s.name == "attention_mask" else (1, seq)
     return out
 
@@ -176,10 +178,11 @@ def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
 
 def bench_decode(opts: DecodeOptions) -> DecodeReport:
     if any(p < 1 for p in opts.pasts) or not opts.pasts or opts.prompt < 0:
-        raise BlockforgeError("--past needs lengths >= 1 and --prompt >= 0")
+        raise ArgumentError("{pasts} needs lengths >= 1 and {prompt} >= 0", "pasts", "prompt")
     target = resolve(opts.target)
     if target.is_gpu:
-        raise BlockforgeError("--decode measures a CPU's memory bandwidth: use a CPU target")
+        raise ArgumentError("{bench_decode} measures a CPU's memory bandwidth: use a CPU {target}", "bench_decode",
+                            "target")
     problem = target.run_problem()
     if problem:
         raise BlockforgeError(f"cannot benchmark {target.name} here: {problem}")

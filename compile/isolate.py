@@ -244,6 +244,9 @@ def _prepare(path: Path, label: str, request: dict, mode: str, out: Path | None)
     ins, outs = signature(model)
     binding = Binding.resolve(ins, outs, ShapeRequest.of(request.get("shape")), input_shapes=request.get("input_shapes"),
                               defaults=request.get("defaults"), static=bool(request.get("static")))
+    from blockforge.compile.decode.inputs import check_decoder_binding
+
+    check_decoder_binding(ins, outs, binding.as_dict(), "inputs" if request.get("input_shapes") else "shape")
     if mode == "sizes":
         check_sizes(model, binding.as_dict(), label)
         return Prepared(binding)

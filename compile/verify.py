@@ -89,7 +89,7 @@ def verify(opts: VerifyOptions) -> ParityReport:
         from blockforge.graph.model_io import check_inputs, signature
 
         check_inputs(signature(ref_model)[0], inputs,
-                     f"--reference {opts.reference} (it must take the quantized model's inputs)")
+                     f"{{reference}} {opts.reference} (it must take the quantized model's inputs)", argument="reference")
         extra["reference"] = run_ort(opts.reference, ref_model, inputs, ort_device)
         if quant == "float":
             notes.append(f"--reference {opts.reference}: the model is not quantized; compared at its float row")

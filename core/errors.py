@@ -49,6 +49,13 @@ def with_note(e: BlockforgeError, note: str, *arguments: str) -> BlockforgeError
     return ArgumentError(str(e) + note, *arguments) if arguments else BlockforgeError(str(e) + note)
 
 
+def with_prefix(prefix: str, e: BlockforgeError) -> BlockforgeError:
+    """`prefix` (plain text, naming no argument) before e's message, keeping e's arguments."""
+    if isinstance(e, ArgumentError):
+        return ArgumentError(prefix + e.template, *e.arguments)
+    return BlockforgeError(prefix + str(e))
+
+
 def printable(s, limit: int | None = 200) -> str:
     """A model-controlled string (a tensor, node, op or dim name) as output may show it:
     newlines, ANSI escapes and every other non-printable character escaped as repr() writes

@@ -42,6 +42,17 @@ NP_DTYPE = {
 }
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """A dtype name as TVM and the manifest write it ("float32", "bfloat16") as a little-endian
+    numpy dtype; bfloat16 is ml_dtypes' (numpy has none). One mapping for the frontend's
+    constants and the artifact's weights reader."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name).newbyteorder("<")
+
+
 @dataclass(frozen=True)
 class TensorSig:
     name: str
@@ -353,33 +364,38 @@ def random_inputs(sigs: list[TensorSig], dims: dict[str, int] | None = None, see
 
 
 def check_inputs(sigs: list[TensorSig], inputs: dict[str, np.ndarray], label: str = "inputs",
-                 may_be_empty: frozenset = frozenset()) -> dict[str, int]:
+                 may_be_empty: frozenset = frozenset(), argument: str | None = None) -> dict[str, int]:
     """Names, dtypes and shapes against the signature; returns the symbol bindings found.
-    may_be_empty: symbolic dims that may be 0 (a decode loop's empty cache, P = 0)."""
+    may_be_empty: symbolic dims that may be 0 (a decode loop's empty cache, P = 0).
+    argument: the library argument the label names as {argument} (an ArgumentError: the CLI
+    says its flag)."""
+    def err(msg: str) -> BlockforgeError:
+        return ArgumentError(msg, argument) if argument else BlockforgeError(msg)
+
     want = {s.name for s in sigs}
     missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
     if missing or extra:
         parts = ([f"missing {', '.join(map(printable, missing))}"] if missing else []) + (
             [f"unexpected {', '.join(map(printable, extra))}"] if extra else [])
-        raise BlockforgeError(f"{label}: {'; '.join(parts)} (model inputs: {', '.join(printable(s.name) for s in sigs)})")
+        raise err(f"{label}: {'; '.join(parts)} (model inputs: {', '.join(printable(s.name) for s in sigs)})")
     bound: dict[str, int] = {}
     for s in sigs:
         a = inputs[s.name]
         if str(a.dtype) != s.dtype:
-            raise BlockforgeError(f"{label}: input {s.name!r} has dtype {a.dtype}, model expects {s.dtype}")
+            raise err(f"{label}: input {s.name!r} has dtype {a.dtype}, model expects {s.dtype}")
         if a.ndim != len(s.dims):
-            raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects rank {len(s.dims)} {list(s.dims)}")
+            raise err(f"{label}: input {s.name!r} has shape {a.shape}, model expects rank {len(s.dims)} {list(s.dims)}")
         for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
             if isinstance(d, int) and got != d:
-                raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}, model expects {list(s.dims)} (axis {axis})")
+                raise err(f"{label}: input {s.name!r} has shape {a.shape}, model expects {list(s.dims)} (axis {axis})")
             if not isinstance(d, int) and not (0 if d in may_be_empty else 1) <= got <= MAX_BOUND_DIM:
                 # the --shape bound, and the C++ edge app's: a symbolic dim sizes what the
                 # model allocates inside (attention is quadratic in seq)
-                raise BlockforgeError(f"{label}: input {s.name!r} has shape {a.shape}: dim {d or axis!r} is {got}, "
-                                      f"outside [1, {MAX_BOUND_DIM}]")
+                raise err(f"{label}: input {s.name!r} has shape {a.shape}: dim {d or axis!r} is {got}, "
+                          f"outside [1, {MAX_BOUND_DIM}]")
             if isinstance(d, str):
                 if bound.setdefault(d, got) != got:
-                    raise BlockforgeError(f"{label}: input {s.name!r} gives {d}={got}, another input gave {d}={bound[d]}")
+                    raise err(f"{label}: input {s.name!r} gives {d}={got}, another input gave {d}={bound[d]}")
     return bound
 
 

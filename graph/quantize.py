@@ -129,7 +129,7 @@ def _calibration_batches(opts: QuantizeOptions, model: onnx.ModelProto) -> tuple
         else:
             batches = [arrays]
         for i, b in enumerate(batches):
-            check_inputs(ins, b, f"--calibration {opts.calibration} batch {i}")
+            check_inputs(ins, b, f"{{calibration}} {opts.calibration} batch {i}", argument="calibration")
         return batches, f"{len(batches)} batch(es) from {opts.calibration}"
     if opts.batches < 1:
         raise BlockforgeError("the number of random calibration batches must be at least 1")

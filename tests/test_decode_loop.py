@@ -141,7 +141,7 @@ def test_fixed_past_cannot_loop(workdir):
     save_npz(workdir / "p.npz", x=np.zeros((1, 1, D), np.float32),
              past_key=np.zeros((1, H, 3, D // H), np.float32), past_value=np.zeros((1, H, 3, D // H), np.float32))
     assert_user_error(run_cli("run", "b.host", "--inputs", "p.npz", "--decode", "3"),
-                      "cannot decode", "past length is fixed at 3", "compile without binding it")
+                      "cannot decode", "past length is fixed at 3", "compile without binding it in --shape")
 
 
 def test_usage_errors(block_artifact, tmp_path):

@@ -18,10 +18,10 @@ from blockforge.errors import ArgumentError
 from conftest import assert_user_error, run_cli_in_process
 
 
-def _relu(path: Path) -> Path:
+def _relu(path: Path, x: str = "x") -> Path:
     """A model whose symbolic dim is named `n`: bench's default batch/seq binds nothing."""
-    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+    g = helper.make_graph([helper.make_node("Relu", [x], ["y"])], "relu",
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["n", 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
@@ -34,7 +34,10 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")
     ffn = export(FFNSpec(d_model=16, d_ff=32), d / "ffn.onnx").model_path
     np.savez(d / "seq8.npz", x=np.ones((1, 8, 16), np.float32))
-    return {"ffn": ffn, "relu": _relu(d / "relu.onnx"), "seq8": d / "seq8.npz", "dir": d}
+    np.savez(d / "f64.npz", x=np.ones((1, 8, 16), np.float64))
+    (d / "empty-db").mkdir()
+    return {"ffn": ffn, "relu": _relu(d / "relu.onnx"), "relu_z": _relu(d / "relu_z.onnx", "z"), "seq8": d / "seq8.npz",
+            "f64": d / "f64.npz", "empty_db": d / "empty-db", "dir": d}
 
 
 def _open(m, shape):
@@ -43,10 +46,10 @@ def _open(m, shape):
     open_model(m["ffn"], "host", shape)
 
 
-def _verify(m, shape, inputs=None):
+def _verify(m, shape, inputs=None, **kw):
     from blockforge.compile import VerifyOptions, verify
 
-    verify(VerifyOptions(model=m["ffn"], shape=shape, inputs=inputs))
+    verify(VerifyOptions(model=m["ffn"], shape=shape, inputs=inputs, **kw))
 
 
 def _bench_relu(m, repeat=3):
@@ -89,16 +92,46 @@ def _quantize_dynamic(m):
     quantize(QuantizeOptions(model=m["ffn"], output=m["dir"] / "q.onnx", mode="dynamic", calibration=m["seq8"]))
 
 
+def _quantize_static(m, calibration):
+    from blockforge.graph.quantize import QuantizeOptions, quantize
+
+    quantize(QuantizeOptions(model=m["ffn"], output=m["dir"] / "q.onnx", mode="static", calibration=calibration))
+
+
+def _bench_decode(m, **kw):
+    from blockforge.bench.decode import DecodeOptions, bench_decode
+
+    bench_decode(DecodeOptions(model=m["relu"], **kw))
+
+
+def _decode_steps(n):
+    from blockforge.compile.decode import DecodeOptions
+
+    DecodeOptions(n)
+
+
+def _rpc_port(port):
+    from blockforge.tune.rpc import check_port
+
+    check_port(port)
+
+
+def _rpc_server():
+    from blockforge.tune.rpc import serve
+
+    serve("server", host="127.0.0.1", port=None, tracker=None, key=None)
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
     api: Callable  # models -> raises
     cli: Callable  # models -> argv
-    says: str  # in both messages; {name}: the API's argument name there, its flag in the CLI's
+    says: str | Callable  # in both messages; {name}: the API's argument name there, its flag in the CLI's
     arguments: tuple[str, ...] = ("shape",)  # .arguments; the first is .argument
 
-    def message(self, name_of) -> str:
-        s = self.says
+    def message(self, name_of, m) -> str:
+        s = self.says(m) if callable(self.says) else self.says  # callable: a fragment naming a fixture's path
         for a in self.arguments:
             s = s.replace("{" + a + "}", name_of(a))
         return s
@@ -148,6 +181,28 @@ CASES = [
     Case("quantize-dynamic-calibration", _quantize_dynamic,
          lambda m: ["quantize", m["ffn"], "--mode", "dynamic", "--calibration", m["seq8"], "-o", m["dir"] / "q.onnx"],
          "{calibration} is for {mode} static", ("calibration", "mode")),
+    # issue #18 item 2, the rest: records, decode, bench --decode, verify --reference, rpc, quantize
+    Case("empty-tuning-db", lambda m: _verify(m, None, target="host", tuning_db=m["empty_db"]),
+         lambda m: ["verify", m["ffn"], "--target", "host", "--tuning-db", m["empty_db"]],
+         "tuning database holds no records (run `blockforge tune` first, or drop {tuning_db})", ("tuning_db",)),
+    Case("reference-inputs", lambda m: _verify(m, None, reference=m["relu_z"]),
+         lambda m: ["verify", m["ffn"], "--reference", m["relu_z"]],
+         lambda m: f"{{reference}} {m['relu_z']} (it must take the quantized model's inputs): missing z",
+         ("reference",)),
+    Case("calibration-inputs", lambda m: _quantize_static(m, m["f64"]),
+         lambda m: ["quantize", m["ffn"], "--mode", "static", "--calibration", m["f64"], "-o", m["dir"] / "q.onnx"],
+         lambda m: f"{{calibration}} {m['f64']} batch 0: input 'x' has dtype float64", ("calibration",)),
+    Case("decode-steps", lambda m: _decode_steps(0), lambda m: ["run", m["dir"], "--inputs", m["seq8"], "--decode", 0],
+         "{steps} must be an integer in [1, 65536], got 0", ("steps",)),
+    Case("bench-decode-model", _bench_decode, lambda m: ["bench", m["relu"], "--decode"],
+         "{bench_decode} needs a decoder exported with its KV cache", ("bench_decode",)),
+    Case("bench-decode-past", lambda m: _bench_decode(m, pasts=(0,)),
+         lambda m: ["bench", m["relu"], "--decode", "--past", 0],
+         "{pasts} needs lengths >= 1 and {prompt} >= 0", ("pasts", "prompt")),
+    Case("rpc-port", lambda m: _rpc_port(70000), lambda m: ["rpc", "tracker", "--port", 70000],
+         "{port} 70000 is out of range (0..65535; 0 picks a free port)", ("port",)),
+    Case("rpc-server", lambda m: _rpc_server(), lambda m: ["rpc", "server"],
+         "a server needs {tracker} HOST:PORT and {key} KEY", ("tracker", "key")),
 ]
 
 
@@ -160,7 +215,21 @@ def test_api_names_the_argument_cli_the_flag(models, case, tmp_path):
     e = info.value
     assert e.arguments == case.arguments and e.argument == case.arguments[0], e.arguments
     assert "--" not in str(e), str(e)
-    assert case.message(str) in str(e), str(e)
+    assert case.message(str, models) in str(e), str(e)
 
     res = run_cli_in_process(*case.cli(models), cwd=tmp_path)
-    assert_user_error(res, case.message(flag_of))
+    assert_user_error(res, case.message(flag_of, models))
+
+
+def test_decode_pairing_names_the_shape_argument():
+    """A past length bound at compile time (the pairing is refused before a loop: no build needed)."""
+    from blockforge.compile.decode import pairing_for_run
+
+    sig = lambda n, shape: {"name": n, "shape": shape, "dtype": "float32"}  # noqa: E731
+    man = {"inputs": [sig("past_key", [1, 2, 17, 4])], "outputs": [sig("present_key", [1, 2, "total", 4])],
+           "decode": None}
+    with pytest.raises(ArgumentError) as info:
+        pairing_for_run(man, "a.host")
+    assert info.value.argument == "shape" and "--" not in str(info.value)
+    assert str(info.value).startswith("a.host: cannot decode: past_key's past length is fixed at 17")
+    assert str(info.value).endswith("compile without binding it in shape")

@@ -73,7 +73,7 @@ def free_port(host: str) -> int:
 
 def check_port(port: int) -> None:
     if not 0 <= port < 65536:
-        raise BlockforgeError(f"--port {port} is out of range (0..65535; 0 picks a free port)")
+        raise ArgumentError(f"{{port}} {port} is out of range (0..65535; 0 picks a free port)", "port")
 
 
 def start_tracker(host: str = "127.0.0.1", port: int = TRACKER_PORT):
@@ -123,7 +123,7 @@ def serve(role: str, *, host: str, port: int | None, tracker: str | None, key: s
     KeyboardInterrupt / Terminated from the CLI's handler); the worker process is ended on
     every way out, a signal during startup included."""
     if role == "server" and (not tracker or not key):
-        raise BlockforgeError("rpc server needs --tracker HOST:PORT and --key KEY")
+        raise ArgumentError("a server needs {tracker} HOST:PORT and {key} KEY", "tracker", "key")
     if host not in LOOPBACK:
         print(f"warning: binding {host}: a TVM RPC server runs any code sent to it; keep it on a trusted "
               "network or reach it through an SSH tunnel", file=sys.stderr)

@@ -43,6 +43,10 @@ class LoadedModule:
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_inputs(self.inputs, inputs, "inputs")
+        from blockforge.compile.decode.inputs import check_mask_length, pairing_of
+
+        check_mask_length(self.inputs, pairing_of(self.inputs, _sigs(self.manifest["outputs"])),
+                          {k: np.shape(v) for k, v in inputs.items()})
         return run_vm(self.vm, self.device, self.inputs, _sigs(self.manifest["outputs"]), inputs, self.weights)
 
 

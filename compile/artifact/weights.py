@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from blockforge.errors import BlockforgeError
+from blockforge.graph.model_io import numpy_dtype
 
 from blockforge.compile.artifact.manifest import MAX_FILE_BYTES, WEIGHTS_ALIGN, open_regular, refuse_tampered
 
@@ -61,14 +62,6 @@ def write_weights(path: Path, weights: list) -> dict:
     return {"file": path.name, "bytes": total, "tensors": tensors}
 
 
-def _numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name).newbyteorder("<")
-
-
 def load_weights(artifact: Path, manifest: dict, convert=None) -> list:
     """The weights of a checked manifest (read_manifest), in parameter order, each a private
     copy of its bytes (`convert(array)` of it when given: the runtime passes each straight into
@@ -96,7 +89,7 @@ def load_weights(artifact: Path, manifest: dict, convert=None) -> list:
                 raise BlockforgeError(f"{artifact}: {w['file']} changed while being read")
             h.update(data)
             pos = t["offset"] + t["nbytes"]
-            a = np.frombuffer(data, dtype=_numpy_dtype(t["dtype"])).reshape(t["shape"])
+            a = np.frombuffer(data, dtype=numpy_dtype(t["dtype"])).reshape(t["shape"])
             out.append(convert(a) if convert else a)
             del data, a
         h.update(os.pread(fd, size - pos, pos))

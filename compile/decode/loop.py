@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blockforge.errors import BlockforgeError, error_line
+from blockforge.errors import ArgumentError, BlockforgeError, error_line
 from blockforge.graph.model_io import MAX_BOUND_DIM, TensorSig, check_inputs
 
+from blockforge.compile.decode.inputs import check_mask_length
 from blockforge.compile.decode.pairing import DecodePairing, pairing_for_run
 
 MAX_STEPS = 1 << 16
@@ -29,7 +30,7 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
-            raise BlockforgeError(f"--decode must be an integer in [1, {MAX_STEPS}], got {self.steps!r}")
+            raise ArgumentError(f"{{steps}} must be an integer in [1, {MAX_STEPS}], got {self.steps!r}", "steps")
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def _with_empty_cache(sigs: list[TensorSig], pairing: DecodePairing, given: dict
         try:
             shape = TensorSig(s.name, tuple(dims), s.dtype).bind(bound)
         except BlockforgeError:
-            raise BlockforgeError(f"--inputs has no {s.name!r} and its shape {list(s.dims)} does not follow from "
-                                  "the other inputs: give it (an empty cache has length 0 on the past axis)") from None
+            raise ArgumentError(f"{{inputs}} has no {s.name!r} and its shape {list(s.dims)} does not follow from "
+                                "the other inputs: give it (an empty cache has length 0 on the past axis)", "inputs") from None
         out[p.past] = np.zeros(shape, dtype=s.dtype)
     return out
 
@@ -136,6 +137,7 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
     by_name = {s.name: s for s in in_sigs}
     past_dims = frozenset(by_name[p.past].dims[p.axis] for p in pairing.pairs)
     check_inputs(in_sigs, host, "inputs", may_be_empty=past_dims)
+    check_mask_length(in_sigs, pairing, {k: np.shape(v) for k, v in host.items()})
     dev = mod.device
     args = {s.name: tvm.runtime.tensor(np.ascontiguousarray(host[s.name]), dev) for s in in_sigs}
     feed = pairing.tokens
@@ -174,8 +176,8 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
         if step == 0:  # later calls add 1 position (a token) or the prompt's length again
             final = grown + (opts.steps - 1) * (1 if feed else seq)
             if final > MAX_BOUND_DIM:
-                raise BlockforgeError(f"--decode {opts.steps} would grow the cache to {final} positions, past the "
-                                      f"limit of {MAX_BOUND_DIM} for a symbolic dim")
+                raise ArgumentError(f"{{steps}} {opts.steps} would grow the cache to {final} positions, past the "
+                                    f"limit of {MAX_BOUND_DIM} for a symbolic dim", "steps")
         rec = StepRecord(step, past_len, seq, (t2 - t0) * 1e3, (t1 - t0) * 1e3,
                          tuple(int(t) for t in tok) if tok is not None else None)
         result.steps.append(rec)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from blockforge.errors import BlockforgeError, printable
+from blockforge.errors import ArgumentError, BlockforgeError, printable, with_prefix
 
 _EXPORTER = re.compile(r"present\.(\d{1,4})\.(key|value)", re.ASCII)
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -85,8 +85,8 @@ def _grow_axis(past: dict, present: dict) -> int:
                               f"({'no axis differs' if not differ else f'axes {differ} differ'})")
     axis = differ[0]
     if not isinstance(ps[axis], str):
-        raise BlockforgeError(f"{pn}'s past length is fixed at {ps[axis]} (the artifact was compiled with it "
-                              "bound): a decode loop needs it symbolic; compile without binding it in --shape")
+        raise ArgumentError(f"{pn}'s past length is fixed at {ps[axis]} (the artifact was compiled with it "
+                            "bound): a decode loop needs it symbolic; compile without binding it in {shape}", "shape")
     return axis
 
 
@@ -151,7 +151,7 @@ def pairing_for_run(manifest: dict, where: str) -> DecodePairing:
     try:
         inferred = infer_pairing(manifest["inputs"], manifest["outputs"])
     except BlockforgeError as e:
-        raise BlockforgeError(f"{where}: cannot decode: {e}") from None
+        raise with_prefix(f"{where}: cannot decode: ", e) from None
     if inferred is None:
         raise BlockforgeError(f"{where}: cannot decode: no output is a key/value cache (present_* or "
                               "present.N.key/value feeding past_* or past_key_values.N.*)")

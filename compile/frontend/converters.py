@@ -40,6 +40,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
 from blockforge.compile.frontend import symbolic
+from blockforge.graph.model_io import numpy_dtype
 
 _T = relax.op
 
@@ -69,11 +70,7 @@ def _dtype(e) -> str:
 
 def _full(value: float, dtype: str):
     """A scalar constant of `dtype` (bfloat16 and friends included)."""
-    return relax.const(np.array(value, dtype="float32").astype(_np_dtype(dtype)))
-
-
-def _np_dtype(dtype: str):
-    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    return relax.const(np.array(value, dtype="float32").astype(numpy_dtype(dtype)))
 
 
 # ---------------------------------------------------------------- Attention
@@ -140,7 +137,7 @@ def _attention_bias(bb, *, mask, dtype: str, sq, skv, past, nonpad, causal: bool
 
     if offset is not None and all(isinstance(d, int) for d in (sq, skv, offset)):
         diff = np.arange(sq)[:, None] + offset - np.arange(skv)[None, :]  # (S_q, S_kv), a constant
-        terms += [relax.const(np.where(ok, 0.0, -np.inf).astype(_np_dtype(dtype))) for ok in allowed(diff, True)]
+        terms += [relax.const(np.where(ok, 0.0, -np.inf).astype(numpy_dtype(dtype))) for ok in allowed(diff, True)]
     elif offset is not None:
         j = bb.emit(_T.reshape(_positions(bb, skv), [1, 1, skv]))  # (1, 1, S_kv)
         if offset == "per-batch":  # query i sits at nonpad[b] - S_q + i
@@ -226,7 +223,7 @@ def attention(bb, inputs, attr: dict, opset: int):
         keys = _T.astype(_T.not_equal(bias, _full(-np.inf, dtype)), "int32")
         keep = bb.emit(_T.astype(_T.max(keys, axis=-1, keepdims=True), dtype))  # (.., S_q, 1)
         # Other rows: -inf -> the lowest finite value, whose exp underflows to 0 all the same.
-        lowest = bb.emit(_T.multiply(keep, _full(-float(ml_dtypes.finfo(_np_dtype(dtype)).max), dtype)))
+        lowest = bb.emit(_T.multiply(keep, _full(-float(ml_dtypes.finfo(numpy_dtype(dtype)).max), dtype)))
         if mode == 2:
             qk = bb.emit(_T.add(scores, bias))  # the reference's -inf, before the fix
         # A select, not maximum(bias, lowest): a NaN in the mask must reach the output as in

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockforge import settings
-from blockforge.errors import BlockforgeError, error_line, printable, raise_if_stopped
+from blockforge.errors import ArgumentError, BlockforgeError, error_line, printable, raise_if_stopped
 from blockforge.fsutil import dir_lock
 from blockforge.targets import ResolvedTarget
 from blockforge.targets.toolchain import cpu_id
@@ -437,8 +437,8 @@ def open_for_apply(target: ResolvedTarget, path: Path | None):
     contents = read_contents(directory, tolerate_torn_tail=True)
     if not contents.records and not contents.refused:
         if explicit:
-            raise BlockforgeError(f"{directory}: tuning database holds no records (run `blockforge tune` "
-                                  "first, or drop --tuning-db)")
+            raise ArgumentError(f"{directory}: tuning database holds no records (run `blockforge tune` "
+                                "first, or drop {tuning_db})", "tuning_db")
         return None, None
     plan = plan_apply(directory, apply_cpu(target), contents)
     db_obj, applied = load_database(directory, exclude=plan.exclude, contents=contents)  # what is applied

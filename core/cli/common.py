@@ -22,7 +22,7 @@ def print_table(headers: list[str], rows: list[list], out=None) -> None:
 
 
 # The API's argument names whose flag is not `--` + the name with dashes.
-_FLAG_OF = {"use_tuning": "--no-tuning"}
+_FLAG_OF = {"use_tuning": "--no-tuning", "steps": "--decode", "bench_decode": "--decode", "pasts": "--past"}
 
 
 def flag_of(argument: str) -> str:

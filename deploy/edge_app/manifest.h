@@ -149,6 +149,18 @@ inline std::map<std::string, std::string> Digests(const json::Value& listing, co
   return out;
 }
 
+// A signature or 'weights' entry: an object whose 'name' is a label not seen before in its
+// list (`seen`); the messages are the Python reader's (manifest.py), one wording for both lists.
+inline const json::Value* EntryName(const json::Value& item, const std::string& entry, std::set<std::string>& seen) {
+  if (!item.is_object()) Bad(entry + " is not an object");
+  const json::Value* name = item.get("name");
+  if (!name || !name->is_string() || !IsLabel(name->str)) {
+    Bad(entry + ": 'name' must be a one-line string of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
+  }
+  if (!seen.insert(name->str).second) Bad(entry + ": name '" + json::Printable(name->str) + "' appears twice");
+  return name;
+}
+
 inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
   const json::Value* list = root.get(key);
   const std::string where = std::string("'") + key + "'";
@@ -159,14 +171,9 @@ inline std::vector<TensorSig> Sigs(const json::Value& root, const char* key) {
   for (size_t k = 0; k < list->array.size(); ++k) {
     const json::Value& item = list->array[k];
     const std::string entry = where + " entry " + std::to_string(k);
-    if (!item.is_object()) Bad(entry + " is not an object");
-    const json::Value* name = item.get("name");
+    const json::Value* name = EntryName(item, entry, seen);
     const json::Value* dtype = item.get("dtype");
     const json::Value* shape = item.get("shape");
-    if (!name || !name->is_string() || !IsLabel(name->str)) {
-      Bad(entry + ": 'name' must be a one-line string of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
-    }
-    if (!seen.insert(name->str).second) Bad(entry + ": name '" + json::Printable(name->str) + "' appears twice");
     if (!dtype || !dtype->is_string() || !IsDtypeName(dtype->str)) {
       Bad(entry + ": 'dtype' must be a dtype name such as float32");
     }
@@ -226,16 +233,11 @@ inline void Weights(const json::Value& w, Manifest& m) {
   for (size_t k = 0; k < tensors->array.size(); ++k) {
     const json::Value& t = tensors->array[k];
     const std::string entry = "'weights' entry " + std::to_string(k);
-    if (!t.is_object()) Bad(entry + " is not an object");
-    const json::Value* name = t.get("name");
+    const json::Value* name = EntryName(t, entry, seen);
     const json::Value* dtype = t.get("dtype");
     const json::Value* shape = t.get("shape");
     const json::Value* offset = t.get("offset");
     const json::Value* nbytes = t.get("nbytes");
-    if (!name || !name->is_string() || !IsLabel(name->str)) {
-      Bad(entry + ": 'name' must be a one-line string of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
-    }
-    if (!seen.insert(name->str).second) Bad(entry + ": name '" + json::Printable(name->str) + "' appears twice");
     uint64_t size = 0;
     std::string names;
     for (const WeightDtype& d : kWeightDtypes) {

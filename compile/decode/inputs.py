@@ -1,0 +1,81 @@
+"""Decoder inputs refused before TVM sees them (issue #21).
+
+- A dim bound to 0: only a decoder's past length may be 0 (an empty cache, P = 0: the prompt
+  step), and only where that dim sizes nothing but the past inputs' past axes. Anything else
+  (seq=0, batch=0, a past length that is also another input's dim) was a crash inside TVM's
+  importer or its kernels.
+- The attention mask of a decoder spans the cache and the new positions: its length must be
+  past + seq. The exporters name it by a dim of its own (legacy: past_seq; dynamo: a fresh
+  symbol), so nothing in the model ties them, and a wrong length ran and returned garbage or
+  crashed inside TVM.
+
+Both take the signature as TensorSigs and the sizes as {dim: value} (a binding) or the
+arrays' shapes; the errors name the argument that gave the sizes ({inputs}, {shape}).
+"""
+
+from __future__ import annotations
+
+from blockforge.errors import ArgumentError, BlockforgeError, printable
+from blockforge.graph.model_io import TensorSig
+
+from blockforge.compile.decode.pairing import DecodePairing, infer_pairing
+
+
+def pairing_of(inputs: list[TensorSig], outputs: list[TensorSig]) -> DecodePairing | None:
+    """The signature's cache pairing, or None (no cache, or an ambiguous one: nothing to check)."""
+    try:
+        return infer_pairing([s.to_dict() for s in inputs], [s.to_dict() for s in outputs])
+    except BlockforgeError:
+        return None
+
+
+def empty_dims(inputs: list[TensorSig], pairing: DecodePairing | None) -> frozenset:
+    """The symbolic dims that may be 0: a past length that only the past inputs' past axes carry."""
+    if pairing is None:
+        return frozenset()
+    by_name = {s.name: s for s in inputs}
+    past_axes = {(p.past, p.axis) for p in pairing.pairs}
+    dims = {by_name[p.past].dims[p.axis] for p in pairing.pairs}
+    carried_elsewhere = {d for s in inputs for axis, d in enumerate(s.dims) if (s.name, axis) not in past_axes}
+    return frozenset(d for d in dims if isinstance(d, str) and d not in carried_elsewhere)
+
+
+def check_zero_dims(inputs: list[TensorSig], outputs: list[TensorSig], values: dict[str, int],
+                    argument: str = "inputs") -> None:
+    """Refuse a symbolic dim bound to 0 unless it is a decoder's past length (see module doc)."""
+    zero = [d for d, v in values.items() if v == 0]
+    if not zero:
+        return
+    allowed = empty_dims(inputs, pairing_of(inputs, outputs))
+    for d in zero:
+        if d not in allowed:
+            where = next(f"{printable(s.name)} axis {s.dims.index(d)}" for s in inputs if d in s.dims)
+            raise ArgumentError(f"{{{argument}}} binds dim {printable(d)!r} ({where}) to 0: only a decoder's past "
+                                "length may be 0 (an empty cache); give it at least 1", argument)
+
+
+def check_mask_length(inputs: list[TensorSig], pairing: DecodePairing | None, shapes: dict[str, tuple],
+                      argument: str = "inputs") -> None:
+    """A decoder's attention_mask must be (batch, past + seq). shapes: input name -> its shape
+    (None or a str for a dim not known yet: nothing checked)."""
+    feed = pairing.tokens if pairing else None
+    if feed is None or feed.attention_mask is None:
+        return
+    first = pairing.pairs[0]
+    mask, ids, past = (shapes.get(n) for n in (feed.attention_mask, feed.input_ids, first.past))
+    if not (mask and ids and past) or len(mask) != 2 or len(ids) != 2 or len(past) <= first.axis:
+        return  # rank errors are the signature check's
+    m, s, p = mask[1], ids[1], past[first.axis]
+    if not all(isinstance(v, int) for v in (m, s, p)) or m == p + s:
+        return
+    raise ArgumentError(f"{{{argument}}}: {printable(feed.attention_mask)} has length {m}, but a decoder's mask spans "
+                        f"the cache and the new positions: past + seq = {p} + {s} = {p + s} ({printable(first.past)} "
+                        f"axis {first.axis}, {printable(feed.input_ids)} axis 1)", argument)
+
+
+def check_decoder_binding(inputs: list[TensorSig], outputs: list[TensorSig], values: dict[str, int],
+                          argument: str = "inputs") -> None:
+    """Both checks on a binding (the prelude's, before the model reaches TVM)."""
+    check_zero_dims(inputs, outputs, values, argument)
+    shapes = {s.name: s.at(values).dims for s in inputs}
+    check_mask_length(inputs, pairing_of(inputs, outputs), shapes, argument)
