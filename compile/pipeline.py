@@ -41,6 +41,8 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
+    "row-tiles": "packed matmuls whose static M no row tile divides (ViT's 197) computed over whole tiles and "
+                 "cropped (left out: the last tile's row guard in every tile's k loop)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
@@ -69,7 +71,10 @@ def _prepack(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], li
         from blockforge.compile.schedule.matmul import panel_width
         from blockforge.compile.passes.prepack import prepack_pass
 
-        return [prepack_pass(panel_width(target.tvm_target()), pad="pad-panels" not in without)]
+        from blockforge.compile.schedule.base import MR
+
+        return [prepack_pass(panel_width(target.tvm_target()), pad="pad-panels" not in without,
+                             mr=None if "row-tiles" in without else MR)]
     return passes
 
 
