@@ -1,8 +1,9 @@
-"""Packed matmuls whose static M no row tile divides (ViT's 197 tokens, CLIP's 50) are computed
+"""Packed matmuls whose static M no row tile divides (ViT's 197 tokens) are computed
 over whole MR-row tiles, the rows past M re-reading row M - 1, and cropped in the tile's
 write-back (compile/passes/prepack.py): the k loop of every tile is then guard-free. Guarded,
 the split's row predicate sat in each tile's k loop (a compare and branch per k and accumulators
-spilled around it): 1.24x slower single-core on ViT's 197 x 3072 x 768 GEMM (benchmarks/vit_gemm.py)."""
+spilled around it): 1.24x slower single-core on ViT's 197 x 3072 x 768 GEMM (benchmarks/vit_gemm.py).
+Only where the recomputed rows are a small share of the work (prepack.WHOLE_TILES_WASTE)."""
 
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def _loops(func):
     return out
 
 
-@pytest.mark.parametrize("m, rows", [(197, 198), (50, 54), (128, 132), (192, None), (13, None), (1, None)])
+@pytest.mark.parametrize("m, rows", [(197, 198), (299, 300), (50, None), (128, None), (192, None), (13, None), (1, None)])
 def test_whole_tile_rows(m, rows):
-    """Ragged static M from 4 tiles up; a whole M, or a few rows (decode's M = 1: 6x the work), not."""
+    """Ragged static M whose recomputed rows are <= 2% of the work (197 -> 198); CLIP's 50 -> 54 (8%),
+    BERT's 128 -> 132 (3%), a few rows (decode's M = 1: 6x the work) or a whole M stay guarded."""
     assert whole_tile_rows(m, MR) == rows
     assert whole_tile_rows(tvm.tirx.IntImm("int64", m), MR) == rows
     assert whole_tile_rows(tvm.tirx.Var("m", "int64"), MR) is None, "a symbolic M keeps LoopPartition's split"
@@ -73,9 +75,9 @@ def test_ragged_rows_run_whole_tiles_without_a_guard_in_the_k_loop():
 
 
 def test_ragged_columns_and_rows_keep_the_column_crop():
-    """N padded to panels and M to tiles: one crop of both; its columns guarded (not vectorised)."""
-    func = _scheduled(29, n_panels=2, n=100)
-    assert int(_blocks(func)[PACKED_BLOCK + "_update"].block.iter_vars[1].dom.extent) == 30
+    """N padded to panels and M to tiles: one crop of both."""
+    func = _scheduled(197, n_panels=2, n=100)
+    assert int(_blocks(func)[PACKED_BLOCK + "_update"].block.iter_vars[1].dom.extent) == 198
 
 
 def _model(m, n, seed):
@@ -89,7 +91,7 @@ def _model(m, n, seed):
     return oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10), w, b
 
 
-@pytest.mark.parametrize("m, n", [(29, 128), (31, 4 * 64 + 17)])
+@pytest.mark.parametrize("m, n", [(197, 128), (299, 4 * 64 + 17)])
 def test_ragged_rows_numbers(m, n):
     """The recomputed rows past M never reach the output; the real ones match numpy."""
     model, w, b = _model(m, n, m)
