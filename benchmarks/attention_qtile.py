@@ -1,5 +1,6 @@
 """The fused attention kernel at ViT's 197 tokens (12 heads, d 64, no mask) with different query
-tiles, built from its spec, checked against numpy, timed interleaved.
+tiles, built from its spec, checked against numpy, timed interleaved; each tile as given
+(balance=False) and "balanced" (what a build runs: flash.query_tile).
 
     TVM_NUM_THREADS=1 nice .venv/bin/python benchmarks/attention_qtile.py --sq 197 --tiles 64x64,50x64 --cpu-time
 """
@@ -35,12 +36,13 @@ def main(argv=None):
     dev = tvm.cpu(0)
     args = [tvm.runtime.tensor(x, dev) for x in (q, k.transpose(0, 1, 3, 2).copy(), v, np.zeros_like(q))]
     runners = {}
-    for t in a.tiles.split(","):
-        qt, kt = map(int, t.split("x"))
-        f = tvm.compile(tvm.IRModule({"main": kernel(spec, (qt, kt), lanes)}), target=tgt)["main"]
+    for t in a.tiles.split(",") + ["balanced"]:
+        qt, kt = map(int, (a.tiles.split(",")[0] if t == "balanced" else t).split("x"))
+        fn = kernel(spec, (qt, kt), lanes, balance=t == "balanced")
+        f = tvm.compile(tvm.IRModule({"main": fn}), target=tgt)["main"]
         f(*args)
         np.testing.assert_allclose(args[3].numpy(), want, rtol=1e-4, atol=1e-4)
-        runners[t] = (lambda f=f: f(*args))
+        runners[t if t != "balanced" else f"balanced {fn.attrs['blockforge.attention.tiles']}"] = (lambda f=f: f(*args))
     s_ = measure_interleaved(runners, a.repeat, 2, clock=time.thread_time if a.cpu_time else time.perf_counter)
     print({k: round(float(np.median(v)), 3) for k, v in s_.items()}, "ms; load", os.getloadavg())
 

@@ -140,15 +140,16 @@ def fast_exp(x, nonpositive: bool = False):
     return tirx.Let(xv, clamped, body)
 
 
-def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16):
+def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
-    default_tiles), for a target with `lanes` float32 lanes per vector."""
+    default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
+    query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     qt, kt = tiles or default_tiles(lanes)
-    qt = query_tile(qt, spec.sq, (kt, spec.dv), lanes)
+    qt = query_tile(qt, spec.sq, (kt, spec.dv), lanes) if balance else qt
     tiles = (qt, kt)
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
