@@ -58,3 +58,31 @@ def test_balanced_tile_numbers():
     out = tvm.runtime.tensor(np.full_like(q, np.nan))
     f(*[tvm.runtime.tensor(x) for x in (q, k.transpose(0, 1, 3, 2).copy(), v)], out)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("without, want", [(frozenset(), "50x64"), (frozenset({"attention-qtile"}), "64x64")])
+def test_pipeline_balances_unless_the_ablation(tmp_path, without, want):
+    """The fuse-attention phase emits the balanced tile at seq 197; the ablation the default."""
+    import onnx
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import MHASpec, export
+    from blockforge.targets import resolve
+
+    host = resolve("host")
+    if host.tvm_target().kind.name != "llvm" or vector_lanes_of(host) != 16:
+        pytest.skip("the expected tiles are AVX-512's")
+    path = tmp_path / "m.onnx"
+    export(MHASpec(d_model=64, heads=4), path)
+    session = open_model(path, host, {"batch": 1, "seq": 197})
+    mod, _ = run_phases(session.relax(), host, stop_after="fuse-attention", without=without)
+    tiles = {str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) for _, f in mod.functions_items()
+             if isinstance(f, tirx.PrimFunc) and attention.is_kernel(f)}
+    assert tiles == {want}
+
+
+def vector_lanes_of(target) -> int:
+    from blockforge.compile.schedule.base import vector_lanes
+
+    return vector_lanes(target.tvm_target())
