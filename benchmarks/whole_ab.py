@@ -22,7 +22,7 @@ def main(argv=None) -> int:
 
     from blockforge.bench.contenders import OpenVino, Ort
     from blockforge.bench.harness import measure_interleaved
-    from blockforge.compile.frontend.importer import import_onnx
+    from blockforge.compile.session import open_model
     from blockforge.compile.pipeline import build
     from blockforge.targets import resolve
 
@@ -47,7 +47,9 @@ def main(argv=None) -> int:
     if not a.no_peers and OpenVino().available():
         runners["openvino"] = OpenVino().make_runner(bm, {inp.name: x}, threads, precision="f32")
     for label, without in (("new", set()), (f"without {a.ab}", set(a.ab.split(",")))):
-        vm = relax.VirtualMachine(build(import_onnx(model, dims), target, without=without).executable, tvm.cpu())
+        # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
+        vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
+                                  tvm.cpu())
         t = tvm.runtime.tensor(x)
         np.testing.assert_allclose(vm["main"](t).numpy(), want, rtol=2e-3, atol=2e-3)
         runners[label] = (lambda f=vm["main"], t=t: f(t))
