@@ -44,7 +44,7 @@ ABLATIONS = {
     "row-tiles": "packed matmuls whose static M no row tile divides (ViT's 197) computed over whole tiles and "
                  "cropped (left out: the last tile's row guard in every tile's k loop)",
     "attention-qtile": "the fused attention kernel's query tiles balanced at a static Sq no tile divides (ViT's "
-                       "197: 4 tiles of 50) (left out: the recorded or default tile, a short Sq as its own tile)",
+                       "197: 4 tiles of 50) (left out: the recorded or default tile)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "

@@ -106,10 +106,13 @@ def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> 
     measured, 12 heads, 1 thread CPU time: 2.77 -> 2.12 ms, benchmarks/attention_qtile.py).
     A decode step (Sq = 1, or a short chunk) gets Sq rows, not a full tile of clamped ones.
     The smallest such tile whose micro-kernels (widths: the Q K^T and P V row lengths) get
-    min(4, Sq) rows or more: Whisper's 1500 keeps 64 (24 tiles of 63 would run 3-row ones),
-    Wav2Vec2's 49 takes 50 (49 would run 1-row ones)."""
+    min(4, Sq) rows or more: Whisper's 1500 keeps 64 (24 tiles of 63 would run 3-row ones).
+    An Sq below one tile stays its own tile: Wav2Vec2's 49 as 50 ran 3.3x faster as a kernel
+    alone but its whole model 1.44x slower (loaded machine, benchmarks/whole_ab.py): unresolved."""
     if sq is None or sq % qt == 0:
         return qt
+    if sq < qt:
+        return sq
     lo = -(-sq // -(-sq // qt))  # ceil(sq / number of tiles)
     want = min(4, lo)
     for t in range(lo, max(qt, lo) + 1):
