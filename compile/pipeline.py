@@ -41,6 +41,10 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
+    "row-tiles": "packed matmuls whose static M no row tile divides (ViT's 197) computed over whole tiles and "
+                 "cropped (left out: the last tile's row guard in every tile's k loop)",
+    "attention-qtile": "the fused attention kernel's query tiles balanced at a static Sq no tile divides (ViT's "
+                       "197: 4 tiles of 50) (left out: the recorded or default tile)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
@@ -69,7 +73,10 @@ def _prepack(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], li
         from blockforge.compile.schedule.matmul import panel_width
         from blockforge.compile.passes.prepack import prepack_pass
 
-        return [prepack_pass(panel_width(target.tvm_target()), pad="pad-panels" not in without)]
+        from blockforge.compile.schedule.base import MR
+
+        return [prepack_pass(panel_width(target.tvm_target()), pad="pad-panels" not in without,
+                             mr=None if "row-tiles" in without else MR)]
     return passes
 
 
@@ -87,13 +94,13 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
     return passes
 
 
-def _fuse_attention(target: ResolvedTarget, database) -> Callable[[], list]:
+def _fuse_attention(target: ResolvedTarget, database, balance: bool = True) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.attention.fuse import fuse_attention
 
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
-        return [fuse_attention(target.tvm_target(), database)]
+        return [fuse_attention(target.tvm_target(), database, balance)]
     return passes
 
 
@@ -291,7 +298,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
-        out.append(Phase("fuse-attention", _fuse_attention(target, database)))
+        out.append(Phase("fuse-attention", _fuse_attention(target, database, "attention-qtile" not in without)))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database)))

@@ -268,6 +268,7 @@ def test_matvec(tmp_path):
 
 SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
+SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
 
 
 def test_every_benchmark_script_has_a_smoke_run():

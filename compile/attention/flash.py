@@ -100,6 +100,27 @@ def micro_rows(qt: int, vecs_per_row: int, lanes: int) -> int:
     return max(r for r in range(1, min(qt, cap) + 1) if qt % r == 0)
 
 
+def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> int:
+    """The query tile for a static Sq: as many tiles as qt needs, balanced, so the last one is
+    not mostly clamped rows (ViT's 197 in tiles of 64: 256 rows computed; in 4 of 50: 200;
+    measured, 12 heads, 1 thread CPU time: 2.77 -> 2.12 ms, benchmarks/attention_qtile.py).
+    A decode step (Sq = 1, or a short chunk) gets Sq rows, not a full tile of clamped ones.
+    The smallest such tile whose micro-kernels (widths: the Q K^T and P V row lengths) get
+    min(4, Sq) rows or more: Whisper's 1500 keeps 64 (24 tiles of 63 would run 3-row ones).
+    An Sq below one tile stays its own tile: Wav2Vec2's 49 as 50 ran 3.3x faster as a kernel
+    alone but its whole model 1.44x slower (loaded machine, benchmarks/whole_ab.py): unresolved."""
+    if sq is None or sq % qt == 0:
+        return qt
+    if sq < qt:
+        return sq
+    lo = -(-sq // -(-sq // qt))  # ceil(sq / number of tiles)
+    want = min(4, lo)
+    for t in range(lo, max(qt, lo) + 1):
+        if min(micro_rows(t, max(1, w // lanes), lanes) for w in widths) >= want:
+            return t
+    return min(qt, sq)
+
+
 def fast_exp(x, nonpositive: bool = False):
     """topi.fast_exp's polynomial as a TIR expression (float32): vectorises and inlines,
     unlike libm's expf; relative error ~1e-7; exp(-inf) and anything below -88.38 give
@@ -122,18 +143,16 @@ def fast_exp(x, nonpositive: bool = False):
     return tirx.Let(xv, clamped, body)
 
 
-def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16):
+def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
-    default_tiles), for a target with `lanes` float32 lanes per vector."""
+    default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
+    query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     qt, kt = tiles or default_tiles(lanes)
-    if spec.sq is not None and spec.sq < qt:
-        # A decode step (Sq = 1, or a short chunk): a full query tile would compute qt rows
-        # (clamped to the last, not stored) for the Sq real ones, qt/Sq times the work.
-        qt = spec.sq
+    qt = query_tile(qt, spec.sq, (kt, spec.dv), lanes) if balance else qt
     tiles = (qt, kt)
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731

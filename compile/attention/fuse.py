@@ -23,10 +23,10 @@ def _reshape(bb, x, shape):
 class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
-    def __init__(self, bb, target, database):
+    def __init__(self, bb, target, database, balance: bool = True):
         from blockforge.compile.schedule.base import vector_lanes
 
-        self.bb, self.target, self.database = bb, target, database
+        self.bb, self.target, self.database, self.balance = bb, target, database, balance
         self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
@@ -38,7 +38,7 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes), f"fused_attention_{len(self.funcs)}")
+            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes, self.balance), f"fused_attention_{len(self.funcs)}")
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 
@@ -66,8 +66,9 @@ class _Rewrite:
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 
 
-def fuse_attention(target, database=None):
-    """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel."""
+def fuse_attention(target, database=None, balance: bool = True):
+    """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
+    balance=False: query tiles as recorded or default (ablation `attention-qtile`)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -77,7 +78,7 @@ def fuse_attention(target, database=None):
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database)
+            self.rw = _Rewrite(self.builder_, target, database, balance)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)

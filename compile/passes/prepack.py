@@ -23,22 +23,43 @@ PACKED_BLOCK = "packed_matmul"
 CROP_BLOCK = "packed_crop"
 # Padding to whole panels wastes at most this share of the columns: N >= PAD_MIN_PANELS panels.
 PAD_MIN_PANELS = 4
+# Whole row tiles for a ragged static M while the recomputed rows are at most this share of
+# the work (see packed_matmul). Measured (loaded machine, interleaved): CLIP vision's 50 rows as
+# 54 (8% more work) 1.06x slower whole-model than guarded; ViT's 197 as 198 (0.5%) faster.
+# BERT's 128 as 132 (3%) stays guarded.
+WHOLE_TILES_WASTE = 0.02
 
 
-def packed_matmul(a: te.Tensor, wp: te.Tensor, n: int | None = None) -> te.Tensor:
+def whole_tile_rows(m, mr: int | None) -> int | None:
+    """M rounded up to whole MR-row tiles, when a static M is ragged and the recomputed rows
+    are at most WHOLE_TILES_WASTE of the work; else None (the guarded tile)."""
+    m = int(m) if isinstance(m, (int, tvm.tirx.IntImm)) else None
+    if mr is None or m is None or m % mr == 0:
+        return None
+    rows = -(-m // mr) * mr
+    return rows if rows - m <= WHOLE_TILES_WASTE * m else None
+
+
+def packed_matmul(a: te.Tensor, wp: te.Tensor, n: int | None = None, mr: int | None = None) -> te.Tensor:
     """a (.., M, K) x the packed weights (N/NR, K, NR); n: the real N when the last panel is
-    padded (the product is then cropped to it)."""
+    padded (the product is then cropped to it). mr: the kernel's row tile; a static M it does
+    not divide (ViT's 197 tokens) is computed over whole tiles, the rows past M re-reading row
+    M - 1, and cropped: otherwise the split's row guard sits in every tile's k loop (a compare
+    and branch per k, and accumulators spilled around it: benchmarks/vit_gemm.py)."""
     nb, kdim, nr = wp.shape
     k = te.reduce_axis((0, kdim), name="k")
+    m = a.shape[-2]
+    rows = whole_tile_rows(m, mr)
+    row = (lambda i: tvm.tirx.min(i, m - 1)) if rows else (lambda i: i)
 
     def f(*idx):
         *batch, i, j = idx
-        return te.sum(a[(*batch, i, k)] * wp[j // nr, k, j % nr], axis=k)
+        return te.sum(a[(*batch, row(i), k)] * wp[j // nr, k, j % nr], axis=k)
 
-    y = te.compute((*a.shape[:-1], nb * nr), f, name=PACKED_BLOCK)
-    if n is None or n == int(nb) * int(nr):
+    y = te.compute((*a.shape[:-2], rows or m, nb * nr), f, name=PACKED_BLOCK)
+    if (n is None or n == int(nb) * int(nr)) and not rows:
         return y
-    return te.compute((*a.shape[:-1], n), lambda *idx: y[idx], name=CROP_BLOCK)
+    return te.compute((*a.shape[:-1], n or nb * nr), lambda *idx: y[idx], name=CROP_BLOCK)
 
 
 def pack_weights(wt: np.ndarray, nr: int) -> np.ndarray:
@@ -52,9 +73,9 @@ def pack_weights(wt: np.ndarray, nr: int) -> np.ndarray:
 
 @mutator
 class _Prepack(PyExprMutator):
-    def __init__(self, mod, nr: int, pad: bool):
+    def __init__(self, mod, nr: int, pad: bool, mr: int | None):
         super().__init__(mod)
-        self.nr, self.pad = nr, pad
+        self.nr, self.pad, self.mr = nr, pad, mr
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
@@ -74,15 +95,16 @@ class _Prepack(PyExprMutator):
                 or len(getattr(x.ty, "shape", None) or []) < 2:
             return call
         wp = pack_weights(wt, self.nr)
-        return self.builder_.call_te(packed_matmul, x, relax.const(wp), n if ragged else None,
+        return self.builder_.call_te(packed_matmul, x, relax.const(wp), n if ragged else None, self.mr,
                                      primfunc_name_hint="matmul")
 
 
-def prepack_pass(nr: int, pad: bool = True):
-    """pad=False: a ragged N stays unpacked (ablation `pad-panels`)."""
+def prepack_pass(nr: int, pad: bool = True, mr: int | None = None):
+    """pad=False: a ragged N stays unpacked (ablation `pad-panels`); mr: the row tile a ragged
+    static M is computed in whole (None: guarded, ablation `row-tiles`)."""
     @tvm.transform.module_pass(opt_level=0, name="BlockforgePrepackWeights")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _Prepack(mod, nr, pad)
+        m = _Prepack(mod, nr, pad, mr)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 m.builder_.update_func(gv, m.visit_expr(func))

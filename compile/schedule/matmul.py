@@ -68,6 +68,13 @@ def is_crop(sch, b, mm) -> bool:
     return len(ext) == len(mm_ext) and ext != mm_ext
 
 
+def crops_rows_only(sch, b, mm) -> bool:
+    """A crop of the row tail only (prepack's whole row tiles): its columns are the matmul's."""
+    ext = [const_int(iv.dom.extent) for iv in sch.get(b).iter_vars]
+    mm_ext = [const_int(iv.dom.extent) for iv in sch.get(mm).iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+    return ext[-1] == mm_ext[-1] and ext[-1] is not None
+
+
 def fold_into_writeback(sch, epilogue, rule: str, func, mm=None) -> None:
     """Fold what is left of the epilogue into the accumulator's write-back (after cache_write).
     Not a crop: TVM 0.27's reverse_compute_inline of a block over a smaller domain writes the
@@ -141,6 +148,8 @@ class CPUMatmul(CPURule):
             if block_alive(sch, b) and is_crop(sch, b, mm):
                 # In the tile, after its write-back: the crop's own bounds guard the tail panel.
                 sch.reverse_compute_at(b, outer[-1], preserve_unit_loops=True)
+                if crops_rows_only(sch, b, mm):  # the guard is on rows: the columns stay vectors
+                    sch.vectorize(sch.get_loops(b)[-1])
         # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
         # as separate loops after the matmul: parallel over rows, vectorised along j.
         for b in blocks[idx + 1:]:

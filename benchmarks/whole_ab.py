@@ -1,0 +1,66 @@
+"""A whole ONNX model built with and without a pipeline ablation, interleaved in one process with
+ORT and OpenVINO f32 (outputs checked against ORT first); prints median ms, the ratios, the load.
+
+    nice .venv/bin/python benchmarks/whole_ab.py MODEL.onnx --dims s33=1 --ab row-tiles [--repeat 10]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import onnx
+
+import blockforge
+
+blockforge.configure(redirect_native_output=False)
+
+
+def main(argv=None) -> int:
+    import tvm
+    from tvm import relax
+
+    from blockforge.bench.contenders import OpenVino, Ort
+    from blockforge.bench.harness import measure_interleaved
+    from blockforge.compile.session import open_model
+    from blockforge.compile.pipeline import build
+    from blockforge.targets import resolve
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--dims", default="", help="symbolic dims, name=value comma list")
+    ap.add_argument("--ab", required=True, help="pipeline ablation(s), comma list")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--no-peers", action="store_true")
+    a = ap.parse_args(argv)
+    dims = {k: int(v) for k, v in (kv.split("=") for kv in a.dims.split(",") if kv)}
+    model = onnx.load(a.model)
+    inp = model.graph.input[0]
+    shape = [d.dim_value or dims[d.dim_param] for d in inp.type.tensor_type.shape.dim]
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    target = resolve("host")
+    threads = int(target.target_json.get("num-cores", 1))
+    bm = type("M", (), {"onnx": model})()
+    ort = Ort().make_runner(bm, {inp.name: x}, threads)
+    want = ort.outputs()[0]
+    runners = {} if a.no_peers else {"ort": ort}
+    if not a.no_peers and OpenVino().available():
+        runners["openvino"] = OpenVino().make_runner(bm, {inp.name: x}, threads, precision="f32")
+    for label, without in (("new", set()), (f"without {a.ab}", set(a.ab.split(",")))):
+        # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
+        vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
+                                  tvm.cpu())
+        t = tvm.runtime.tensor(x)
+        np.testing.assert_allclose(vm["main"](t).numpy(), want, rtol=2e-3, atol=2e-3)
+        runners[label] = (lambda f=vm["main"], t=t: f(t))
+    ms = {k: float(np.median(v)) for k, v in measure_interleaved(runners, a.repeat, warmup=1).items()}
+    best = min((v for k, v in ms.items() if k in ("ort", "openvino")), default=None)
+    print({k: round(v, 2) for k, v in ms.items()})
+    print(f"new / without {a.ab}: {ms['new'] / ms[f'without {a.ab}']:.3f}"
+          + (f"; new / best peer {ms['new'] / best:.3f}; without / best peer {ms[f'without {a.ab}'] / best:.3f}"
+             if best else ""), "load", os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
