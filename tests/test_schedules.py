@@ -226,6 +226,20 @@ def test_instance_norm_keepdims_reductions_in_one_vectorised_row_loop():
     np.testing.assert_allclose(_run(f, [a, gg], a.shape), want, rtol=1e-4, atol=1e-5)
 
 
+def test_rms_norm_keepdims_mean_is_a_row_kernel():
+    """RMSNorm as torch exports it (ReduceMean keepdims over the last axis: Llama, T5):
+    the same unit axis, the same row kernel."""
+    x = te.placeholder((i64(1), i64(12), i64(40)), "float32", name="x")
+    ms = topi.divide(topi.sum(topi.multiply(x, x), axis=[2], keepdims=True), 40.0)
+    y = topi.divide(x, topi.sqrt(topi.add(ms, 1e-6)))
+    f = _schedule(CPURowReduction(), te.create_prim_func([x, y]))
+    par = [x for x in loops(f) if x["kind"] == PARALLEL]
+    assert len(par) == 1 and par[0]["extent"] == 12
+    a = np.random.default_rng(8).standard_normal((1, 12, 40), dtype=np.float32)
+    np.testing.assert_allclose(_run(f, [a], a.shape), a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_row_reduction_refuses_a_block_reading_another_row():
     """Blocks fused into one row loop must only read their own row of each other's output."""
     x = te.placeholder((i64(8), i64(32)), "float32", name="x")
