@@ -209,10 +209,32 @@ def _padding(rng, shape):
 
 
 @pytest.mark.parametrize("sq, skv, qt, kvecs", [(150, 150, 64, 4), (64, 64, 32, 4), (9, 9, 64, 4),
-                                                (130, 70, 48, 8)])
+                                                (130, 70, 48, 8), (20, 70, 32, 4)])
 def test_kernel_ragged_tiles(sq, skv, qt, kvecs):
     got, want = _run_kernel(_spec(), (qt, kvecs * LANES), 2, sq, skv)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_static_ragged_keys_read_k_unclamped(causal):
+    """A static key length that is no multiple of the key tile (Whisper's 1500): the last
+    tile ends at Skv, overlapping the one before, so every K^T / V read is at an affine
+    index; a clamped min(k, Skv - 1) index turns the tail's vector loads into gathers."""
+    spec = _spec(sq=150, skv=150, causal=causal, fill=0.0 if causal else None)
+    text = attention.kernel(spec, (64, 4 * LANES), LANES).script()
+    clamped = []
+    for name in ("k_t[", " v["):
+        at = text.find(name)
+        while at >= 0:
+            end, depth = at + len(name), 1
+            while depth:  # the subscript up to its matching bracket
+                depth += {"[": 1, "]": -1}.get(text[end], 0)
+                end += 1
+            if "T.min(" in text[at:end]:
+                clamped.append(text[at:end])
+            at = text.find(name, end)
+    assert "k_t[" in text
+    assert not clamped
 
 
 def test_kernel_causal_with_padding_skips_tiles_and_fixes_fully_masked_rows():

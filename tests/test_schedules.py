@@ -201,6 +201,45 @@ def test_layer_norm_symbolic_rows():
     np.testing.assert_allclose(_run(f, [a, gg, bb], a.shape), want, rtol=1e-4, atol=1e-5)
 
 
+def test_instance_norm_keepdims_reductions_in_one_vectorised_row_loop():
+    """TVM's InstanceNormalization import (Wav2Vec2's GroupNorm of 512 groups): mean and
+    variance reduce to (N, C, 1), a unit axis between the rows and the reduced one. Refused
+    before, it fell to the default schedule: scalar reductions."""
+    n, c, t = i64(1), i64(8), i64(101)
+    x = te.placeholder((n, c, t), "float32", name="x")
+    g = te.placeholder((c, i64(1)), "float32", name="g")
+    mean = topi.divide(topi.sum(x, axis=[2], keepdims=True), 101.0)
+    d = topi.subtract(x, mean)
+    var = topi.divide(topi.sum(topi.multiply(d, d), axis=[2], keepdims=True), 101.0)
+    y = topi.multiply(topi.divide(topi.subtract(x, mean), topi.sqrt(topi.add(var, 1e-5))), g)
+    f = _schedule(CPURowReduction(), te.create_prim_func([x, g, y]))
+    ls = loops(f)
+    par = [x for x in ls if x["kind"] == PARALLEL]
+    assert len(par) == 1 and par[0]["extent"] == 8, "one parallel loop over the channels"
+    reds = [b for b in par[0]["blocks"] if b.endswith("_rf") or b.endswith("_rf_update")]
+    assert len(reds) == 2, par[0]["blocks"]
+    for name in reds:
+        assert [x["extent"] for x in ls if x["kind"] == VECTORIZED and name in x["blocks"]] == [LANES], name
+    rng = np.random.default_rng(7)
+    a, gg = rng.standard_normal((1, 8, 101), dtype=np.float32) + 3, rng.standard_normal((8, 1), dtype=np.float32)
+    want = (a - a.mean(-1, keepdims=True)) / np.sqrt(a.var(-1, keepdims=True) + 1e-5) * gg
+    np.testing.assert_allclose(_run(f, [a, gg], a.shape), want, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_keepdims_mean_is_a_row_kernel():
+    """RMSNorm as torch exports it (ReduceMean keepdims over the last axis: Llama, T5):
+    the same unit axis, the same row kernel."""
+    x = te.placeholder((i64(1), i64(12), i64(40)), "float32", name="x")
+    ms = topi.divide(topi.sum(topi.multiply(x, x), axis=[2], keepdims=True), 40.0)
+    y = topi.divide(x, topi.sqrt(topi.add(ms, 1e-6)))
+    f = _schedule(CPURowReduction(), te.create_prim_func([x, y]))
+    par = [x for x in loops(f) if x["kind"] == PARALLEL]
+    assert len(par) == 1 and par[0]["extent"] == 12
+    a = np.random.default_rng(8).standard_normal((1, 12, 40), dtype=np.float32)
+    np.testing.assert_allclose(_run(f, [a], a.shape), a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_row_reduction_refuses_a_block_reading_another_row():
     """Blocks fused into one row loop must only read their own row of each other's output."""
     x = te.placeholder((i64(8), i64(32)), "float32", name="x")

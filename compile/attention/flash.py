@@ -240,8 +240,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         with T.vectorized(i64(0), i64(w)) as j:
                             T.buffer_store(buf, op(buf[j], buf[j + i64(w)]), [j])
 
-                def tile(k0, valid):
-                    """One key tile at k0 (valid: its key count when partial, else None)."""
+                def tile(k0, valid, skip=0):
+                    """One key tile at k0 (valid: its key count when partial, else None; skip:
+                    its first keys were visited by the previous tile and are dropped here)."""
                     kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
                     # scores: MR rows x KT keys in registers, reduced over d
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
@@ -276,6 +277,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                     x = tirx.Select(keep, x, fill)
                                 if valid is not None:
                                     x = tirx.Select(j < valid, x, neg_inf)
+                                if skip:
+                                    x = tirx.Select(j >= i64(skip), x, neg_inf)
                                 x = T.Bind(x)
                                 T.buffer_store(s, x, [row, j])
                                 T.buffer_store(pmax, tirx.max(pmax[row, jv], x), [row, jv])
@@ -305,7 +308,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 row = io * i64(mr_o) + ii
                                 T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
-                        with T.serial(i64(0), i64(kt) if valid is None else valid) as j:
+                        with T.serial(i64(skip), i64(kt) if valid is None else valid) as j:
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
                                 with T.vectorized(i64(0), Dv) as d:
@@ -320,7 +323,18 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     n_full = tirx.min(n_full, (q0 + i64(qt + kt - 1)) // i64(kt))
                 with T.serial(i64(0), n_full) as t:
                     tile(t * i64(kt), None)
-                if not static_k_exact:
+                if spec.skv is not None and spec.skv > kt and not static_k_exact:
+                    # The ragged last tile as a whole tile ending at Skv, overlapping the one
+                    # before: contiguous full-width K^T loads, where clamped key indices made
+                    # every load of the partial tile a gather.
+                    k_tail = spec.skv // kt * kt
+                    cond = tirx.const(True, "bool")
+                    if spec.causal:
+                        cond = i64(k_tail) <= q0 + i64(qt - 1)
+                    with T.If(cond):
+                        with T.Then():
+                            tile(i64(spec.skv - kt), None, skip=kt - spec.skv % kt)
+                elif not static_k_exact:
                     k_tail = Skv // i64(kt) * i64(kt)
                     cond = k_tail < Skv
                     if spec.causal:

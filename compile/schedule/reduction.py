@@ -101,7 +101,16 @@ def _row_structure(sch, blocks) -> int | None:
         elif any(t != tirx.IterVar.DataPar for t in kinds):
             return None
         n_iters = len(blk.iter_vars)  # a row's values, or one value per row (LayerNorm's mean)
-        if n_iters not in (n_rows, n_rows + 1) or len(sch.get_loops(b)) != n_iters or \
+        if len(sch.get_loops(b)) != n_iters:
+            return None
+        # a keepdims reduction (InstanceNormalization's mean and variance, (N, C, 1)): unit
+        # axes between the rows and the reduced one count as none
+        units = n_iters - n_rows - 1 if tirx.IterVar.CommReduce in kinds else 0
+        if units > 0:
+            if any(const_int(iv.dom.extent) != 1 for iv in blk.iter_vars[n_rows:-1]):
+                return None
+            n_iters -= units
+        if n_iters not in (n_rows, n_rows + 1) or \
                 (n_iters == n_rows and tirx.IterVar.CommReduce in kinds):
             return None
         if not all(tvm_ffi.structural_equal(iv.dom.extent, e) for iv, e in zip(blk.iter_vars, row_ext)):
