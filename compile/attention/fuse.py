@@ -66,8 +66,9 @@ class _Rewrite:
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 
 
-def fuse_attention(target, database=None):
-    """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel."""
+def fuse_attention(target, database=None, key_rows: bool = True):
+    """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
+    key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -92,7 +93,7 @@ def fuse_attention(target, database=None):
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            singles, groups = find_attention(func)
+            singles, groups = find_attention(func, key_rows=key_rows)
             if not singles and not groups:
                 continue
             m.plan = {s.out: (lambda visit, s=s: m.rw.single(s, visit)) for s in singles}
