@@ -52,6 +52,8 @@ ABLATIONS = {
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
+    "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
+                          "per-step transpose to K^T)",
 }
 
 
@@ -94,13 +96,14 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
     return passes
 
 
-def _fuse_attention(target: ResolvedTarget, database, balance: bool = True) -> Callable[[], list]:
+def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = frozenset()) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.attention.fuse import fuse_attention
 
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
-        return [fuse_attention(target.tvm_target(), database, balance)]
+        return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
+                               key_rows="attention-key-rows" not in without)]
     return passes
 
 
@@ -298,7 +301,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
-        out.append(Phase("fuse-attention", _fuse_attention(target, database, "attention-qtile" not in without)))
+        out.append(Phase("fuse-attention", _fuse_attention(target, database, without)))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database)))

@@ -180,7 +180,7 @@ def _run_kernel(spec, tiles, b, sq, skv, *, keep_fn=None, add_fn=None, seed=0):
     v = rng.standard_normal((b, h, skv, spec.dv)).astype(spec.dtype)
     kt = np.ascontiguousarray(k.transpose(0, 1, 3, 2))
     lay = {"bhsd": lambda x: x, "bshd": lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))}
-    args = [lay[spec.q](q), kt, lay[spec.v](v)]
+    args = [lay[spec.q](q), k if spec.k in attention.KEY_ROWS else kt, lay[spec.v](v)]
     add = keep = None
     if spec.add:
         add = add_fn(rng, (b, 1, 1, skv)).astype(spec.add_dtype)
@@ -235,6 +235,17 @@ def test_kernel_static_ragged_keys_read_k_unclamped(causal):
             at = text.find(name, end)
     assert "k_t[" in text
     assert not clamped
+
+
+@pytest.mark.parametrize("skv, kw", [(1, {}), (17, dict(add=("b", "1", "1", "k"))), (70, dict(keep=("b", "1", "1", "k"),
+                                      fill=-1e4)), (129, dict(nan_rows_zero=True))])
+def test_kernel_key_rows_one_query(skv, kw):
+    """K read as (B, H, S, d) (a decode step's cache, no K^T copy): dot products along d,
+    full and ragged key tiles, with each mask form."""
+    rng = lambda r, shape: r.standard_normal(shape)  # noqa: E731
+    got, want = _run_kernel(_spec(q="bhsd", k="bhsd", v="bhsd", o="bhsd", sq=1, **kw), None, 2, 1, skv,
+                            add_fn=rng, keep_fn=_padding)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_kernel_causal_with_padding_skips_tiles_and_fixes_fully_masked_rows():

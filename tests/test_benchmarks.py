@@ -266,7 +266,13 @@ def test_matvec(tmp_path):
     assert "| blockforge |" in out and "| with matvec |" in out and "| ort |" in out, out
 
 
-SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+def test_decode_key_rows(tmp_path):
+    out = _run("decode_key_rows.py", "--model", REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx", "--past", 3,
+               "--repeat", 3, cwd=tmp_path)
+    assert "P=3: K rows" in out and "the K^T build" in out and "ORT" in out, out
+
+
+SMOKED = {"decode_key_rows.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
 

@@ -23,9 +23,9 @@ split projections into one multi-head call. Tile sizes come from the tuning data
 (`tile_record`) or the defaults.
 """
 
-from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, kernel, is_kernel, default_tiles, tile_candidates, acc_regs, fast_exp
+from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, KEY_ROWS, kernel, is_kernel, default_tiles, tile_candidates, acc_regs, fast_exp
 from blockforge.compile.attention.fuse import fuse_attention, kernel_specs
 from blockforge.compile.attention.match import find_attention
 from blockforge.compile.attention.tiles import workload, encode_tiles, decode_tiles, tile_trace, tiles_from_trace, tile_record
 
-__all__ = ['AttentionSpec', 'KERNEL_ATTR', 'acc_regs', 'decode_tiles', 'default_tiles', 'encode_tiles', 'fast_exp', 'find_attention', 'fuse_attention', 'is_kernel', 'kernel', 'kernel_specs', 'tile_candidates', 'tile_record', 'tile_trace', 'tiles_from_trace', 'workload']
+__all__ = ['AttentionSpec', 'KERNEL_ATTR', 'KEY_ROWS', 'acc_regs', 'decode_tiles', 'default_tiles', 'encode_tiles', 'fast_exp', 'find_attention', 'fuse_attention', 'is_kernel', 'kernel', 'kernel_specs', 'tile_candidates', 'tile_record', 'tile_trace', 'tiles_from_trace', 'workload']

@@ -34,6 +34,9 @@ def acc_regs(lanes: int) -> int:
 
 
 KERNEL_ATTR = "blockforge.attention"  # PrimFunc attr: the spec, for tune and tests
+# K layouts read as the cache holds them (keys x d), not as K^T: a decode step's scores are
+# then dot products along d, and the graph's per-step transpose of the whole cached K goes
+KEY_ROWS = ("bhsd", "bsd")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class AttentionSpec:
     """Everything that shapes the kernel (the tuning workload is the kernel of a spec).
 
     Layout letters: b batch, h head, s sequence, d feature. q/v/o: "bhsd", "bshd" or
-    "bsd" (one head per call); k is K^T: "bhds" or "bds". Mask dims name the score axis
+    "bsd" (one head per call); k is K^T: "bhds" or "bds", or K itself: "bhsd" or "bsd"
+    (KEY_ROWS: the short-query form, match.py). Mask dims name the score axis
     each mask axis follows: "b", "h", "q", "k", or "1" (broadcast)."""
     dtype: str
     q: str
@@ -158,6 +162,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     neg_inf = f32(-math.inf)
     vk = _vec_width(kt, lanes)  # key-tile vector width (kt is a multiple of lanes by choice)
+    key_rows = spec.k in KEY_ROWS  # K untransposed (.., s, d): the short-query form
+    vd = _vec_width(spec.d, lanes)
     mr_s = micro_rows(qt, max(1, kt // lanes), lanes)  # Q K^T micro-kernel rows
     mr_o = micro_rows(qt, max(1, spec.dv // lanes), lanes)  # P V micro-kernel rows
 
@@ -231,10 +237,10 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
                     return q0 + i if static_q_exact else tirx.min(q0 + i, Sq - i64(1))
 
-                def halve(buf, op):
-                    """Reduce buf[0:vk] into buf[0] as a tree of vector halves (log2 steps, not
-                    vk dependent scalar ones: the row reductions are latency-bound)."""
-                    w = vk
+                def halve(buf, op, width=vk):
+                    """Reduce buf[0:width] into buf[0] as a tree of vector halves (log2 steps, not
+                    width dependent scalar ones: the row reductions are latency-bound)."""
+                    w = width
                     while w > 1:
                         w //= 2
                         with T.vectorized(i64(0), i64(w)) as j:
@@ -250,7 +256,24 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         with T.unroll(i64(0), i64(mr_s)) as ii:
                             with T.vectorized(i64(0), i64(kt)) as j:
                                 T.buffer_store(r, f32(0), [ii, j])
-                        with T.serial(i64(0), D) as d:
+                        if key_rows:
+                            # K as the cache holds it (keys x d): each score a dot product
+                            # vectorised along d (contiguous), then a tree sum; no K^T copy
+                            dot = T.alloc_buffer((vd,), "float32", scope="local")
+                            with T.unroll(i64(0), i64(mr_s)) as ii:
+                                with T.serial(i64(0), i64(kt)) as j:
+                                    with T.vectorized(i64(0), i64(vd)) as e:
+                                        T.buffer_store(dot, f32(0), [e])
+                                    with T.serial(i64(0), D // i64(vd)) as c:
+                                        with T.vectorized(i64(0), i64(vd)) as e:
+                                            d = c * i64(vd) + e
+                                            qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
+                                            kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
+                                            T.buffer_store(dot, dot[e] + qv * kv, [e])
+                                    halve(dot, lambda a, c: a + c, vd)
+                                    T.buffer_store(r, dot[0], [ii, j])
+                        else:
+                          with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
                                 qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
                                 with T.vectorized(i64(0), i64(kt)) as j:

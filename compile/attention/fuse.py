@@ -66,9 +66,10 @@ class _Rewrite:
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 
 
-def fuse_attention(target, database=None, balance: bool = True):
+def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
-    balance=False: query tiles as recorded or default (ablation `attention-qtile`)."""
+    balance=False: query tiles as recorded or default (ablation `attention-qtile`);
+    key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -93,7 +94,7 @@ def fuse_attention(target, database=None, balance: bool = True):
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            singles, groups = find_attention(func)
+            singles, groups = find_attention(func, key_rows=key_rows)
             if not singles and not groups:
                 continue
             m.plan = {s.out: (lambda visit, s=s: m.rw.single(s, visit)) for s in singles}

@@ -76,9 +76,10 @@ class Match:
 class _Finder:
     """Matches attention subgraphs in one Relax function (by its bindings and use counts)."""
 
-    def __init__(self, func):
+    def __init__(self, func, key_rows: bool = True):
         from tvm import relax
 
+        self.key_rows = key_rows
         self.v2v = relax.analysis.get_var2val(func)
         self.why: dict = {}  # softmax var -> why its attention is not fused
         self.uses: dict = {}  # var -> number of bindings (and the function result) using it
@@ -182,7 +183,21 @@ class _Finder:
             return why("shapes the kernel does not take (dtype, rank, symbolic heads or d, broadcast batch, mask dims)")
         if guard is not None:
             m.spec = replace(m.spec, nan_rows_zero=True)
-        return self._ungroup(m)
+        return self._key_rows(self._ungroup(m))
+
+    def _key_rows(self, m: Match) -> Match:
+        """One query row (a decode step at a bound seq = 1): read K as the graph has it before
+        its transpose to K^T (B, H, S, d), the kernel's dot-product form. The transpose would
+        otherwise copy the whole cached K every step; measured at S = 1 the dot products are
+        no slower than the K^T micro-kernel, at S = 5 and 128 slower (kept K^T there)."""
+        if not self.key_rows or m.spec.sq != 1 or m.spec.k != "bhds":
+            return m
+        x = m.k_src if m.k_src is not None else self._kt_source(m.kt)
+        if x is None:
+            return m
+        m.kt, m.k_src = x, None
+        m.spec = replace(m.spec, k="bhsd")
+        return m
 
     def no(self, softmax_var, reason: str) -> None:
         """Record why the attention around `softmax_var` is not fused (find_attention logs it)."""
@@ -476,9 +491,10 @@ def _same_expr(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and a.same_as(b))
 
 
-def find_attention(func) -> tuple[list[Match], list[Heads]]:
-    """The attention subgraphs of a Relax function: single calls and per-head groups."""
-    f = _Finder(func)
+def find_attention(func, key_rows: bool = True) -> tuple[list[Match], list[Heads]]:
+    """The attention subgraphs of a Relax function: single calls and per-head groups.
+    key_rows: one query row reads K untransposed (False: as K^T, the ablation)."""
+    f = _Finder(func, key_rows)
     matches = []
     for var, val in f.v2v.items():
         m = f.match(var, val)
