@@ -48,6 +48,8 @@ ABLATIONS = {
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
+    "rms-norm": "exported RMSNorm (x * 1/sqrt(mean(x**2) + eps) * w) as one rms_norm row kernel "
+                "(compile/passes/norms.py; left out: a square kernel and an unscheduled mean kernel)",
 }
 
 
@@ -128,9 +130,12 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
         from tvm import relax
 
         from blockforge.compile.passes.fast_math import fast_math
+        from blockforge.compile.passes.norms import rms_norm_pass
 
         # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
-        return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
+        # rms_norm before fast_math: it matches x ** 2 as the power op.
+        norms = [] if "rms-norm" in without else [rms_norm_pass()]
+        return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
                 fast_math(patch_conv="patch-conv" not in without), relax.transform.FoldConstant()]
     return passes
 

@@ -1,0 +1,110 @@
+"""RMSNorm as exporters spell it, rewritten to one rms_norm row kernel (compile/passes/norms.py)
+that CPURowReduction schedules (issue #20: Llama-style GQA's 25 norms were a `square` kernel and
+an unscheduled keepdims-mean kernel each)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax, s_tir  # noqa: E402
+
+from blockforge.compile.passes.norms import rms_norm_pass  # noqa: E402
+from blockforge.compile.pipeline import build, run_phases  # noqa: E402
+from blockforge.compile.schedule.reduction import CPURowReduction  # noqa: E402
+from blockforge.targets import resolve  # noqa: E402
+
+HOST = resolve("host")
+AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+H = 48
+
+
+def _rms_module(square: str, inverse: str, weight: str | None, axis: int = -1):
+    """x * inverse(mean(square(x)) + eps) [* w] in the spellings exporters use."""
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 5, H), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            sq = bb.emit(relax.op.power(x, relax.const(2.0, "float32")) if square == "power"
+                         else relax.op.multiply(x, x))
+            m = bb.emit(relax.op.mean(sq, axis=[axis], keepdims=True))
+            a = bb.emit(relax.op.add(m, relax.const(1e-6, "float32")))
+            inv = bb.emit(relax.op.rsqrt(a) if inverse == "rsqrt"
+                          else relax.op.divide(relax.const(1.0, "float32"), relax.op.sqrt(a)))
+            y = bb.emit(relax.op.multiply(x, inv))
+            if weight is not None:
+                w = relax.const(rng.standard_normal(H).astype("float32"))
+                y = bb.emit(relax.op.multiply(w, y) if weight == "left" else relax.op.multiply(y, w))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _ops(mod) -> list[str]:
+    names = []
+    relax.analysis.post_order_visit(mod["main"].body, lambda e: names.append(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    return names
+
+
+def _run(mod, without=frozenset()) -> np.ndarray:
+    x = np.random.default_rng(1).standard_normal((2, 5, H)).astype("float32")
+    vm = relax.VirtualMachine(build(mod, HOST, without=without).executable, tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
+
+
+@pytest.mark.parametrize("square, inverse, weight", [("power", "sqrt", None), ("power", "sqrt", "right"),
+                                                     ("multiply", "rsqrt", "left"), ("power", "rsqrt", "right")])
+def test_spellings_become_one_rms_norm_with_the_same_numbers(square, inverse, weight):
+    mod = _rms_module(square, inverse, weight)
+    ops = _ops(rms_norm_pass()(mod))
+    assert ops == ["relax.nn.rms_norm"], ops
+    np.testing.assert_allclose(_run(mod), _run(mod, without={"rms-norm"}), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mean_over_another_axis_is_left_alone():
+    ops = _ops(rms_norm_pass()(_rms_module("power", "sqrt", "right", axis=1)))
+    assert "relax.nn.rms_norm" not in ops and "relax.mean" in ops, ops
+
+
+def test_row_reduction_schedules_the_legalized_rms_norm():
+    """rms_norm's legalization casts x, its 1-D weight and the result (float32 -> float32):
+    the weight's copy has no row axis, which made CPURowReduction refuse the kernel (serial)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 128, 768), "float32"))
+    with bb.function("main", [x]):
+        y = bb.emit(relax.op.nn.rms_norm(x, relax.const(np.ones(768, "float32")), axes=[-1], epsilon=1e-6))
+        bb.emit_func_output(y)
+    func = relax.transform.LegalizeOps()(bb.get())["rms_norm"]
+    with AVX512:
+        sch = CPURowReduction().apply(func, AVX512, False)
+    assert sch is not None, "CPURowReduction did not apply"
+    text = sch.mod["main"].script()
+    assert text.count("T.parallel(") == 1 and text.count("T.vectorized(T.int64(16))") >= 3, text
+    assert "T_cast" not in [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root", "main"))]
+
+
+def test_llama_export_norms_are_one_kernel_each_and_match_ort(monkeypatch):
+    """The SDPA Llama fixture (2 layers: 5 RMSNorms): one rms_norm call each after legalize,
+    no square kernel, every kernel scheduled; outputs vs ONNX Runtime."""
+    from blockforge.compile import VerifyOptions, open_model, verify
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    path = FIXTURES / "llama_sdpa_dynamo_op18.onnx"
+    shape = {"input_ids": (2, 9), "attention_mask": (2, 9)}
+    session = open_model(path, "host", shape)
+    counts = {}
+    for without in (frozenset(), frozenset({"rms-norm"})):
+        mod, _ = run_phases(session.relax(), session.target, stop_after="legalize", without=without)
+        calls = [b.value.args[0].name_hint for blk in mod["main"].body.blocks for b in blk.bindings
+                 if getattr(getattr(b.value, "op", None), "name", None) == "relax.call_tir"]
+        counts[without] = (sum(c.startswith("rms_norm") for c in calls), sum(c == "square" for c in calls))
+    assert counts[frozenset()] == (5, 0), counts
+    assert counts[frozenset({"rms-norm"})] == (0, 5), counts
+    report = verify(VerifyOptions(model=path, target="host", shape=shape, use_tuning=False))
+    assert report.passed, [c for c in report.comparisons if not c.passed]
