@@ -48,6 +48,7 @@ ABLATIONS = {
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
+    "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
     "rms-norm": "exported RMSNorm (x * 1/sqrt(mean(x**2) + eps) * w) as one rms_norm row kernel "
                 "(compile/passes/norms.py; left out: a square kernel and an unscheduled mean kernel)",
 }
@@ -136,7 +137,8 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
         # rms_norm before fast_math: it matches x ** 2 as the power op.
         norms = [] if "rms-norm" in without else [rms_norm_pass()]
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
-                fast_math(patch_conv="patch-conv" not in without), relax.transform.FoldConstant()]
+                fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),
+                relax.transform.FoldConstant()]
     return passes
 
 
