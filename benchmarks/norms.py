@@ -2,7 +2,9 @@
 
     nice .venv/bin/python benchmarks/norms.py [--repeat 10] MODEL.onnx:dim=v,dim=v [...]
     e.g. /tmp/peertable/cache/llama_gqa-*/llama_gqa.onnx:s33=1,s50=128,s6=1
-    nice .venv/bin/python benchmarks/norms.py --micro   # Llama's RMSNorm alone, (1, 128, 768)
+    nice .venv/bin/python benchmarks/norms.py --micro   # Llama's RMSNorm (1, 128, 768) and SwiGLU
+                                                        # (1, 128, 2 x 2048) alone
+    nice .venv/bin/python benchmarks/norms.py --without matmul-reshape MODEL.onnx:dims
 
 Each model is built twice (with and without the rewrite), both outputs compared with each
 other, then timed interleaved (bench.harness.measure_interleaved); prints the medians, their
@@ -39,6 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.micro:
         _micro(args.repeat)
+        _micro_swiglu(args.repeat)
     for spec in args.models:
         path, _, dims = spec.partition(":")
         session = open_model(path, "host", dims or None)
@@ -62,12 +65,7 @@ def main() -> None:
 
 def _micro(repeat: int) -> None:
     """Llama's exported RMSNorm spelling alone: x * (1 / sqrt(mean(x ** 2) + eps)) * w."""
-    import tvm
     from tvm import relax
-
-    from blockforge.bench.harness import measure_interleaved
-    from blockforge.compile.pipeline import build
-    from blockforge.targets import resolve
 
     rng = np.random.default_rng(0)
     bb = relax.BlockBuilder()
@@ -82,10 +80,38 @@ def _micro(repeat: int) -> None:
                                           relax.op.multiply(x, inv)))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
-    mod, dev = bb.get(), tvm.cpu(0)
-    a = tvm.runtime.tensor(rng.standard_normal((1, 128, 768)).astype("float32"), dev)
+    _ab(bb.get(), rng.standard_normal((1, 128, 768)).astype("float32"), "rms-norm", "RMSNorm (1, 128, 768)", repeat)
+
+
+def _micro_swiglu(repeat: int) -> None:
+    """Llama's SwiGLU after its combined gate/up projection: split, silu(gate) * up."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 128, 4096), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.split(x, [2048], axis=2))
+            g, u = bb.emit(relax.TupleGetItem(t, 0)), bb.emit(relax.TupleGetItem(t, 1))
+            out = bb.emit_output(bb.emit(relax.op.multiply(relax.op.multiply(g, relax.op.sigmoid(g)), u)))
+        bb.emit_func_output(out)
+    x = np.random.default_rng(0).standard_normal((1, 128, 4096)).astype("float32") * 4
+    _ab(bb.get(), x, "fast-sigmoid", "SwiGLU (1, 128, 2 x 2048)", repeat)
+
+
+def _ab(mod, x: np.ndarray, ablation: str, what: str, repeat: int) -> None:
+    """mod built with and without `ablation`, same outputs, timed interleaved."""
+    import tvm
+    from tvm import relax
+
+    from blockforge.bench.harness import measure_interleaved
+    from blockforge.compile.pipeline import build
+    from blockforge.targets import resolve
+
+    dev = tvm.cpu(0)
+    a = tvm.runtime.tensor(x, dev)
     runners, outs = {}, {}
-    for label, without in (("with", frozenset()), ("without", frozenset({"rms-norm"}))):
+    for label, without in (("with", frozenset()), ("without", frozenset({ablation}))):
         f = relax.VirtualMachine(build(mod, resolve("host"), without=without).executable, dev)["main"]
         outs[label] = f(a).numpy()
         runners[label] = (lambda f=f: f(a))
@@ -94,7 +120,7 @@ def _micro(repeat: int) -> None:
     samples = measure_interleaved(runners, repeat * 20, warmup=3)
     load1 = os.getloadavg()[0]
     med = {k: float(np.median(v)) for k, v in samples.items()}
-    print(f"RMSNorm (1, 128, 768): with rms-norm {med['with'] * 1e3:.1f} us, without {med['without'] * 1e3:.1f} us, "
+    print(f"{what}: with {ablation} {med['with'] * 1e3:.1f} us, without {med['without'] * 1e3:.1f} us, "
           f"ratio {med['with'] / med['without']:.3f} (load {load0:.2f} -> {load1:.2f}, {repeat * 20} samples each)")
 
 

@@ -23,6 +23,27 @@ FIXTURES = Path(__file__).parent / "fixtures" / "models"
 H = 48
 
 
+TEXT = {"input_ids": (2, 9), "attention_mask": (2, 9)}  # odd seq: no dim a multiple of the vector width
+
+
+def _legalized_calls(path: Path, ablation: str, monkeypatch) -> dict:
+    """The call_tir kernels of main after legalize, with and without `ablation` (in process)."""
+    from blockforge.compile import open_model
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    session = open_model(path, "host", TEXT)
+    out = {}
+    for without in (frozenset(), frozenset({ablation})):
+        mod, _ = run_phases(session.relax(), session.target, stop_after="legalize", without=without)
+        out[without] = _calls(mod)
+    return out
+
+
+def _calls(mod) -> list[str]:
+    return [b.value.args[0].name_hint for blk in mod["main"].body.blocks for b in blk.bindings
+            if getattr(getattr(b.value, "op", None), "name", None) == "relax.call_tir"]
+
+
 def _rms_module(square: str, inverse: str, weight: str | None, axis: int = -1):
     """x * inverse(mean(square(x)) + eps) [* w] in the spellings exporters use."""
     rng = np.random.default_rng(0)
@@ -92,21 +113,14 @@ def test_row_reduction_schedules_the_legalized_rms_norm():
 def test_llama_export_norms_are_one_kernel_each_and_match_ort(monkeypatch):
     """The SDPA Llama fixture (2 layers: 5 RMSNorms): one rms_norm call each after legalize,
     no square kernel, every kernel scheduled; outputs vs ONNX Runtime."""
-    from blockforge.compile import VerifyOptions, open_model, verify
+    from blockforge.compile import VerifyOptions, verify
 
-    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     path = FIXTURES / "llama_sdpa_dynamo_op18.onnx"
-    shape = {"input_ids": (2, 9), "attention_mask": (2, 9)}
-    session = open_model(path, "host", shape)
-    counts = {}
-    for without in (frozenset(), frozenset({"rms-norm"})):
-        mod, _ = run_phases(session.relax(), session.target, stop_after="legalize", without=without)
-        calls = [b.value.args[0].name_hint for blk in mod["main"].body.blocks for b in blk.bindings
-                 if getattr(getattr(b.value, "op", None), "name", None) == "relax.call_tir"]
-        counts[without] = (sum(c.startswith("rms_norm") for c in calls), sum(c == "square" for c in calls))
+    counts = {w: (sum(c.startswith("rms_norm") for c in calls), sum(c == "square" for c in calls))
+              for w, calls in _legalized_calls(path, "rms-norm", monkeypatch).items()}
     assert counts[frozenset()] == (5, 0), counts
     assert counts[frozenset({"rms-norm"})] == (0, 5), counts
-    report = verify(VerifyOptions(model=path, target="host", shape=shape, use_tuning=False))
+    report = verify(VerifyOptions(model=path, target="host", shape=TEXT, use_tuning=False))
     assert report.passed, [c for c in report.comparisons if not c.passed]
 
 
@@ -143,3 +157,64 @@ def test_sigmoid_is_a_polynomial_kernel_with_numpy_numbers_at_the_extremes():
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_allclose(got[0, 0, 1:], want[0, 0, 1:], rtol=2e-6, atol=1e-6)
     np.testing.assert_allclose(got[1:], want[1:], rtol=2e-6, atol=1e-6)
+
+
+def _linear_module(twice_used: bool = False):
+    """A dynamo-style Linear: reshape to 2-D, matmul, reshape back, bias, relu, residual."""
+    rng = np.random.default_rng(3)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 6, 2, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.reshape(x, [6, 16]))
+            y = bb.emit(relax.op.matmul(a, relax.const(rng.standard_normal((16, 16)).astype("float32"))))
+            z = bb.emit(relax.op.reshape(y, [1, 6, 16]))
+            z = bb.emit(relax.op.nn.relu(relax.op.add(z, relax.const(rng.standard_normal(16).astype("float32")))))
+            z = bb.emit(relax.op.add(z, relax.op.reshape(x, [1, 6, 16])))
+            if twice_used:
+                z = bb.emit(relax.op.add(z, relax.op.reshape(relax.op.sum(y, axis=[1]), [1, 6, 1])))
+            out = bb.emit_output(z)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_matmul_between_reshapes_takes_its_epilogue_with_the_same_numbers():
+    mod = _linear_module()
+    fused = {}
+    for without in (frozenset(), frozenset({"matmul-reshape"})):
+        leg, _ = run_phases(mod, HOST, stop_after="legalize", without=without)
+        fused[without] = _calls(leg)
+    assert [c for c in fused[frozenset()] if "matmul" in c] == ["fused_matmul_add_relu_add1"], fused
+    assert not any("add" in c and "matmul" not in c for c in fused[frozenset()]), fused
+    assert any("add" in c and "matmul" not in c for c in fused[frozenset({"matmul-reshape"})]), fused
+    x = np.random.default_rng(4).standard_normal((1, 6, 2, 8)).astype("float32")
+    outs = [relax.VirtualMachine(build(mod, HOST, without=w).executable, tvm.cpu())["main"](
+        tvm.runtime.tensor(x)).numpy() for w in (frozenset(), frozenset({"matmul-reshape"}))]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_matmul_read_elsewhere_too_is_left_alone():
+    """Rewritten, its 2-D result would be computed twice (once for the other reader)."""
+    from blockforge.compile.passes.matmul_reshape import matmul_reshape_pass
+
+    ops = _ops(matmul_reshape_pass()(_linear_module(twice_used=True)))
+    assert ops.count("relax.matmul") == 1 and ops.count("relax.reshape") >= 2, ops
+
+
+def test_gpt2_dynamo_export_gelu_and_residuals_fuse_into_the_gemms_and_match_ort(monkeypatch):
+    """GPT-2 (2 layers) exported by dynamo: every MLP's tanh-gelu chain in its up projection's
+    epilogue and both residual adds of a layer in GEMM epilogues (before: 2 gelu and 4
+    reshape + add kernels alone); outputs vs ONNX Runtime."""
+    from blockforge.compile import VerifyOptions, verify
+
+    path = FIXTURES / "gpt2_dynamo_op18.onnx"
+    calls = _legalized_calls(path, "matmul-reshape", monkeypatch)
+    new, old = calls[frozenset()], calls[frozenset({"matmul-reshape"})]
+    lone = lambda cs, op: [c for c in cs if op in c and "matmul" not in c]  # noqa: E731
+    assert len([c for c in new if c.startswith("fused_matmul") and "tanh" in c]) == 2, new
+    assert len([c for c in new if c.startswith("fused_matmul") and "add" in c]) >= 4, new
+    assert lone(new, "tanh") == [], new
+    assert not any(c.startswith("fused_reshape") and "add" in c for c in new), new
+    assert len(lone(old, "tanh")) == 2 and sum(c.startswith("fused_reshape") and "add" in c for c in old) >= 4, old
+    report = verify(VerifyOptions(model=path, target="host", shape=TEXT, use_tuning=False))
+    assert report.passed, [c for c in report.comparisons if not c.passed]

@@ -27,6 +27,8 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from blockforge.compile.passes.exprs import static_shape as _static
+
 
 def gelu(x):
     """gelu through topi.fast_erf (the float build's, and the int8 epilogue's)."""
@@ -56,13 +58,6 @@ def _const_scalar(e) -> float | None:
         return None
     v = e.value.numpy()
     return float(v) if v.size == 1 else None
-
-
-def _static(shape) -> list[int] | None:
-    try:
-        return [int(d) for d in shape]
-    except (TypeError, ValueError):
-        return None
 
 
 def is_patch_conv(call) -> bool:

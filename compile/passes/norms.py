@@ -20,9 +20,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-
-def _op(e) -> str | None:
-    return getattr(getattr(e, "op", None), "name", None) if isinstance(e, relax.Call) else None
+from blockforge.compile.passes.exprs import bound_value, op_name as _op
 
 
 def _scalar(e) -> float | None:
@@ -40,13 +38,8 @@ def _ndim(e) -> int | None:
 class _RMSNorm(PyExprMutator):
     def _bound(self, e):
         """The call a dataflow var is bound to (post-order: already rewritten), else e."""
-        if isinstance(e, relax.Var):
-            try:
-                v = self.lookup_binding(e)
-            except Exception:
-                return e
-            return v if v is not None else e
-        return e
+        v = bound_value(self, e)
+        return v if v is not None else e
 
     def _inverse_rms(self, e):
         """(x, eps) where e = 1/sqrt(mean(x*x, last axis, keepdims) + eps) (or rsqrt), else None."""
