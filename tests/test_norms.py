@@ -218,3 +218,27 @@ def test_gpt2_dynamo_export_gelu_and_residuals_fuse_into_the_gemms_and_match_ort
     assert len(lone(old, "tanh")) == 2 and sum(c.startswith("fused_reshape") and "add" in c for c in old) >= 4, old
     report = verify(VerifyOptions(model=path, target="host", shape=TEXT, use_tuning=False))
     assert report.passed, [c for c in report.comparisons if not c.passed]
+
+
+def test_rms_norm_with_symbolic_rows_is_scheduled_and_right():
+    """Decoders' norms have symbolic rows (past + seq): the unchecked schedule those get starts
+    from the function again, and must drop rms_norm's copies again (before: the copies of x and
+    of the result stayed, two more passes over the tensor)."""
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((1, n, H), "float32"))
+    w = np.random.default_rng(5).standard_normal(H).astype("float32")
+    with bb.function("main", [x]):
+        y = bb.emit(relax.op.nn.rms_norm(x, relax.const(w), axes=[-1], epsilon=1e-6))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    func = relax.transform.LegalizeOps()(mod)["rms_norm"]
+    with AVX512:
+        sch = CPURowReduction().apply(func, AVX512, False)
+    assert sch is not None and "T.parallel(" in sch.mod["main"].script()
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root", "main"))]
+    assert not any(b.startswith("T_cast") for b in names), names
+    xs = np.random.default_rng(6).standard_normal((1, 7, H)).astype("float32")
+    got = relax.VirtualMachine(build(mod, HOST).executable, tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
+    want = xs / np.sqrt((xs.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -32,7 +32,8 @@ class CPURowReduction(CPURule):
         if len(blocks) < 2:
             return None
         n_rows = _row_structure(sch, blocks)
-        if n_rows is None and _inline_copies(sch, blocks):
+        copies = n_rows is None and _inline_copies(sch, blocks)
+        if copies:
             # rms_norm's legalization: float32 -> float32 casts of x, of the 1-D weight (no row
             # axis) and of the result, which hid its row structure (left serial, issue #20)
             blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
@@ -46,6 +47,9 @@ class CPURowReduction(CPURule):
             # workloads are never MetaSchedule-tuned, so no trace is replayed with checks.
             sch = s_tir.Schedule(func, enable_check=False)
             blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
+            if copies:  # the fresh schedule has them again
+                _inline_copies(sch, blocks)
+                blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         lanes = vector_lanes(target)
         _inline_single_use(sch, blocks)
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
