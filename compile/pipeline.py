@@ -54,6 +54,11 @@ ABLATIONS = {
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
+    "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
+    "matmul-reshape": "reshape(matmul(reshape(x, [M, K]), W), [*L, N]) as matmul(x, W), so the epilogue fuses "
+                      "(compile/passes/matmul_reshape.py; left out: bias/activation/residual as separate passes)",
+    "rms-norm": "exported RMSNorm (x * 1/sqrt(mean(x**2) + eps) * w) as one rms_norm row kernel "
+                "(compile/passes/norms.py; left out: a square kernel and an unscheduled mean kernel)",
 }
 
 
@@ -138,10 +143,17 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
         from tvm import relax
 
         from blockforge.compile.passes.fast_math import fast_math
+        from blockforge.compile.passes.norms import rms_norm_pass
 
         # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
-        return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
-                fast_math(patch_conv="patch-conv" not in without), relax.transform.FoldConstant()]
+        # rms_norm before fast_math: it matches x ** 2 as the power op.
+        from blockforge.compile.passes.matmul_reshape import matmul_reshape_pass
+
+        norms = [] if "rms-norm" in without else [rms_norm_pass()]
+        norms += [] if "matmul-reshape" in without else [matmul_reshape_pass()]
+        return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
+                fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),
+                relax.transform.FoldConstant()]
     return passes
 
 

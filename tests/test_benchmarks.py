@@ -266,13 +266,21 @@ def test_matvec(tmp_path):
     assert "| blockforge |" in out and "| with matvec |" in out and "| ort |" in out, out
 
 
+def test_norms(tmp_path):
+    out = _run("norms.py", "--micro", "--repeat", 1,
+               f"{REPO / 'tests/fixtures/models/llama_sdpa_dynamo_op18.onnx'}:s33=1,s50=8,s6=1", cwd=tmp_path)
+    for what in ("RMSNorm (1, 128, 768): with rms-norm", "SwiGLU (1, 128, 2 x 2048): with fast-sigmoid",
+                 "llama_sdpa_dynamo_op18.onnx: with rms-norm"):
+        assert what in out, out
+
+
 def test_decode_key_rows(tmp_path):
     out = _run("decode_key_rows.py", "--model", REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx", "--past", 3,
                "--repeat", 3, cwd=tmp_path)
     assert "P=3: K rows" in out and "the K^T build" in out and "ORT" in out, out
 
 
-SMOKED = {"decode_key_rows.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+SMOKED = {"decode_key_rows.py", "norms.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
 

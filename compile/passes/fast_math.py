@@ -1,6 +1,6 @@
 """Relax rewrites for speed: vectorisable activations, pow as multiplies, patch convs as GEMMs.
 
-Activations: gelu/erf/tanh through TVM's polynomial fast_erf/fast_tanh.
+Activations: gelu/erf/tanh/sigmoid through TVM's polynomial fast_erf/fast_tanh/fast_exp.
 
 LLVM lowers TIR's erf to a scalar libm call per element, which breaks vectorisation
 of the fused matmul epilogue: on the BERT-base FFN the exact gelu epilogue alone cost
@@ -27,6 +27,8 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from blockforge.compile.passes.exprs import static_shape as _static
+
 
 def gelu(x):
     """gelu through topi.fast_erf (the float build's, and the int8 epilogue's)."""
@@ -34,6 +36,13 @@ def gelu(x):
     return topi.multiply(topi.multiply(x, half),
                          topi.add(topi.fast_erf(topi.multiply(x, tvm.tirx.const(1 / math.sqrt(2), x.dtype))),
                                   tvm.tirx.const(1.0, x.dtype)))
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) through topi.fast_exp (a vectorisable polynomial; TIR's sigmoid lowers
+    to libm expf per element: Llama's SwiGLU gate, CLIP's quick-gelu)."""
+    one = tvm.tirx.const(1.0, x.dtype)
+    return topi.divide(one, topi.add(one, topi.fast_exp(topi.negative(x))))
 
 
 def _gelu_tanh(x):
@@ -49,13 +58,6 @@ def _const_scalar(e) -> float | None:
         return None
     v = e.value.numpy()
     return float(v) if v.size == 1 else None
-
-
-def _static(shape) -> list[int] | None:
-    try:
-        return [int(d) for d in shape]
-    except (TypeError, ValueError):
-        return None
 
 
 def is_patch_conv(call) -> bool:
@@ -79,9 +81,10 @@ def is_patch_conv(call) -> bool:
 
 @mutator
 class _FastActivations(PyExprMutator):
-    def __init__(self, mod, patch_conv: bool = True):
+    def __init__(self, mod, patch_conv: bool = True, sigmoid: bool = True):
         super().__init__(mod)
         self.patch_conv = patch_conv
+        self.sigmoid = sigmoid
 
     def _power(self, call):
         x, e = call.args
@@ -115,7 +118,8 @@ class _FastActivations(PyExprMutator):
             return self._power(call)
         if op == "relax.nn.conv2d":
             return self._patch_conv(call) if self.patch_conv else call
-        if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh", "relax.nn.softmax"):
+        if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh", "relax.nn.softmax") \
+                and not (op == "relax.sigmoid" and self.sigmoid):
             return call
         dtype = getattr(call.args[0].ty, "dtype", None)
         if dtype != "float32":  # the fast kernels are float32 polynomials
@@ -125,17 +129,17 @@ class _FastActivations(PyExprMutator):
             return self.builder_.call_te(topi.nn.fast_softmax, call.args[0], int(call.attrs.axis),
                                          primfunc_name_hint="softmax")
         fn = {"relax.nn.gelu": gelu, "relax.nn.gelu_tanh": _gelu_tanh,
-              "relax.erf": topi.fast_erf, "relax.tanh": topi.fast_tanh}[op]
+              "relax.erf": topi.fast_erf, "relax.tanh": topi.fast_tanh, "relax.sigmoid": _sigmoid}[op]
         return self.builder_.call_te(fn, call.args[0], primfunc_name_hint=op.split(".")[-1])
 
 
-def fast_math(patch_conv: bool = True) -> tvm.transform.Pass:
+def fast_math(patch_conv: bool = True, sigmoid: bool = True) -> tvm.transform.Pass:
     """The rewrites above as one module pass; patch_conv=False keeps convolutions as they are
-    (the pipeline's "patch-conv" ablation)."""
+    (the pipeline's "patch-conv" ablation), sigmoid=False TIR's sigmoid ("fast-sigmoid")."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeFastMath")
     def fast_math_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _FastActivations(mod, patch_conv)
+        m = _FastActivations(mod, patch_conv, sigmoid)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 m.builder_.update_func(gv, m.visit_expr(func))

@@ -32,6 +32,12 @@ class CPURowReduction(CPURule):
         if len(blocks) < 2:
             return None
         n_rows = _row_structure(sch, blocks)
+        copies = n_rows is None and _inline_copies(sch, blocks)
+        if copies:
+            # rms_norm's legalization: float32 -> float32 casts of x, of the 1-D weight (no row
+            # axis) and of the result, which hid its row structure (left serial, issue #20)
+            blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
+            n_rows = _row_structure(sch, blocks)
         if n_rows is None:
             return None
         if any(const_int(iv.dom.extent) is None for iv in sch.get(blocks[-1]).iter_vars):
@@ -41,6 +47,9 @@ class CPURowReduction(CPURule):
             # workloads are never MetaSchedule-tuned, so no trace is replayed with checks.
             sch = s_tir.Schedule(func, enable_check=False)
             blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
+            if copies:  # the fresh schedule has them again
+                _inline_copies(sch, blocks)
+                blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         lanes = vector_lanes(target)
         _inline_single_use(sch, blocks)
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
@@ -124,6 +133,28 @@ def _row_structure(sch, blocks) -> int | None:
                     return None
         written += [w.source for w in blk.writes]
     return n_rows
+
+
+def _inline_copies(sch, blocks) -> bool:
+    """Inline the blocks that only copy a value (same dtype, no arithmetic): free to recompute
+    (tirx.BufferLoad is a constructor function here, of tvm.ir TensorLoad nodes: checked by name).
+    The last block is inlined backwards into its producer. Whether any was."""
+    done = False
+    for i, b in enumerate(blocks):
+        blk = sch.get(b)
+        body = blk.body
+        if is_reduction(blk) or not isinstance(body, tirx.BufferStore) or type(body.value).__name__ not in ("BufferLoad", "TensorLoad") \
+                or str(body.value.ty) != str(body.buffer.dtype):
+            continue
+        try:
+            if i == len(blocks) - 1:
+                sch.reverse_compute_inline(b)
+            else:
+                sch.compute_inline(b)
+            done = True
+        except Exception:
+            pass
+    return done
 
 
 def _inline_single_use(sch, blocks) -> None:

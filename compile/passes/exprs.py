@@ -1,0 +1,29 @@
+"""Small Relax expression helpers the rewrite passes share."""
+
+from __future__ import annotations
+
+from tvm import relax
+
+
+def op_name(e) -> str | None:
+    """The op a call calls ("relax.matmul"), or None for anything else."""
+    return getattr(getattr(e, "op", None), "name", None) if isinstance(e, relax.Call) else None
+
+
+def static_shape(shape) -> list[int] | None:
+    """A shape's dims as ints, or None when any is symbolic (or there is no shape)."""
+    try:
+        return [int(d) for d in shape]
+    except (TypeError, ValueError):
+        return None
+
+
+def bound_value(mutator, e):
+    """What a dataflow var is bound to in a PyExprMutator's builder (post-order: the rewritten
+    value), or None (not a var, or a function parameter)."""
+    if not isinstance(e, relax.Var):
+        return None
+    try:
+        return mutator.lookup_binding(e)
+    except Exception:
+        return None
