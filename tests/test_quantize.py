@@ -56,7 +56,7 @@ def test_quantize_static_calibration_npz(block, tmp_path):
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 32)).astype(np.float32)
     npz = save_npz(tmp_path / "cal.npz", x=x)
     res = cli("quantize", str(block), "--mode", "static", "--activation-type", "u8", "--calibration", str(npz),
-                  "-o", str(tmp_path / "q.onnx"))
+              "-o", str(tmp_path / "q.onnx"))
     assert res.rc == 0, res.text
     assert "3 batch(es) from" in res.out and "RANDOM" not in res.out
     q = onnx.load(str(tmp_path / "q.onnx"))
@@ -86,7 +86,7 @@ def test_export_quantize_writes_the_quantized_model_and_counts_its_ops(tmp_path)
 
     fp = cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "-o", str(tmp_path / "f.onnx"))
     res = cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", "dynamic", "-o",
-                  str(tmp_path / "q.onnx"))
+              str(tmp_path / "q.onnx"))
     assert fp.rc == 0 and res.rc == 0, res.text
     import json
 
