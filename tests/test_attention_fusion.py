@@ -317,6 +317,7 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
 
     two = ((32, 4 * LANES), (64, 4 * LANES))
     monkeypatch.setattr(attention, "tile_candidates", lambda lanes: two)
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")  # the tile search is under test, not the isolation child
     session = open_model(_model(tmp_path, layout="packed"), HOST, {"batch": 1, "seq": 64})
     db = DeviceDB(tmp_path / "db", HOST, create=True)
     mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
@@ -347,9 +348,10 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     (dict(mask="bool", causal=True), None),
     (dict(dtype="float16", mask="bool", layout="packed"), "batch=1,seq=40"),
 ])
-def test_fused_builds_match_ort_and_oracle(tmp_path, kw, dims):
+def test_fused_builds_match_ort_and_oracle(tmp_path, kw, dims, monkeypatch):
     from blockforge.graph.model_io import parse_dims
 
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")  # the fused numerics are under test, not the child (~3 s CPU a call)
     path = _model(tmp_path, **kw)
     d = parse_dims(dims)
     mod, _ = run_phases(open_model(path, HOST, d).relax(), HOST, stop_after="fuse-attention")
@@ -363,11 +365,12 @@ def test_fused_builds_match_ort_and_oracle(tmp_path, kw, dims):
     assert rep.passed, [c for c in rep.comparisons if not c.passed]
 
 
-def test_fully_masked_rows_match_ort(tmp_path):
+def test_fully_masked_rows_match_ort(tmp_path, monkeypatch):
     """A batch whose every key is padded out: ORT (Where with the dtype's min, then
     Softmax) spreads it uniformly; the fused causal build must too, skipped tiles included."""
     from blockforge.graph import ort as ort_runner
 
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")  # numerics under test, not the isolation child
     path = _model(tmp_path, mask="bool", causal=True, layout="packed")
     session = open_model(path, HOST, {"batch": 2, "seq": 100})
     inputs = random_inputs(session.inputs, {}, seed=1)

@@ -26,10 +26,18 @@ CASES = [pytest.param(cls, kw, dt, shape, id=f"{name}-{dt}-{'bound' if shape els
          for name, cls, kw in _variants()
          for dt in ("float32", "float16")
          for shape in ((None, "batch=2,seq=9,kv_seq=6") if dt == "float32" else ("batch=1,seq=8,kv_seq=5",))]
+# The table tests each variant's numerics, not the isolation child: in-process, except one
+# full block per dtype, which goes through the child and its hand-back as a user's compile
+# does (test_prelude tests that hand-back itself; every CLI test runs it). Measured: the
+# child's prepare + the ORT child cost ~3 s of CPU per case (6 cases: 28.9 s -> 10.4 s).
+ISOLATED = {"block-pre-ln-float32-bound", "block-pre-ln-float16-bound"}
+assert ISOLATED <= {c.id for c in CASES}, "an isolated case was renamed away"
 
 
 @pytest.mark.parametrize("cls, kw, dtype, shape", CASES)
-def test_host_parity(workdir, cls, kw, dtype, shape):
+def test_host_parity(workdir, cls, kw, dtype, shape, request, monkeypatch):
+    case = request.node.callspec.id
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "1" if case in ISOLATED else "0")
     spec = cls(dtype=dtype, **kw)
     if shape and not getattr(spec, "cross", False) or (shape and getattr(spec, "kv_seq", None)):
         shape = shape.replace(",kv_seq=6", "").replace(",kv_seq=5", "")

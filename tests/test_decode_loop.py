@@ -17,7 +17,9 @@ from blockforge.errors import BlockforgeError
 from blockforge.graph.builders import build
 from blockforge.graph.oracle import reference_outputs
 from blockforge.graph.spec import BlockSpec
-from conftest import assert_user_error, run_cli, save_npz
+# The verbs in-process: their outputs and errors are under test, not the process (~2 s of
+# CPU less per call than an interpreter start and a TVM import; verbs still run their children).
+from conftest import assert_user_error, run_cli_in_process as cli, save_npz
 from decode_models import D, H, HOSTILE, ort_greedy, tiny_lm, with_decode_section
 
 SPEC = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
@@ -27,7 +29,7 @@ SPEC = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
 def block_artifact(tmp_path_factory):
     d = tmp_path_factory.mktemp("decode_block")
     onnx.save(build(SPEC)[0], str(d / "b.onnx"))
-    res = run_cli("compile", str(d / "b.onnx"), "--target", "host", "--shape", "batch=1,seq=1", "-o", str(d / "b.host"))
+    res = cli("compile", str(d / "b.onnx"), "--target", "host", "--shape", "batch=1,seq=1", "-o", str(d / "b.host"))
     assert res.rc == 0, res.err
     return d / "b.host"
 
@@ -77,8 +79,8 @@ def test_block_loop_matches_the_oracle(block_artifact, tmp_path):
     final cache match the oracle run the same way; --json has one record per call."""
     x = np.random.default_rng(0).standard_normal((1, 1, D)).astype(np.float32)
     prompt = save_npz(tmp_path / "p.npz", x=x)
-    res = run_cli("run", str(block_artifact), "--inputs", str(prompt), "--decode", "5",
-                  "--json", str(tmp_path / "d.json"), "--output", str(tmp_path / "o.npz"))
+    res = cli("run", str(block_artifact), "--inputs", str(prompt), "--decode", "5",
+              "--json", str(tmp_path / "d.json"), "--output", str(tmp_path / "o.npz"))
     assert res.rc == 0, res.err
     assert "step 4: past     4 + 1" in res.out
     d = json.loads((tmp_path / "d.json").read_text())
@@ -119,7 +121,7 @@ def test_language_model_greedy_matches_ort(workdir):
     """Tokens, attention_mask and position_ids fed as a generator does; the tokens are ORT's
     greedy tokens on the same file."""
     tiny_lm(workdir / "lm.onnx")
-    res = run_cli("compile", "lm.onnx", "--target", "host", "--shape", "batch=1", "-o", "lm.host")
+    res = cli("compile", "lm.onnx", "--target", "host", "--shape", "batch=1", "-o", "lm.host")
     assert res.rc == 0, res.err
     man = json.loads((workdir / "lm.host/manifest.json").read_text())
     assert man["decode"]["tokens"] == {"logits": "logits", "input_ids": "input_ids",
@@ -127,7 +129,7 @@ def test_language_model_greedy_matches_ort(workdir):
     prompt = np.array([[3, 14, 15, 9]], np.int64)
     save_npz(workdir / "p.npz", input_ids=prompt, attention_mask=np.ones((1, 4), np.int64),
              position_ids=np.arange(4, dtype=np.int64)[None])
-    res = run_cli("run", "lm.host", "--inputs", "p.npz", "--decode", "8", "--json", "d.json")
+    res = cli("run", "lm.host", "--inputs", "p.npz", "--decode", "8", "--json", "d.json")
     assert res.rc == 0, res.err
     want = ort_greedy(workdir / "lm.onnx", prompt, 8)
     assert json.loads((workdir / "d.json").read_text())["tokens"] == [want]
@@ -137,18 +139,18 @@ def test_language_model_greedy_matches_ort(workdir):
 
 def test_fixed_past_cannot_loop(workdir):
     onnx.save(build(SPEC)[0], "b.onnx")
-    assert run_cli("compile", "b.onnx", "--target", "host", "--shape", "batch=1,seq=1,past=3", "-o", "b.host").rc == 0
+    assert cli("compile", "b.onnx", "--target", "host", "--shape", "batch=1,seq=1,past=3", "-o", "b.host").rc == 0
     save_npz(workdir / "p.npz", x=np.zeros((1, 1, D), np.float32),
              past_key=np.zeros((1, H, 3, D // H), np.float32), past_value=np.zeros((1, H, 3, D // H), np.float32))
-    assert_user_error(run_cli("run", "b.host", "--inputs", "p.npz", "--decode", "3"),
+    assert_user_error(cli("run", "b.host", "--inputs", "p.npz", "--decode", "3"),
                       "cannot decode", "past length is fixed at 3", "compile without binding it in --shape")
 
 
 def test_usage_errors(block_artifact, tmp_path):
     prompt = save_npz(tmp_path / "p.npz", x=np.zeros((1, 1, D), np.float32))
-    assert_user_error(run_cli("run", str(block_artifact), "--inputs", str(prompt)), "--output is required")
-    assert_user_error(run_cli("run", str(block_artifact), "--inputs", str(prompt), "--decode", "0"), "--decode must be")
-    assert_user_error(run_cli("run", str(block_artifact), "--inputs", str(prompt), "--decode", "70000"),
+    assert_user_error(cli("run", str(block_artifact), "--inputs", str(prompt)), "--output is required")
+    assert_user_error(cli("run", str(block_artifact), "--inputs", str(prompt), "--decode", "0"), "--decode must be")
+    assert_user_error(cli("run", str(block_artifact), "--inputs", str(prompt), "--decode", "70000"),
                       "--decode must be")
 
 
@@ -158,7 +160,7 @@ def test_usage_errors(block_artifact, tmp_path):
 def test_hostile_decode_section(block_artifact, tmp_path, case):
     art = with_decode_section(block_artifact, tmp_path / "a", case)
     prompt = save_npz(tmp_path / "p.npz", x=np.zeros((1, 1, D), np.float32))
-    assert_user_error(run_cli("run", str(art), "--inputs", str(prompt), "--decode", "2"), case[3])
+    assert_user_error(cli("run", str(art), "--inputs", str(prompt), "--decode", "2"), case[3])
 
 
 def test_ctrl_c_ends_with_one_line(block_artifact, tmp_path):

@@ -19,7 +19,9 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import run_cli, save_npz
+# The verbs in-process: their outputs and errors are under test, not the process (~2 s of
+# CPU less per call than an interpreter start and a TVM import; verbs still run their children).
+from conftest import run_cli_in_process as cli, save_npz
 
 from blockforge.errors import BlockforgeError
 
@@ -125,11 +127,11 @@ def test_cli_verify_decode_shape(tmp_path):
     """As a user binds a decode step: --shape batch=1,seq=1,past=P plus the mask's length
     (the legacy export names it past_seq = P + 1; the exporter does not relate the two)."""
     model = FIXTURES / "llama_past_legacy_op17.onnx"
-    r = run_cli("verify", model, "--target", "host", "--shape", "batch=1,seq=1,past=17,past_seq=18", cwd=tmp_path)
+    r = cli("verify", model, "--target", "host", "--shape", "batch=1,seq=1,past=17,past_seq=18", cwd=tmp_path)
     assert r.rc == 0 and r.out.strip().endswith("PASS") and "tvm vs ort" in r.out, r.text
     entry = next(e for e in ENTRIES if e["file"] == model.name)
     npz = save_npz(tmp_path / "in.npz", **_feeds(entry, 9, 1))
-    r = run_cli("verify", model, "--target", "host", "--inputs", npz, cwd=tmp_path)
+    r = cli("verify", model, "--target", "host", "--inputs", npz, cwd=tmp_path)
     assert r.rc == 0 and r.out.strip().endswith("PASS"), r.text
 
 
@@ -212,14 +214,14 @@ def test_run_decode_prompt_and_steps_one_artifact(kind, tmp_path):
     entry = next(e for e in SYMBOLIC_ENTRIES if e["model"] == kind)
     path = FIXTURES / entry["file"]
     shape = ",".join(f"{k}={v}" for k, v in batch_dims(path).items())
-    r = run_cli("compile", path, "--target", "host", "--shape", shape, "-o", tmp_path / "a", cwd=tmp_path)
+    r = cli("compile", path, "--target", "host", "--shape", shape, "-o", tmp_path / "a", cwd=tmp_path)
     assert r.rc == 0, r.text
     man = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert len(man["decode"]["pairs"]) == 2 * entry["past"]["layers"] and man["decode"]["tokens"]["input_ids"]
     prompt = np.array([[3, 14, 15, 9]], np.int64)
     npz = save_npz(tmp_path / "p.npz", input_ids=prompt, attention_mask=np.ones((1, 4), np.int64))
-    r = run_cli("run", tmp_path / "a", "--inputs", npz, "--decode", "8", "--json", tmp_path / "d.json",
-                "--output", tmp_path / "o.npz", cwd=tmp_path)
+    r = cli("run", tmp_path / "a", "--inputs", npz, "--decode", "8", "--json", tmp_path / "d.json",
+            "--output", tmp_path / "o.npz", cwd=tmp_path)
     assert r.rc == 0, r.text
     want, last = ort_greedy_hf(path, entry, prompt, 8)
     assert json.loads((tmp_path / "d.json").read_text())["tokens"] == [want]

@@ -13,7 +13,9 @@ from blockforge.graph.model_io import signature
 from blockforge.graph.oracle import reference_outputs
 from blockforge.graph.spec import BlockSpec, MHASpec
 from blockforge.errors import BlockforgeError
-from conftest import assert_user_error, run_cli
+# The verbs in-process: their outputs and errors are under test, not the process (~2 s of
+# CPU less per call than an interpreter start and a TVM import; verbs still run their children).
+from conftest import assert_user_error, run_cli_in_process as cli
 
 D, H = 32, 4
 PASTS = [0, 1, 17, 128]
@@ -49,7 +51,7 @@ def test_refused_combinations(bad):
 
 
 def test_ffn_has_no_cache(workdir):
-    assert_user_error(run_cli("export", "ffn", "--kv-cache", "-o", "f.onnx"), "--kv-cache is for mha and block")
+    assert_user_error(cli("export", "ffn", "--kv-cache", "-o", "f.onnx"), "--kv-cache is for mha and block")
 
 
 @pytest.mark.parametrize("spec", [
@@ -97,9 +99,9 @@ def test_compile_symbolic_past_and_verify(workdir):
     matches the oracle; verify at a bound past passes every output."""
     from blockforge.compile import load_artifact
 
-    assert run_cli("export", "block", "--kv-cache", "--causal", "--d-model", str(D), "--heads", str(H),
-                   "--d-ff", "64", "-o", "b.onnx").rc == 0
-    res = run_cli("compile", "b.onnx", "--target", "host", "--shape", "batch=1,seq=1", "-o", "b.host")
+    assert cli("export", "block", "--kv-cache", "--causal", "--d-model", str(D), "--heads", str(H),
+               "--d-ff", "64", "-o", "b.onnx").rc == 0
+    res = cli("compile", "b.onnx", "--target", "host", "--shape", "batch=1,seq=1", "-o", "b.host")
     assert res.rc == 0, res.err
     mod = load_artifact("b.host")
     spec = BlockSpec(d_model=D, heads=H, d_ff=64, causal=True, kv_cache=True)
@@ -109,5 +111,5 @@ def test_compile_symbolic_past_and_verify(workdir):
         got, want = mod.run(inputs), reference_outputs(spec, w, inputs)
         for n in want:
             np.testing.assert_allclose(got[n], want[n], rtol=1e-4, atol=1e-5, err_msg=f"P={p} {n}")
-    v = run_cli("verify", "b.onnx", "--shape", "batch=1,seq=1,past=17", "--target", "host")
+    v = cli("verify", "b.onnx", "--shape", "batch=1,seq=1,past=17", "--target", "host")
     assert v.rc == 0 and "present_value" in v.out and "FAIL" not in v.out, v.out + v.err

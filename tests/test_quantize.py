@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import assert_user_error, run_cli, save_npz
+# The verbs in-process (their outputs and errors are under test, not the process): ~2 s of
+# CPU less per call than an interpreter start and a TVM import; verify still runs its children.
+from conftest import assert_user_error, run_cli_in_process as cli, save_npz
 from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("onnxruntime.quantization")
@@ -30,7 +32,7 @@ def block(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
 def test_quantize_cli_keeps_transformer_ops_float(block, tmp_path, mode):
     out = tmp_path / f"q_{mode}.onnx"
-    res = run_cli("quantize", str(block), "--mode", mode, "--per-channel", "-o", str(out))
+    res = cli("quantize", str(block), "--mode", mode, "--per-channel", "-o", str(out))
     assert res.rc == 0, res.text
     q = onnx.load(str(out))
     assert "int8 GEMMs" in res.out and "kept in float: 2 layernorm, 2 softmax, 1 gelu, 2 residual add" in res.out
@@ -53,8 +55,8 @@ def test_quantize_static_calibration_npz(block, tmp_path):
     """Batches stacked on a new axis 0; the message names the file, not random inputs."""
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 32)).astype(np.float32)
     npz = save_npz(tmp_path / "cal.npz", x=x)
-    res = run_cli("quantize", str(block), "--mode", "static", "--activation-type", "u8", "--calibration", str(npz),
-                  "-o", str(tmp_path / "q.onnx"))
+    res = cli("quantize", str(block), "--mode", "static", "--activation-type", "u8", "--calibration", str(npz),
+              "-o", str(tmp_path / "q.onnx"))
     assert res.rc == 0, res.text
     assert "3 batch(es) from" in res.out and "RANDOM" not in res.out
     q = onnx.load(str(tmp_path / "q.onnx"))
@@ -66,15 +68,15 @@ def test_quantize_user_errors_leave_output_untouched(block, tmp_path):
     out = tmp_path / "q.onnx"
     out.write_bytes(b"keep me")
     bad = save_npz(tmp_path / "bad.npz", y=np.zeros((1, 8, 32), np.float32))
-    assert_user_error(run_cli("quantize", str(block), "--mode", "static", "--calibration", str(bad), "-o", str(out)),
+    assert_user_error(cli("quantize", str(block), "--mode", "static", "--calibration", str(bad), "-o", str(out)),
                       "unexpected y")
-    assert_user_error(run_cli("quantize", str(block), "--mode", "dynamic", "--calibration", str(bad), "-o", str(out)),
+    assert_user_error(cli("quantize", str(block), "--mode", "dynamic", "--calibration", str(bad), "-o", str(out)),
                       "--calibration is for --mode static")
-    assert_user_error(run_cli("quantize", str(block), "--mode", "dynamic", "-o", str(tmp_path / "q.txt")), ".onnx")
-    assert_user_error(run_cli("quantize", str(block), "--mode", "dynamic", "-o", str(block)))  # the input itself
+    assert_user_error(cli("quantize", str(block), "--mode", "dynamic", "-o", str(tmp_path / "q.txt")), ".onnx")
+    assert_user_error(cli("quantize", str(block), "--mode", "dynamic", "-o", str(block)))  # the input itself
     assert out.read_bytes() == b"keep me"
-    assert run_cli("quantize", str(block), "--mode", "dynamic", "-o", str(out)).rc == 0
-    assert_user_error(run_cli("quantize", str(out), "--mode", "dynamic", "-o", str(tmp_path / "qq.onnx")),
+    assert cli("quantize", str(block), "--mode", "dynamic", "-o", str(out)).rc == 0
+    assert_user_error(cli("quantize", str(out), "--mode", "dynamic", "-o", str(tmp_path / "qq.onnx")),
                       "already quantized")
     assert not (tmp_path / "qq.onnx").exists()
 
@@ -82,9 +84,9 @@ def test_quantize_user_errors_leave_output_untouched(block, tmp_path):
 def test_export_quantize_writes_the_quantized_model_and_counts_its_ops(tmp_path):
     from blockforge.graph.analysis import matmul_flops
 
-    fp = run_cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "-o", str(tmp_path / "f.onnx"))
-    res = run_cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", "dynamic", "-o",
-                  str(tmp_path / "q.onnx"))
+    fp = cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "-o", str(tmp_path / "f.onnx"))
+    res = cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", "dynamic", "-o",
+              str(tmp_path / "q.onnx"))
     assert fp.rc == 0 and res.rc == 0, res.text
     import json
 
@@ -93,7 +95,7 @@ def test_export_quantize_writes_the_quantized_model_and_counts_its_ops(tmp_path)
     # MatMulInteger counts the ops it computes (it counted 0 before)
     f32 = matmul_flops(onnx.load(str(tmp_path / "f.onnx")))
     assert f32 > 0 and man["matmul_flops"] == f32
-    assert_user_error(run_cli("export", "ffn", "--per-channel", "-o", str(tmp_path / "x.onnx")), "--quantize")
+    assert_user_error(cli("export", "ffn", "--per-channel", "-o", str(tmp_path / "x.onnx")), "--quantize")
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
@@ -101,8 +103,8 @@ def test_verify_quantized_export_uses_accuracy_gate_against_the_oracle(tmp_path,
     """The oracle is the float model: a quantized export passes by relative L2 (it failed the
     float32 row before), and a broken quantization (weights zeroed) is flagged."""
     q = tmp_path / "q.onnx"
-    assert run_cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", mode, "-o", str(q)).rc == 0
-    res = run_cli("verify", str(q), "--shape", "batch=1,seq=8", "--json", str(tmp_path / "r.json"))
+    assert cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", mode, "-o", str(q)).rc == 0
+    res = cli("verify", str(q), "--shape", "batch=1,seq=8", "--json", str(tmp_path / "r.json"))
     assert res.rc == 0 and "precision int8" in res.out and "rel L2 err" in res.out, res.text
     import json
 
@@ -112,7 +114,7 @@ def test_verify_quantized_export_uses_accuracy_gate_against_the_oracle(tmp_path,
     w = next(t for t in m.graph.initializer if t.data_type == TensorProto.INT8 and len(t.dims) == 2)
     w.CopyFrom(numpy_helper.from_array(np.zeros(tuple(w.dims), np.int8), w.name))
     onnx.save(m, str(tmp_path / "broken.onnx"))
-    res = run_cli("verify", str(tmp_path / "broken.onnx"), "--shape", "batch=1,seq=8")
+    res = cli("verify", str(tmp_path / "broken.onnx"), "--shape", "batch=1,seq=8")
     assert res.rc == 1 and "FAIL" in res.out and "> gate" in res.out, res.text
 
 
@@ -121,15 +123,15 @@ def test_verify_reference_for_a_foreign_quantized_model(tmp_path):
     m, _ = _linear("MatMul")
     onnx.save(m, str(tmp_path / "f.onnx"))
     q = _qoperator(tmp_path, "MatMul", per_channel=True, act="QInt8")
-    res = run_cli("verify", str(q), "--reference", str(tmp_path / "f.onnx"))
+    res = cli("verify", str(q), "--reference", str(tmp_path / "f.onnx"))
     assert res.rc == 0 and "ort vs reference" in res.out and "rel L2 err" in res.out, res.text
-    assert_user_error(run_cli("verify", str(q)), "no oracle")
+    assert_user_error(cli("verify", str(q)), "no oracle")
     other = _matmul_integer_to_float(tmp_path, False, False, False)  # input x renamed z: not the inputs verify feeds
     m2 = onnx.load(str(other))
     m2.graph.input[0].name = "z"
     m2.graph.node[0].input[0] = "z"
     onnx.save(m2, str(tmp_path / "z.onnx"))
-    assert_user_error(run_cli("verify", str(q), "--reference", str(tmp_path / "z.onnx")), "--reference", "missing z")
+    assert_user_error(cli("verify", str(q), "--reference", str(tmp_path / "z.onnx")), "--reference", "missing z")
 
 
 # ------------------------------------------------------------------ tolerance table
@@ -297,7 +299,7 @@ def test_quantized_forms_compile_on_the_int8_kernel_and_match_ort(tmp_path, monk
 def test_bench_times_quantized_model_against_ort_on_the_same_file(tmp_path):
     """It refused every contender before (all compared with the float oracle)."""
     q = tmp_path / "q.onnx"
-    assert run_cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", "static", "-o", str(q)).rc == 0
-    res = run_cli("bench", str(q), "--against", "ort,untuned", "--shape", "batch=1,seq=8", "--repeat", "3")
+    assert cli("export", "ffn", "--d-model", "32", "--d-ff", "64", "--quantize", "static", "-o", str(q)).rc == 0
+    res = cli("bench", str(q), "--against", "ort,untuned", "--shape", "batch=1,seq=8", "--repeat", "3")
     assert res.rc == 0, res.text
     assert "GOP (int8)" in res.out and "| untuned | blockforge |" in res.out and "| ort | peer |" in res.out

@@ -15,7 +15,9 @@ import pytest
 from blockforge.errors import BlockforgeError
 from blockforge.graph.model_io import TensorSig, parse_dims, resolve_dims, signature
 
-from conftest import assert_user_error, run_cli, save_npz
+# The verbs in-process: their outputs and errors are under test, not the process (~2 s of
+# CPU less per call than an interpreter start and a TVM import; verbs still run their children).
+from conftest import assert_user_error, run_cli_in_process as cli, save_npz
 
 # Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
 # _heavy_first) and `make check` never picks it up.
@@ -250,16 +252,16 @@ def test_cli_dynamo_export_by_arrays(tmp_path):
     rng = np.random.default_rng(1)
     npz = save_npz(tmp_path / "in.npz", input_ids=rng.integers(0, 128, (1, 7)).astype(np.int64),
                    attention_mask=np.ones((1, 7), np.int64))
-    r = run_cli("verify", model, "--target", "host", "--inputs", npz, cwd=tmp_path)
+    r = cli("verify", model, "--target", "host", "--inputs", npz, cwd=tmp_path)
     assert r.rc == 0 and r.out.strip().endswith("PASS") and "tvm vs ort" in r.out, r.text
-    r = run_cli("compile", model, "--target", "host", "--shape", "input_ids=1x8,attention_mask=1x8",
-                "-o", tmp_path / "art", cwd=tmp_path)
+    r = cli("compile", model, "--target", "host", "--shape", "input_ids=1x8,attention_mask=1x8",
+            "-o", tmp_path / "art", cwd=tmp_path)
     assert r.rc == 0 and "phases: prepare > fuse-attention > optimize" in r.out, r.text
     m = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert m["dims"] == {"s33": 1, "s50": 8, "s6": 1, "s81": 8} and m["phases"][0] == "prepare"
     assert m["source_onnx"]["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
     assert m["prepare"]["shape_ops_after"] == 0
-    r = run_cli("run", tmp_path / "art", "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path)
+    r = cli("run", tmp_path / "art", "--inputs", npz, "--output", tmp_path / "o.npz", cwd=tmp_path)
     assert_user_error(r, "input_ids")  # compiled for seq 8, given 7: refused with the reason
 
 
@@ -272,9 +274,9 @@ def test_cli_static_model_needs_no_flags(tmp_path):
     model = onnx.load(str(FIXTURES / "vit_legacy_op17.onnx"))
     static = tmp_path / "vit_static.onnx"
     onnx.save(bind_dims(model, {"batch": 1}), str(static))
-    r = run_cli("bench", static, "--against", "ort,untuned", "--repeat", 3, cwd=tmp_path)
+    r = cli("bench", static, "--against", "ort,untuned", "--repeat", 3, cwd=tmp_path)
     assert r.rc == 0 and "| untuned |" in r.out, r.text
-    r = run_cli("inspect", static, "--json", cwd=tmp_path)
+    r = cli("inspect", static, "--json", cwd=tmp_path)
     # 2 layers x (QKV 3*2*17*32*32 + scores/context 2*2*2*17*17*16 + out 2*17*32*32 + FFN 2*2*17*32*64)
     # + the 8x8/8 patch conv 2*(32*4*4)*(3*8*8), 17 tokens = 16 patches + [CLS]
     assert json.loads(r.out)["matmul_flops"] == 2 * (104448 + 36992 + 34816 + 139264) + 196608, r.text
@@ -309,8 +311,8 @@ def test_cli_dump_ir_has_one_fused_attention_call_per_layer(tmp_path):
 
     entry = next(e for e in MODELS if e["file"] == "llama_sdpa_dynamo_op18.onnx")
     shape = ",".join(f"{i['name']}=1x8" for i in entry["inputs"])
-    r = run_cli("compile", FIXTURES / entry["file"], "--target", "host", "--shape", shape, "--dump-ir",
-                tmp_path / "ir", "-o", tmp_path / "art", cwd=tmp_path)
+    r = cli("compile", FIXTURES / entry["file"], "--target", "host", "--shape", shape, "--dump-ir",
+            tmp_path / "ir", "-o", tmp_path / "art", cwd=tmp_path)
     assert r.rc == 0, r.text
     (dump,) = (tmp_path / "ir").glob("*-fuse-attention.py")
     text = dump.read_text()
