@@ -77,9 +77,11 @@ demo: install
 # apt-get; EDGE_DEPS=0 skips it). The last thing printed is which test groups were skipped and
 # what enables each (tests/conftest.py). pytest exits 5 when it collected nothing: a failure.
 SKIP_SUMMARY := build/skipped-groups.txt
+# The 40 slowest tests are printed too: the clean-clone run is the one profile that counts.
+DURATIONS ?= --durations=40
 test: install
 	@set +e; status=$$(.ci/edge-deps); rm -f $(SKIP_SUMMARY); \
-	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest $(XDIST) --skip-summary $(SKIP_SUMMARY) $(PYTEST_ARGS); rc=$$?; \
+	EDGE_DEPS_STATUS="$$status" $(BIN)/pytest $(XDIST) --skip-summary $(SKIP_SUMMARY) $(DURATIONS) $(PYTEST_ARGS); rc=$$?; \
 	if [ -s $(SKIP_SUMMARY) ]; then cat $(SKIP_SUMMARY); fi; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

@@ -282,8 +282,10 @@ def test_attention_kernel_static_exact_tiles_have_no_tail():
     f = attention.kernel(_spec(batch=1, sq=128, skv=128), (64, 4 * LANES), LANES)
     text = f.script()
     assert "if " not in text and "T.int64(127)" not in text  # 127: the clamped last row/key index
-    g = attention.kernel(_spec(batch=1, sq=100, skv=100), (64, 4 * LANES), LANES).script()
-    assert "T.int64(99)" in g and "if " in g, "ragged static lengths: clamped rows/keys, a tail tile"
+    # The control: a query tile the length does not divide (balance=False keeps 64 at 100
+    # rows; balanced, 100 runs as 2 x 50) clamps its last rows and runs a tail tile.
+    g = attention.kernel(_spec(batch=1, sq=100, skv=100), (64, 4 * LANES), LANES, balance=False).script()
+    assert "T.int64(99)" in g and "if " in g, "ragged static lengths: clamped rows, a tail tile"
 
 
 def test_fast_exp_matches_numpy():
