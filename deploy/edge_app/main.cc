@@ -41,6 +41,7 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -224,11 +225,18 @@ edge::Manifest ReadManifest(const std::string& dir) {
   }
 }
 
-// Every file the manifest lists must match its sha256 (module.so above all: it is
-// about to be loaded, which runs its code). Opened without following links, checked to
-// be a bounded regular file, hashed through that descriptor.
+void RefuseTampered(const std::string& dir, const std::string& name) {
+  Refuse(dir + ": " + name + " does not match its sha256 in manifest.json (tampered or corrupted); "
+         "refusing to load it");
+}
+
+// Every file the manifest lists must match its sha256. Opened without following links,
+// checked to be a bounded regular file, hashed through that descriptor. module.so and
+// weights.bin are hashed where they are read instead (CopyModule, ReadWeights), over the very
+// bytes used: a file rewritten between a check here and a later open would otherwise pass.
 void VerifyFiles(const std::string& dir, const edge::Manifest& m) {
   for (const auto& [name, digest] : m.files) {
+    if (name == m.module || (m.has_weights && name == m.weights_file)) continue;
     std::string got;
     try {
       edge::InFile f = edge::OpenRegular(dir + "/" + name, name, /*follow_links=*/false,
@@ -237,11 +245,67 @@ void VerifyFiles(const std::string& dir, const edge::Manifest& m) {
     } catch (const edge::FileError& e) {
       Refuse(dir + ": " + e.what());
     }
-    if (got != digest) {
-      Refuse(dir + ": " + name + " does not match its sha256 in manifest.json (tampered or corrupted); "
-             "refusing to load it");
-    }
+    if (got != digest) RefuseTampered(dir, name);
   }
+}
+
+// The private copy of module.so that is dlopened (Python: compile/artifact/runtime.py does the
+// same): a 0700 directory under $TMPDIR (else /tmp), removed when the app ends.
+struct PrivateModule {
+  std::string dir, path;
+  PrivateModule() = default;
+  PrivateModule(const PrivateModule&) = delete;
+  PrivateModule& operator=(const PrivateModule&) = delete;
+  ~PrivateModule() {
+    if (!path.empty()) ::unlink(path.c_str());
+    if (!dir.empty()) ::rmdir(dir.c_str());
+  }
+};
+
+// Copies module.so into `pm`, hashing the bytes as they are written; refused unless they are
+// exactly the bytes manifest.json's sha256 names.
+void CopyModule(const std::string& dir, const edge::Manifest& m, PrivateModule* pm) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/edge_app-XXXXXX";
+  if (!::mkdtemp(&templ[0])) Refuse("cannot create a private directory for module.so (" + templ + "): " + std::strerror(errno));
+  pm->dir = templ;
+  edge::InFile f;
+  try {
+    f = edge::OpenRegular(dir + "/" + m.module, m.module, /*follow_links=*/false, edge::kMaxArtifactFileBytes);
+  } catch (const edge::FileError& e) {
+    Refuse(dir + ": " + e.what());
+  }
+  const std::string path = pm->dir + "/module.so";
+  int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0700);
+  if (out < 0) Refuse("cannot write " + path + ": " + std::strerror(errno));
+  pm->path = path;
+  edge::Sha256 h;
+  std::vector<char> buf(1 << 16);
+  uint64_t off = 0;
+  bool ok = true, written = true;
+  while (ok && off < f.size()) {
+    size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), f.size() - off));
+    ssize_t n = ::pread(f.fd(), buf.data(), want, static_cast<off_t>(off));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ok = false;
+      break;
+    }
+    h.Update(buf.data(), static_cast<size_t>(n));
+    for (ssize_t done = 0; done < n && written;) {
+      ssize_t w = ::write(out, buf.data() + done, static_cast<size_t>(n - done));
+      if (w < 0 && errno == EINTR) continue;
+      written = w > 0;
+      done += w > 0 ? w : 0;
+    }
+    off += static_cast<uint64_t>(n);
+  }
+  char extra;
+  if (ok && ::pread(f.fd(), &extra, 1, static_cast<off_t>(off)) != 0) ok = false;  // it grew
+  written = (::close(out) == 0) && written;
+  if (!written) Refuse("cannot write " + path + ": " + std::strerror(errno));
+  if (!ok) Refuse(dir + ": " + m.module + " changed while being read");
+  if (h.HexDigest() != m.files.at(m.module)) RefuseTampered(dir, m.module);
 }
 
 std::string MachineName(uint16_t m) {
@@ -429,16 +493,36 @@ struct AlignedCPUAlloc {
 // may_be_empty: (input, axis) that may be 0: a decode loop's empty cache (P = 0).
 // The weights as main's trailing arguments: read once into aligned tensors, passed by
 // reference to every call (a decode step copies nothing of them).
-std::vector<ffi::Tensor> ReadWeights(const edge::InFile& f, const edge::Manifest& m, DLDevice cpu) {
+// The weights, each read straight into its tensor; the file's sha256 is taken over those bytes
+// and the padding between them (not in an earlier pass), before any call of the module.
+std::vector<ffi::Tensor> ReadWeights(const std::string& dir, const edge::InFile& f, const edge::Manifest& m,
+                                     DLDevice cpu) {
   std::vector<ffi::Tensor> out;
+  edge::Sha256 h;
+  uint64_t pos = 0;
+  std::string pad;
+  auto hash_gap = [&](uint64_t end) {
+    pad.assign(static_cast<size_t>(end - pos), '\0');
+    if (!pad.empty() && !f.ReadAt(pos, &pad[0], pad.size())) Refuse(m.weights_file + " changed while being read");
+    h.Update(pad.data(), pad.size());
+  };
   for (const edge::WeightTensor& w : m.weights) {
     ffi::Tensor t = ffi::Tensor::FromNDAlloc(AlignedCPUAlloc(), ffi::Shape(w.shape), ffi::StringToDLDataType(w.dtype),
                                              cpu);
     if (ffi::GetDataSize(*t.GetDLTensorPtr()) != w.nbytes) Fail("weight " + w.name + ": size mismatch for " + w.dtype);
+    hash_gap(w.offset);
     if (w.nbytes && !f.ReadAt(w.offset, t.data_ptr(), static_cast<size_t>(w.nbytes))) {
       Refuse(m.weights_file + " changed while being read");
     }
+    h.Update(t.data_ptr(), static_cast<size_t>(w.nbytes));
+    pos = w.offset + w.nbytes;
     out.push_back(std::move(t));
+  }
+  if (m.has_weights) {
+    hash_gap(f.size());
+    char extra;
+    if (::pread(f.fd(), &extra, 1, static_cast<off_t>(f.size())) != 0) Refuse(m.weights_file + " changed while being read");
+    if (h.HexDigest() != m.files.at(m.weights_file)) RefuseTampered(dir, m.weights_file);
   }
   return out;
 }
@@ -695,8 +779,10 @@ int Run(int argc, char** argv) {
   Options o = ParseArgs(argc, argv);
   const edge::Manifest manifest = ReadManifest(o.artifact);
   const std::string& module = manifest.module;  // one of the hashed files (ParseManifest)
-  const std::string module_path = o.artifact + "/" + module;
   VerifyFiles(o.artifact, manifest);
+  PrivateModule private_module;
+  CopyModule(o.artifact, manifest, &private_module);
+  const std::string& module_path = private_module.path;  // what is checked below and dlopened
   VerifyPackage(o.artifact, manifest);
   const edge::InFile weights = OpenWeights(o.artifact, manifest);
   CheckLoadedRuntime(o.artifact, manifest);
@@ -746,7 +832,7 @@ int Run(int argc, char** argv) {
       if (!a.data.empty()) std::memcpy(t.data_ptr(), a.data.data(), a.data.size());
       args.push_back(std::move(t));
     }
-    for (ffi::Tensor& w : ReadWeights(weights, manifest, cpu)) args.push_back(std::move(w));
+    for (ffi::Tensor& w : ReadWeights(o.artifact, weights, manifest, cpu)) args.push_back(std::move(w));
   } catch (const ffi::Error& e) {
     Fail("cannot load " + module + ": " + e.kind() + ": " + LastLine(e.message()));
   }
