@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 
 # Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
 # _heavy_first) and `make check` never picks it up.
@@ -266,7 +266,16 @@ def test_matvec(tmp_path):
     assert "| blockforge |" in out and "| with matvec |" in out and "| ort |" in out, out
 
 
-SMOKED = {"compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+def test_int8_decode(tmp_path):
+    fp32 = REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx"
+    res = run_cli("quantize", str(fp32), "--mode", "dynamic", "-o", str(tmp_path / "q.onnx"))
+    assert res.rc == 0, res.text
+    out = _run("int8_decode.py", "--fp32", fp32, "--int8", tmp_path / "q.onnx", "--past", "0,4", "--repeat", 3,
+               "--vocab", 128, cwd=tmp_path)
+    assert "P = 4: logits max |blockforge - ORT|" in out and "| 4 |" in out, out
+
+
+SMOKED = {"int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 
 
