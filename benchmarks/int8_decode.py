@@ -1,7 +1,7 @@
 """int8 decode: per-token latency of a dynamic-quantized decoder against its fp32 original.
 
     flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_decode.py \
-        --fp32 gpt2_past_legacy_op17.onnx --int8 gpt2_past_dyn.onnx [--past 128,512] [--repeat 20]
+        --fp32 gpt2_past_legacy_op17.onnx --int8 gpt2_past_dyn.onnx [--past 128,512] [--repeat 20] [--threads 1]
 
 (`blockforge quantize FP32 --mode dynamic -o INT8` makes the int8 file.) Each model is built
 once, for the host, with the past length symbolic and one new token (batch 1, seq 1): the
@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from pathlib import Path
 
-import numpy as np
+# --threads 1: TVM's pool reads its size when it starts; one thread is then timed in CPU
+# time (time.thread_time), which a loaded machine's descheduling does not inflate.
+if "--threads" in sys.argv[:-1]:
+    os.environ["TVM_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
+
+import numpy as np  # noqa: E402
 
 import blockforge
 
-blockforge.configure(redirect_native_output=False)
+blockforge.configure(redirect_native_output=False)  # noqa: E402
 
 
 def step_inputs(sigs, past: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -54,13 +61,16 @@ def main(argv=None) -> int:
     ap.add_argument("--past", default="128,512")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--threads", type=int, default=None, help="1: one thread each, timed in CPU time "
+                    "(default: the target's cores, wall time)")
     a = ap.parse_args(argv)
     from blockforge.bench.contenders import REGISTRY, BenchModel, TvmRunner
     from blockforge.bench.harness import measure_interleaved
     from blockforge.graph.model_io import load_model
 
     built = {name: build(path) for name, path in (("int8", a.int8), ("fp32", a.fp32))}
-    threads = int(built["int8"][0].target.target_json.get("num-cores", 1))
+    threads = a.threads or int(built["int8"][0].target.target_json.get("num-cores", 1))
+    clock = time.thread_time if threads == 1 else time.perf_counter
     bench_models = {name: BenchModel(built[name][0], load_model(path), None, {})
                     for name, path in (("int8", a.int8), ("fp32", a.fp32))}
     rows = []
@@ -80,10 +90,11 @@ def main(argv=None) -> int:
         print(f"P = {past}: logits max |blockforge - ORT| on the same file: int8 {errs['int8']:.2e}, "
               f"fp32 {errs['fp32']:.2e} (logit range {float(np.ptp(want)):.1f})")
         load0 = os.getloadavg()[0]
-        samples = measure_interleaved(runners, a.repeat, 2)
+        samples = measure_interleaved(runners, a.repeat, 2, clock=clock)
         med = {k: float(np.median(v)) for k, v in samples.items()}
         rows.append((past, load0, os.getloadavg()[0], med))
-    print(f"\n{Path(a.int8).name} vs {Path(a.fp32).name}, {threads} threads, {a.repeat} interleaved samples")
+    print(f"\n{Path(a.int8).name} vs {Path(a.fp32).name}, {threads} thread(s), "
+          f"{'CPU' if threads == 1 else 'wall'} time, {a.repeat} interleaved samples")
     print("\n| P | load | blockforge int8 / fp32 | ort int8 / blockforge int8 | ort fp32 / blockforge fp32 |\n|---|---|---|---|---|")
     for past, l0, l1, med in rows:
         print(f"| {past} | {l0:.1f} -> {l1:.1f} | {med['blockforge int8'] / med['blockforge fp32']:.3f}x | "
