@@ -140,9 +140,10 @@ def test_int8_gemm(tmp_path):
 
 
 def test_int8_gemm_one_thread_tiles(tmp_path):
-    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", cwd=tmp_path)
+    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", "--seq", 12,
+               cwd=tmp_path)
     assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and out.count("time / default 6x64 tiles") == 2
-                                        and "blockforge int8 (after)" not in out), out
+                                        and "int8 FFN 12x64x128" in out and "blockforge int8 (after)" not in out), out
 
 
 def test_compile_memory(tmp_path):
