@@ -276,7 +276,15 @@ def test_int8_decode(tmp_path):
     assert "P = 4: logits max |blockforge - ORT|" in out and "| 4 |" in out, out
 
 
-SMOKED = {"int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+def test_int8_whole(tmp_path):
+    res = run_cli("quantize", str(REPO / "tests/fixtures/models/bert_legacy_op17.onnx"), "--mode", "dynamic",
+                  "-o", str(tmp_path / "q.onnx"))
+    assert res.rc == 0, res.text
+    out = _run("int8_whole.py", tmp_path / "q.onnx", "--seq", 8, "--repeat", 2, "--threads", 1, cwd=tmp_path)
+    assert "blockforge: max |out - ORT|" in out and "| ort |" in out and "blockforge / best peer:" in out, out
+
+
+SMOKED = {"int8_whole.py", "int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 
 
