@@ -25,7 +25,7 @@ searches) against the default tiles.
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--smoke]
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--seq 512] [--smoke]
 """
 
 from __future__ import annotations
@@ -309,6 +309,7 @@ def main() -> int:
     ap.add_argument("--tiles", action="store_true", help="also time every tile candidate of the FFN's kernels")
     ap.add_argument("--gemm-only", action="store_true", help="the kernels only, not the FFN contenders")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
+    ap.add_argument("--seq", type=int, default=None, help="the FFN's rows and the bare GEMM's M (default 128; smoke 8)")
     a = ap.parse_args()
     configure(redirect_native_output=False)
     from blockforge.compile.quant.intrin import has_vnni
@@ -322,6 +323,8 @@ def main() -> int:
         print("this CPU has no AVX-512 VNNI: the int8 kernel cannot run here; nothing to measure")
         return 0
     cfg = SMOKE if a.smoke else FULL
+    if a.seq:  # (issue #19's second shape: seq 512)
+        cfg = dict(cfg, seq=a.seq, gemm=(a.seq, *cfg["gemm"][1:]))
     threads = int(os.environ["TVM_NUM_THREADS"])  # configure() set it (or --threads did)
     specs = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], Path(tempfile.mkdtemp()))
     sgemm = _gemm(cfg["gemm"], a.repeat, specs, threads, a.tiles)

@@ -16,6 +16,7 @@ still holds if ORT's default op list grows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from dataclasses import dataclass, field
@@ -196,7 +197,10 @@ def quantize_model(model: onnx.ModelProto, opts: QuantizeOptions,
         src.write_bytes(model.SerializeToString())
         progress("pre-processing (quant_pre_process: shape inference, basic fusions)")
         try:
-            _pre_process(src, pre, notes)
+            # ORT's pre-processing writes sym_shape_infer_temp.onnx and <uuid>.data (the whole
+            # weights) into the current directory and leaves them there: run it in ours.
+            with contextlib.chdir(tmp):
+                _pre_process(src, pre, notes)
             pre_model = onnx.load(str(pre))
             excluded = float_exclusions(pre_model)
             exclude = [n for names in excluded.values() for n in names]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 
 # Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
 # _heavy_first) and `make check` never picks it up.
@@ -140,9 +140,10 @@ def test_int8_gemm(tmp_path):
 
 
 def test_int8_gemm_one_thread_tiles(tmp_path):
-    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", cwd=tmp_path)
+    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", "--seq", 12,
+               cwd=tmp_path)
     assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and out.count("time / default 6x64 tiles") == 2
-                                        and "blockforge int8 (after)" not in out), out
+                                        and "int8 FFN 12x64x128" in out and "blockforge int8 (after)" not in out), out
 
 
 def test_compile_memory(tmp_path):
@@ -280,7 +281,24 @@ def test_decode_key_rows(tmp_path):
     assert "P=3: K rows" in out and "the K^T build" in out and "ORT" in out, out
 
 
-SMOKED = {"decode_key_rows.py", "norms.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
+def test_int8_decode(tmp_path):
+    fp32 = REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx"
+    res = run_cli("quantize", str(fp32), "--mode", "dynamic", "-o", str(tmp_path / "q.onnx"))
+    assert res.rc == 0, res.text
+    out = _run("int8_decode.py", "--fp32", fp32, "--int8", tmp_path / "q.onnx", "--past", "0,4", "--repeat", 3,
+               "--vocab", 128, cwd=tmp_path)
+    assert "P = 4: logits max |blockforge - ORT|" in out and "| 4 |" in out, out
+
+
+def test_int8_whole(tmp_path):
+    res = run_cli("quantize", str(REPO / "tests/fixtures/models/bert_legacy_op17.onnx"), "--mode", "dynamic",
+                  "-o", str(tmp_path / "q.onnx"))
+    assert res.rc == 0, res.text
+    out = _run("int8_whole.py", tmp_path / "q.onnx", "--seq", 8, "--repeat", 2, "--threads", 1, cwd=tmp_path)
+    assert "blockforge: max |out - ORT|" in out and "| ort |" in out and "blockforge / best peer:" in out, out
+
+
+SMOKED = {"decode_key_rows.py", "norms.py", "int8_whole.py", "int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
 

@@ -40,6 +40,9 @@ NV = ISAS["vnni"].nv  # 16-lane int32 vectors per row of the micro-tile
 # cost more than the work (16x64x128: 0.026-0.05 ms parallel on the loaded machine; the
 # whole d_model 64 FFN took 0.034 ms on int8 vs 0.020 ms on TVM's int32 loops).
 PARALLEL_MACS = 1 << 22
+# ... unless the weights alone are this many bytes: a decode step (M = 1) is bound by reading
+# them, and one core reads about half the machine's bandwidth (768 x 768 is 0.6 MB).
+PARALLEL_WEIGHT_BYTES = 1 << 18
 KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
 TILES_ATTR = KERNEL_ATTR + ".tiles"  # PrimFunc attr: the tiles it was scheduled with (describe())
 ACTIVATIONS = ("none", "relu", "gelu")
@@ -108,7 +111,10 @@ class Int8Tiles:
 
 def default_tiles(spec: "Int8GemmSpec") -> Int8Tiles:
     isa = ISAS[spec.isa]
-    return Int8Tiles(isa.mr, _nv(spec.n, isa.nv), "panels" if spec.m is None else "tiles")
+    # A static M below the tile's rows (a decode step's M = 1) gets a tile of M rows: the
+    # full tile re-reads row M-1 into MR - M dead rows (6x the VPDPBUSDs at M = 1).
+    mr = isa.mr if spec.m is None else min(isa.mr, spec.m)
+    return Int8Tiles(mr, _nv(spec.n, isa.nv), "panels" if spec.m is None else "tiles")
 
 
 def tile_candidates(spec: "Int8GemmSpec") -> list[Int8Tiles]:
@@ -130,6 +136,11 @@ def supported(k: int, n: int) -> bool:
     return k > 0 and n > 0 and k % 4 == 0 and n % 16 == 0
 
 
+def padded(n: int) -> int:
+    """N rounded up to whole 16-column panels (the int8-gemm phase pads the weights' columns)."""
+    return -(-n // 16) * 16
+
+
 def pack_weights(w: np.ndarray) -> np.ndarray:
     """(K, N) int8 -> (N/16, K/4, 16, 4) int8, the layout the intrinsic reads."""
     k, n = w.shape
@@ -138,6 +149,11 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
 
 def column_sums(w: np.ndarray) -> np.ndarray:
     return w.astype(np.int32).sum(axis=0, dtype=np.int32)
+
+
+def _parallel(spec: Int8GemmSpec) -> bool:
+    """Whether a static-M kernel runs on the thread pool (see PARALLEL_MACS)."""
+    return spec.m * spec.k * spec.n >= PARALLEL_MACS or spec.k * spec.n >= PARALLEL_WEIGHT_BYTES
 
 
 def _nv(n: int, most: int) -> int:
@@ -234,13 +250,13 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
     if tiles.split == "panels":
         # The column panels are the parallel work, the row tiles inside are serial (symbolic
         # rows: so LoopPartition, the hint, splits the guarded last tile off the full ones).
-        if spec.m is None or spec.m * spec.k * spec.n >= PARALLEL_MACS:
+        if spec.m is None or _parallel(spec):
             sch.parallel(jo)
         if spec.m is None:
             sch.annotate(io, PARTITION_HINT, 1)
     else:
         par = sch.fuse(jo, io)
-        if spec.m * spec.k * spec.n >= PARALLEL_MACS:
+        if _parallel(spec):
             sch.parallel(par)
     sch.unroll(ii)
     sch.unroll(jv)

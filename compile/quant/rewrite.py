@@ -71,7 +71,7 @@ class _Match:
     zp_w: int  # the weights' (per-tensor) zero point after choosing an int8 form
     scale: object | None  # (), (N,) float32, or None (int32 result)
     bias: object | None
-    out_shape: list
+    out_shape: list  # [..., n]: n the model's columns, spec.n that rounded up to 16 (padded)
     spec: gemm.Int8GemmSpec
 
 
@@ -185,7 +185,7 @@ class _Finder:
             return None
         shape = _shape(value.args[0])
         k, n = wz[0].shape
-        if shape is None or len(shape) < 2 or _static(shape[-1]) != k or not gemm.supported(k, n):
+        if shape is None or len(shape) < 2 or _static(shape[-1]) != k or not gemm.supported(k, gemm.padded(n)):
             return None
         m = 1
         for d in shape[:-1]:
@@ -215,7 +215,7 @@ class _Finder:
             kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
             if kind is not None and _same_shape(uv, self.values[out]):
                 out, activation = user, kind
-        spec = gemm.Int8GemmSpec(k=k, n=n, m=m_static, scale=scale_kind, bias=bias is not None,
+        spec = gemm.Int8GemmSpec(k=k, n=gemm.padded(n), m=m_static, scale=scale_kind, bias=bias is not None,
                                  rowcorr=wz[1] != 0, activation=activation, isa=self.isa)
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
@@ -266,14 +266,24 @@ def int8_gemm(isa: str = "vnni", target=None, database=None):
                 dt = "uint8" if shift > 0 else "int8"
                 a2 = bb.emit(relax.op.astype(relax.op.add(relax.op.astype(a2, "int32"), relax.const(shift, "int32")), dt))
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
-            args = [a2, relax.const(gemm.pack_weights(mt.w)), relax.const(gemm.column_sums(mt.w)), zp]
+            n = mt.w.shape[1]
+            pad = sp.n - n  # a ragged N (GPT-2's lm_head: 50257): zero columns, cropped below
+            w = np.pad(mt.w, ((0, 0), (0, pad))) if pad else mt.w
+            args = [a2, relax.const(gemm.pack_weights(w)), relax.const(gemm.column_sums(w)), zp]
             if sp.rowcorr:
                 # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
                 rs = bb.emit(relax.op.sum(relax.op.astype(a2, "int32"), axis=[1]))
                 kz = bb.emit(relax.op.multiply(zp, relax.const(sp.k, "int32")))
                 args.append(bb.emit(relax.op.multiply(relax.op.subtract(kz, rs), relax.const(mt.zp_w, "int32"))))
-            args += [self.visit_expr(x) for x in (mt.scale, mt.bias) if x is not None]
+            for x, fill in ((mt.scale, 1.0), (mt.bias, 0.0)):
+                if x is not None:
+                    x = self.visit_expr(x)
+                    if pad and _shape(x):  # a per-column scale or the bias, to the padded N
+                        x = bb.emit(relax.op.concat([x, relax.const(np.full(pad, fill, np.float32))], axis=0))
+                    args.append(x)
             y = bb.emit(relax.call_tir(self.kernel_gv(sp), args, out_ty=relax.TensorType([m, sp.n], sp.out_dtype)))
+            if pad:
+                y = bb.emit(relax.op.strided_slice(y, axes=[1], begin=[0], end=[n]))
             self.applied.append(sp.describe())
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
