@@ -313,6 +313,6 @@ def test_quantize_leaves_nothing_in_the_current_directory(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     fixture = Path(__file__).parent / "fixtures" / "models" / "bert_legacy_op17.onnx"  # pre-processing falls back
-    res = run_cli("quantize", str(fixture), "--mode", "dynamic", "-o", str(tmp_path / "q.onnx"), cwd=cwd)
+    res = cli("quantize", str(fixture), "--mode", "dynamic", "-o", str(tmp_path / "q.onnx"), cwd=cwd)
     assert res.rc == 0, res.text
     assert sorted(p.name for p in cwd.iterdir() if p.name != "blockforge.log") == []  # (the CLI's own log)
