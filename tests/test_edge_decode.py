@@ -131,3 +131,11 @@ def test_hf_export_prompt_and_steps_one_artifact(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     want, _ = ort_greedy_hf(path, entry, prompt, 8)
     assert len(set(want)) > 1 and f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout
+    # A prompt mask one longer than past + seq: dynamo ties its length to nothing the module
+    # checks, so the app refuses it before the first call (before: it ran).
+    res = _app(pkg, _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 5), np.int64), **pasts),
+               "--decode", "2")
+    errs = [ln for ln in res.stderr.splitlines() if ln.startswith("edge_app: error:")]
+    assert res.returncode == 2 and len(errs) == 1, res.stdout + res.stderr
+    assert "attention_mask has length 5" in errs[0] and "past + seq = 0 + 4 = 4" in errs[0], errs
+    assert "tokens[0]" not in res.stdout and "prompt:" not in res.stdout

@@ -692,9 +692,37 @@ std::vector<int64_t> FeedTokens(const edge::TokenFeed& feed, const std::vector<f
 }
 
 // --decode N: the module's present tensors go straight back in as the next pasts.
+// A decoder's attention mask spans the cache and the new positions: (batch, past + seq). Dynamo
+// exports tie its length to nothing the module checks, so a prompt whose mask is not past + seq
+// long would run; refused before the first call, in the Python loop's words
+// (compile/decode/inputs.py check_mask_length).
+void CheckMaskLength(const edge::Manifest& m, const edge::Pairing& p, const std::vector<ffi::Tensor>& args) {
+  if (!p.tokens.on || p.tokens.attention_mask.empty()) return;
+  auto index = [&](const std::string& name) {
+    for (size_t i = 0; i < m.inputs.size(); ++i) {
+      if (m.inputs[i].name == name) return static_cast<int>(i);
+    }
+    return -1;
+  };
+  const int mi = index(p.tokens.attention_mask), ii = index(p.tokens.input_ids);
+  const edge::CachePair& first = p.pairs[0];
+  if (mi < 0 || ii < 0) return;
+  const DLTensor* mask = args[mi].GetDLTensorPtr();
+  const DLTensor* ids = args[ii].GetDLTensorPtr();
+  const DLTensor* past = args[first.in_index].GetDLTensorPtr();
+  if (mask->ndim != 2 || ids->ndim != 2 || past->ndim <= first.axis) return;  // the signature check's
+  const int64_t len = mask->shape[1], seq = ids->shape[1], cached = past->shape[first.axis];
+  if (len == cached + seq) return;
+  Refuse("--input: " + p.tokens.attention_mask + " has length " + std::to_string(len) +
+         ", but a decoder's mask spans the cache and the new positions: past + seq = " + std::to_string(cached) +
+         " + " + std::to_string(seq) + " = " + std::to_string(cached + seq) + " (" + first.past + " axis " +
+         std::to_string(first.axis) + ", " + p.tokens.input_ids + " axis 1)");
+}
+
 int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p, const ffi::Function& main_fn,
                std::vector<ffi::Tensor> args, DLDevice cpu) {
   const edge::CachePair& first = p.pairs[0];
+  CheckMaskLength(m, p, args);
   std::vector<double> step_ms, call_ms;
   std::vector<std::vector<int64_t>> tokens;
   std::vector<ffi::Tensor> outs;
