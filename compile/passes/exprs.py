@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax
 
 
@@ -27,3 +28,11 @@ def bound_value(mutator, e):
         return mutator.lookup_binding(e)
     except Exception:
         return None
+
+
+def const_scalar(e) -> float | None:
+    """The value of a one-element constant, else None."""
+    if not isinstance(e, tvm.ir.expr.GenericConst):
+        return None
+    v = e.value.numpy()
+    return float(v.reshape(())) if v.size == 1 else None

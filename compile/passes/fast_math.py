@@ -27,7 +27,7 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import static_shape as _static
+from blockforge.compile.passes.exprs import const_scalar as _const_scalar, static_shape as _static
 
 
 def gelu(x):
@@ -51,13 +51,6 @@ def _gelu_tanh(x):
                                                        topi.multiply(x, topi.multiply(x, x)))))
     return topi.multiply(topi.multiply(x, tvm.tirx.const(0.5, x.dtype)),
                          topi.add(topi.fast_tanh(inner), tvm.tirx.const(1.0, x.dtype)))
-
-
-def _const_scalar(e) -> float | None:
-    if not isinstance(e, tvm.ir.expr.GenericConst):
-        return None
-    v = e.value.numpy()
-    return float(v) if v.size == 1 else None
 
 
 def is_patch_conv(call) -> bool:

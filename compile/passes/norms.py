@@ -20,13 +20,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import bound_value, op_name as _op
-
-
-def _scalar(e) -> float | None:
-    if isinstance(e, tvm.ir.expr.GenericConst) and e.value.numpy().size == 1:
-        return float(e.value.numpy().reshape(()))
-    return None
+from blockforge.compile.passes.exprs import bound_value, const_scalar as _scalar, op_name as _op
 
 
 def _ndim(e) -> int | None:
