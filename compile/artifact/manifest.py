@@ -118,9 +118,9 @@ def open_regular(path: Path, label: str, max_bytes: int, *, where: str) -> tuple
     return fd, st.st_size
 
 
-def _read_fd(fd: int, size: int, *, hasher=None) -> bytes | None:
-    """Exactly `size` bytes (fed to `hasher` when given, else returned); None when the
-    file no longer has that size."""
+def _read_fd(fd: int, size: int, *, hasher=None, sink=None) -> bytes | None:
+    """Exactly `size` bytes (fed to `hasher` and `sink` when given, else returned); None when
+    the file no longer has that size."""
     chunks, off = [], 0
     while off < size:
         chunk = os.pread(fd, min(1 << 20, size - off), off)
@@ -128,7 +128,9 @@ def _read_fd(fd: int, size: int, *, hasher=None) -> bytes | None:
             return None
         if hasher is not None:
             hasher.update(chunk)
-        else:
+        if sink is not None:
+            sink(chunk)
+        if hasher is None and sink is None:
             chunks.append(chunk)
         off += len(chunk)
     if os.pread(fd, 1, size):  # it grew
@@ -428,20 +430,13 @@ def copy_regular(path: Path, label: str, dest: Path, *, where: str, exclusive: b
     the bytes as they are written: the sha256 of exactly what `dest` holds, or None when the
     file changed size while being read."""
     fd, size = open_regular(path, label, MAX_FILE_BYTES, where=where)
-    h, off = hashlib.sha256(), 0
+    h = hashlib.sha256()
     try:
         with open(dest, "xb" if exclusive else "wb") as out:
-            while off < size:
-                chunk = os.pread(fd, min(1 << 20, size - off), off)
-                if not chunk:
-                    break
-                h.update(chunk)
-                out.write(chunk)
-                off += len(chunk)
-        changed = off != size or os.pread(fd, 1, size)
+            complete = _read_fd(fd, size, hasher=h, sink=out.write) is not None
     finally:
         os.close(fd)
-    return None if changed else h.hexdigest()
+    return h.hexdigest() if complete else None
 
 
 def private_copy(artifact: Path, name: str, digest: str, dest: Path) -> None:

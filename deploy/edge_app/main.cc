@@ -279,33 +279,21 @@ void CopyModule(const std::string& dir, const edge::Manifest& m, PrivateModule* 
   int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0700);
   if (out < 0) Refuse("cannot write " + path + ": " + std::strerror(errno));
   pm->path = path;
-  edge::Sha256 h;
-  std::vector<char> buf(1 << 16);
-  uint64_t off = 0;
-  bool ok = true, written = true;
-  while (ok && off < f.size()) {
-    size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), f.size() - off));
-    ssize_t n = ::pread(f.fd(), buf.data(), want, static_cast<off_t>(off));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      ok = false;
-      break;
-    }
-    h.Update(buf.data(), static_cast<size_t>(n));
-    for (ssize_t done = 0; done < n && written;) {
-      ssize_t w = ::write(out, buf.data() + done, static_cast<size_t>(n - done));
+  bool written = true;
+  std::string got;
+  const bool ok = edge::Sha256Fd(f.fd(), f.size(), &got, [&](const char* p, size_t n) {
+    for (size_t done = 0; done < n;) {
+      ssize_t w = ::write(out, p + done, n - done);
       if (w < 0 && errno == EINTR) continue;
-      written = w > 0;
-      done += w > 0 ? w : 0;
+      if (w <= 0) return written = false;
+      done += static_cast<size_t>(w);
     }
-    off += static_cast<uint64_t>(n);
-  }
-  char extra;
-  if (ok && ::pread(f.fd(), &extra, 1, static_cast<off_t>(off)) != 0) ok = false;  // it grew
+    return true;
+  });
   written = (::close(out) == 0) && written;
   if (!written) Refuse("cannot write " + path + ": " + std::strerror(errno));
   if (!ok) Refuse(dir + ": " + m.module + " changed while being read");
-  if (h.HexDigest() != m.files.at(m.module)) RefuseTampered(dir, m.module);
+  if (got != m.files.at(m.module)) RefuseTampered(dir, m.module);
 }
 
 std::string MachineName(uint16_t m) {

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 
 namespace edge {
@@ -116,8 +117,10 @@ class Sha256 {
 // Hex SHA-256 of a file; false when it cannot be read.
 // The digest of an open file's bytes, read through its descriptor (the bytes hashed
 // are the bytes of the file that was type- and size-checked, not of whatever the path
-// names by now). False when the file no longer has the size it was opened with.
-inline bool Sha256Fd(int fd, uint64_t size, std::string* hex) {
+// names by now). False when the file no longer has the size it was opened with, or when
+// `sink` (given each chunk as it is hashed: a copy that holds exactly the hashed bytes) fails.
+inline bool Sha256Fd(int fd, uint64_t size, std::string* hex,
+                     const std::function<bool(const char*, size_t)>& sink = nullptr) {
   Sha256 h;
   char buf[1 << 16];
   uint64_t off = 0;
@@ -127,6 +130,7 @@ inline bool Sha256Fd(int fd, uint64_t size, std::string* hex) {
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
     h.Update(buf, static_cast<size_t>(n));
+    if (sink && !sink(buf, static_cast<size_t>(n))) return false;
     off += static_cast<uint64_t>(n);
   }
   char extra;
