@@ -4,6 +4,7 @@ used), and the target must run here."""
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,12 +42,18 @@ class LoadedModule:
     def inputs(self) -> list[TensorSig]:
         return _sigs(self.manifest["inputs"])
 
+    @functools.cached_property
+    def pairing(self):
+        """The signature's decode pairing (None: not a decoder), inferred once, not per call."""
+        from blockforge.compile.decode.inputs import pairing_of
+
+        return pairing_of(self.inputs, _sigs(self.manifest["outputs"]))
+
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_inputs(self.inputs, inputs, "inputs")
-        from blockforge.compile.decode.inputs import check_mask_length, pairing_of
+        from blockforge.compile.decode.inputs import check_mask_length
 
-        check_mask_length(self.inputs, pairing_of(self.inputs, _sigs(self.manifest["outputs"])),
-                          {k: np.shape(v) for k, v in inputs.items()})
+        check_mask_length(self.inputs, self.pairing, {k: np.shape(v) for k, v in inputs.items()})
         return run_vm(self.vm, self.device, self.inputs, _sigs(self.manifest["outputs"]), inputs, self.weights)
 
 

@@ -40,13 +40,13 @@ def empty_dims(inputs: list[TensorSig], pairing: DecodePairing | None) -> frozen
     return frozenset(d for d in dims if isinstance(d, str) and d not in carried_elsewhere)
 
 
-def check_zero_dims(inputs: list[TensorSig], outputs: list[TensorSig], values: dict[str, int],
+def check_zero_dims(inputs: list[TensorSig], pairing: DecodePairing | None, values: dict[str, int],
                     argument: str = "inputs") -> None:
     """Refuse a symbolic dim bound to 0 unless it is a decoder's past length (see module doc)."""
     zero = [d for d, v in values.items() if v == 0]
     if not zero:
         return
-    allowed = empty_dims(inputs, pairing_of(inputs, outputs))
+    allowed = empty_dims(inputs, pairing)
     for d in zero:
         if d not in allowed:
             where = next(f"{printable(s.name)} axis {s.dims.index(d)}" for s in inputs if d in s.dims)
@@ -76,6 +76,6 @@ def check_mask_length(inputs: list[TensorSig], pairing: DecodePairing | None, sh
 def check_decoder_binding(inputs: list[TensorSig], outputs: list[TensorSig], values: dict[str, int],
                           argument: str = "inputs") -> None:
     """Both checks on a binding (the prelude's, before the model reaches TVM)."""
-    check_zero_dims(inputs, outputs, values, argument)
-    shapes = {s.name: s.at(values).dims for s in inputs}
-    check_mask_length(inputs, pairing_of(inputs, outputs), shapes, argument)
+    pairing = pairing_of(inputs, outputs)
+    check_zero_dims(inputs, pairing, values, argument)
+    check_mask_length(inputs, pairing, {s.name: s.at(values).dims for s in inputs}, argument)
