@@ -49,7 +49,7 @@ def mha_graph(spec: MHASpec, model: onnx.ModelProto) -> onnx.ModelProto:
     ins, outs = signature(model)
     dims = {s.name: s.dims for s in ins}
     if not all(isinstance(d, int) for s in ins for d in s.dims):
-        raise NotFusable("the fused MHA graph needs static dims (bind them with --shape)")
+        raise NotFusable("the fused MHA graph needs static dims (bind every dim in the shape)")
     nodes, inits = [], []
 
     def init(name: str, a: np.ndarray) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockforge.errors import BlockforgeError
+from blockforge.errors import BlockforgeError, Phrase
 from blockforge.graph.model_io import load_npz, model_spec
 from blockforge.graph.shape import ShapeRequest
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
@@ -92,11 +92,13 @@ def verify(opts: VerifyOptions) -> ParityReport:
                      f"{{reference}} {opts.reference} (it must take the quantized model's inputs)", argument="reference")
         extra["reference"] = run_ort(opts.reference, ref_model, inputs, ort_device)
         if quant == "float":
-            notes.append(f"--reference {opts.reference}: the model is not quantized; compared at its float row")
+            notes.append(Phrase(f"{{reference}} {opts.reference}: the model is not quantized; compared at its float row",
+                                "reference"))
     if quant != "float":
-        notes.append(f"precision {quant}: TVM is checked against ONNX Runtime on the same quantized file "
-                     "(parity: a few 8-bit rounding steps of the output's range, graph/tolerance.py); against "
-                     "the float model (oracle or --reference) the quantization's own error is gated by relative L2")
+        notes.append(Phrase(f"precision {quant}: TVM is checked against ONNX Runtime on the same quantized file "
+                            "(parity: a few 8-bit rounding steps of the output's range, graph/tolerance.py); against "
+                            "the float model (oracle or {reference}) the quantization's own error is gated by "
+                            "relative L2", "reference"))
     report = check_parity(model, inputs, extra, ort_device=ort_device, ort_outputs=ort, precision=opts.precision)
     report.notes[:0] = notes
     return report

@@ -27,10 +27,7 @@ class ArgumentError(BlockforgeError):
         return self.arguments[0]
 
     def render(self, name_of=str) -> str:
-        s = self.template
-        for a in self.arguments:
-            s = s.replace("{" + a + "}", name_of(a))
-        return s
+        return _render(self.template, self.arguments, name_of)
 
     def to_dict(self) -> dict:
         return {"template": self.template, "arguments": list(self.arguments)}
@@ -39,6 +36,29 @@ class ArgumentError(BlockforgeError):
     def from_dict(cls, d: dict) -> "ArgumentError":
         """What an isolation child wrote (to_dict): the error crosses as data, not as text."""
         return cls(str(d["template"]), *map(str, d["arguments"]))
+
+
+def _render(template: str, arguments: tuple[str, ...], name_of) -> str:
+    for a in arguments:
+        template = template.replace("{" + a + "}", name_of(a))
+    return template
+
+
+class Phrase(str):
+    """A note (not an error) that names arguments as ArgumentError does, {reference}: as a
+    str, in JSON and to a library caller it reads with the API's names; the CLI prints
+    `render(flag_of)`, its flags."""
+
+    template: str
+    arguments: tuple[str, ...]
+
+    def __new__(cls, template: str, *arguments: str) -> "Phrase":
+        self = super().__new__(cls, _render(template, arguments, str))
+        self.template, self.arguments = template, tuple(arguments)
+        return self
+
+    def render(self, name_of=str) -> str:
+        return _render(self.template, self.arguments, name_of)
 
 
 def with_note(e: BlockforgeError, note: str, *arguments: str) -> BlockforgeError:

@@ -187,18 +187,26 @@ FILE, TREE, INTO = "file", "tree", "into"  # the kinds of output (Output.kind)
 
 @dataclass(frozen=True)
 class Output:
-    """One path a run writes, named as the user gave it (`flag` is how messages name it).
+    """One path a run writes, named by the library argument that holds it (`argument`:
+    output, dump_ir, tuning_db, json, plot; the CLI spells it as its flag) with `suffix` for
+    a file derived from it ("'s manifest").
 
-    kind FILE: a file replaced by rename (--json, --plot, --output, -o MODEL.onnx);
-    TREE: a directory replaced whole (compile's and package's -o), `is_ours` says which
-    existing ones may be replaced without --force; INTO: a directory written into, never
-    replaced (--dump-ir, the tuning database)."""
+    kind FILE: a file replaced by rename (json, plot, a model); TREE: a directory replaced
+    whole (compile's and package's output), `is_ours` says which existing ones may be
+    replaced without `force`; INTO: a directory written into, never replaced (dump_ir, the
+    tuning database)."""
 
-    flag: str
+    argument: str
     path: str | os.PathLike
     kind: str = FILE
     what: str = "output"
     is_ours: Callable[[Path], bool] | None = None
+    suffix: str = ""
+
+    @property
+    def name(self) -> str:
+        """How a message template names it: {argument} and the suffix."""
+        return "{" + self.argument + "}" + self.suffix
 
 
 _MAX_INPUT_FILES = 10_000  # an input directory's files compared by identity (artifacts hold a few)
@@ -275,40 +283,45 @@ def check_outputs(outputs: Iterable[Output | None], inputs: Iterable[str | os.Pa
     """The output policy every verb applies to every path it writes, before any work.
 
     Each output: not an empty path; never a device, FIFO or socket, nor a symbolic link to
-    one (a write by rename would replace the node; --force does not change that); not a
+    one (a write by rename would replace the node; `force` does not change that); not a
     symbolic link (FILE, TREE: the rename would replace the link) and not an input of the
     same run (the same file by identity: a hard link or a symbolic link to it counts),
     unless `force`; a directory replaced whole (TREE) never holds or lies inside an input;
     then the rules of its kind (_check_tree, _check_file, _check_into) and a parent one can
     create files in. Across outputs: no two on the same path, and none inside a TREE."""
-    from blockforge.errors import BlockforgeError
+    from blockforge.errors import ArgumentError, BlockforgeError
+
+    def refuse(template: str, *named: Output, force_named: bool = False) -> ArgumentError:
+        args = [o.argument for o in named] + (["force"] if force_named else [])
+        return ArgumentError(template, *dict.fromkeys(args))
 
     outs = [o for o in outputs if o is not None]
     ins = _Inputs.of(inputs)
     for o in outs:
         if str(o.path) == "":
-            raise BlockforgeError(f"{o.flag}: the path is empty; give a path or leave {o.flag} out")
+            raise refuse(f"{o.name}: the path is empty; give a path or leave {o.name} out", o)
         p = Path(o.path)
         lst, st = _lstat(p), _stat(p)
         node = _node_kind(st) if st is not None else None
         if node:
             via = f"a symbolic link to {node} ({os.path.realpath(p)})" if stat.S_ISLNK(lst.st_mode) else node
-            raise BlockforgeError(f"{o.flag} {p} is {via}, not a regular file; blockforge never writes to one, "
-                                  "even with --force (choose another path)")
+            raise refuse(f"{o.name} {p} is {via}, not a regular file; blockforge never writes to one, "
+                         "even with {force} (choose another path)", o, force_named=True)
         same = ins.match(st)
         if same is not None and o.kind != INTO and not force:
             if stat.S_ISLNK(lst.st_mode):
                 what = f"a symbolic link to {same}, an input of this run"
             else:
                 what = "an input of this run" + ("" if _real(p) == _real(same) else f" (the same file as {same})")
-            raise BlockforgeError(f"{o.flag} {p} is {what}; writing it would destroy the input "
-                                  "(choose another output, or pass --force)")
+            raise refuse(f"{o.name} {p} is {what}; writing it would destroy the input "
+                         "(choose another output, or pass {force})", o, force_named=True)
         if o.kind == TREE:
             real = _real(p)
             for i in ins.paths:
                 if _within(i, real) or _within(real, i):
-                    raise BlockforgeError(f"{o.flag} {p} overlaps the input {i}: the {o.what}, replaced whole, "
-                                          "cannot be, hold or lie inside what the run reads; choose another output")
+                    raise refuse(f"{o.name} {p} overlaps the input {i}: the {o.what}, "
+                                 "replaced whole, cannot be, hold or lie inside what the run reads; choose another "
+                                 "output", o)
         try:
             if o.kind == INTO:
                 _check_into(p, o.what)
@@ -316,19 +329,22 @@ def check_outputs(outputs: Iterable[Output | None], inputs: Iterable[str | os.Pa
                 _check_tree(p, is_ours=o.is_ours, what=o.what, force=force)
             else:
                 _check_file(p, o.what, force=force)
-        except BlockforgeError as e:  # the rules of a kind name the path; the user named a flag
-            raise BlockforgeError(f"{o.flag} {e}") from None
+        except ArgumentError as e:  # the rules of a kind name the path; the user named an argument
+            raise ArgumentError(f"{o.name} {e.template}", *dict.fromkeys((o.argument, *e.arguments))) from None
+        except BlockforgeError as e:
+            raise refuse(f"{o.name} {e}", o) from None
     for n, a in enumerate(outs):
         ra = _real(Path(a.path))
         for b in outs[n + 1:]:
             rb = _real(Path(b.path))
             if ra == rb:
-                raise BlockforgeError(f"{a.flag} and {b.flag} name the same path ({a.path}); one would overwrite "
-                                      "the other: give each its own")
+                raise refuse(f"{a.name} and {b.name} name the same path ({a.path}); one would "
+                             "overwrite the other: give each its own", a, b)
             for tree, other, rt, ro in ((a, b, ra, rb), (b, a, rb, ra)):
                 if tree.kind == TREE and _within(ro, rt):
-                    raise BlockforgeError(f"{other.flag} {other.path} lies inside {tree.flag} {tree.path}, which is "
-                                          "replaced whole at the end; choose a path outside it")
+                    raise refuse(f"{other.name} {other.path} lies inside {tree.name} "
+                                 f"{tree.path}, which is replaced whole at the end; choose a path "
+                                 "outside it", other, tree)
 
 
 def _check_tree(dest: Path, *, is_ours: Callable[[Path], bool] | None, what: str, force: bool) -> None:
@@ -339,29 +355,30 @@ def _check_tree(dest: Path, *, is_ours: Callable[[Path], bool] | None, what: str
       new one is complete;
     - anything else (a user's folder, a file, another kind of output): refused unless
       `force`; even then the old one is only removed once the new one is complete."""
-    from blockforge.errors import BlockforgeError
+    from blockforge.errors import ArgumentError, BlockforgeError
 
     _refuse_node(dest)  # at the swap too: a FIFO or device that appeared meanwhile is never moved aside
     if dest.is_symlink() and not force:
-        raise BlockforgeError(f"{dest} is a symbolic link; refusing to replace it (pass --force to replace the link)")
+        raise ArgumentError(f"{dest} is a symbolic link; refusing to replace it (pass {{force}} to replace "
+                            "the link)", "force")
     if dest.exists():
         empty_dir = dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())
         ours = is_ours is not None and dest.is_dir() and not dest.is_symlink() and is_ours(dest)
         if not (empty_dir or ours or force):
             kind = "a directory" if dest.is_dir() else "a file"
-            raise BlockforgeError(f"{dest} exists and is {kind} that is not a blockforge {what}; refusing to "
-                                  "replace it (choose another output, or pass --force)")
+            raise ArgumentError(f"{dest} exists and is {kind} that is not a blockforge {what}; "
+                                "refusing to replace it (choose another output, or pass {force})", "force")
     _check_parent(dest)
 
 
 def _check_file(dest: Path, what: str, *, force: bool) -> None:
     """A file replaced by rename: not a directory, not a symbolic link unless `force` (the
     rename replaces the link itself, never its target)."""
-    from blockforge.errors import BlockforgeError
+    from blockforge.errors import ArgumentError, BlockforgeError
 
     if dest.is_symlink() and not force:
-        raise BlockforgeError(f"{dest} is a symbolic link; refusing to replace it (pass --force to replace the "
-                              "link itself; its target is left alone)")
+        raise ArgumentError(f"{dest} is a symbolic link; refusing to replace it (pass {{force}} to "
+                            "replace the link itself; its target is left alone)", "force")
     if dest.is_dir():
         raise BlockforgeError(f"{dest} is a directory; the {what} must be a file path")
     _check_parent(dest)

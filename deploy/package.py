@@ -363,7 +363,7 @@ def package_artifact(opts: PackageOptions) -> PackageResult:
         raise BlockforgeError(f"{artifact}: {module} is for {found} but manifest.json says {arch}")
     arch = found
     out = opts.output if opts.output is not None else artifact.with_name(artifact.name + ".pkg")
-    check_outputs([Output("-o", out, TREE, "package", is_package)], [artifact], force=opts.force)
+    check_outputs([Output("output", out, TREE, "package", is_package)], [artifact], force=opts.force)
     dest = Path(out)
 
     shipped = _shipped(arch, opts.app)

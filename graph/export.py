@@ -80,7 +80,7 @@ def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
         raise BlockforgeError(f"output path {path} must end in .onnx")
     mpath = path.with_suffix(".json")
     # before the build: a refused output costs nothing
-    check_outputs([Output("-o", path, what="model"), Output("-o's manifest", mpath, what="model's manifest")],
+    check_outputs([Output("output", path, what="model"), Output("output", mpath, what="model's manifest", suffix="'s manifest")],
                   force=force)
     model, weights = build(spec)
     validate(model)

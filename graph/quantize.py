@@ -239,7 +239,7 @@ def quantize(opts: QuantizeOptions, progress: Callable[[str], None] = lambda s: 
     """Quantize opts.model into opts.output: written whole (atomically) or not at all."""
     if str(opts.output) == "" or Path(opts.output).suffix != ".onnx":
         raise BlockforgeError(f"-o {opts.output}: the output must be a path ending in .onnx")
-    check_outputs([Output("-o", opts.output, what="quantized model")], [opts.model, opts.calibration],
+    check_outputs([Output("output", opts.output, what="quantized model")], [opts.model, opts.calibration],
                   force=opts.force)
     model = load_model(opts.model)
     data, res = quantize_model(model, opts, progress)

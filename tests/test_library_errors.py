@@ -36,6 +36,9 @@ def models(tmp_path_factory):
     np.savez(d / "seq8.npz", x=np.ones((1, 8, 16), np.float32))
     np.savez(d / "f64.npz", x=np.ones((1, 8, 16), np.float64))
     (d / "empty-db").mkdir()
+    (d / "a-dir.onnx").mkdir()
+    (d / "a-file").write_text("a user's file\n")
+    (d / "a-link.onnx").symlink_to(d / "a-file")
     return {"ffn": ffn, "relu": _relu(d / "relu.onnx"), "relu_z": _relu(d / "relu_z.onnx", "z"), "seq8": d / "seq8.npz",
             "f64": d / "f64.npz", "empty_db": d / "empty-db", "dir": d}
 
@@ -67,7 +70,7 @@ def _parse(text):
 def _tune(m, **opts):
     from blockforge.tune import TuneOptions, tune
 
-    tune(TuneOptions(model=m["ffn"], target="host", tuning_db=m["dir"] / "db", progress=False, **opts))
+    tune(TuneOptions(**{"model": m["ffn"], "target": "host", "tuning_db": m["dir"] / "db", "progress": False, **opts}))
 
 
 def _tune_cli(m, *args):
@@ -108,6 +111,18 @@ def _decode_steps(n):
     from blockforge.compile.decode import DecodeOptions
 
     DecodeOptions(n)
+
+
+def _export_to(m, name):
+    from blockforge.graph import FFNSpec, export
+
+    export(FFNSpec(d_model=16, d_ff=32), m["dir"] / name)
+
+
+def _compile_dump_ir(m, name):
+    from blockforge.compile import CompileOptions, compile_model
+
+    compile_model(CompileOptions(model=m["ffn"], target="host", output=m["dir"] / "dumped", dump_ir=m["dir"] / name))
 
 
 def _rpc_port(port):
@@ -199,6 +214,19 @@ CASES = [
     Case("bench-decode-past", lambda m: _bench_decode(m, pasts=(0,)),
          lambda m: ["bench", m["relu"], "--decode", "--past", 0],
          "{pasts} needs lengths >= 1 and {prompt} >= 0", ("pasts", "prompt")),
+    # the output policy (fsutil.check_outputs) in the terms of the argument that holds the path
+    Case("output-is-a-directory", lambda m: _export_to(m, "a-dir.onnx"),
+         lambda m: ["export", "ffn", "--d-model", 16, "--d-ff", 32, "-o", m["dir"] / "a-dir.onnx"],
+         lambda m: f"{{output}} {m['dir'] / 'a-dir.onnx'} is a directory; the model must be a file path", ("output",)),
+    Case("output-is-a-link", lambda m: _export_to(m, "a-link.onnx"),
+         lambda m: ["export", "ffn", "--d-model", 16, "--d-ff", 32, "-o", m["dir"] / "a-link.onnx"],
+         "is a symbolic link; refusing to replace it (pass {force} to replace the link itself", ("output", "force")),
+    Case("dump-ir-is-a-file", lambda m: _compile_dump_ir(m, "a-file"),
+         lambda m: ["compile", m["ffn"], "--target", "host", "-o", m["dir"] / "dumped", "--dump-ir", m["dir"] / "a-file"],
+         lambda m: f"{{dump_ir}} {m['dir'] / 'a-file'}: the IR dump directory must be a directory", ("dump_ir",)),
+    Case("tuning-db-is-a-file", lambda m: _tune(m, tuning_db=m["dir"] / "a-file"),
+         lambda m: ["tune", m["ffn"], "--target", "host", "--tuning-db", m["dir"] / "a-file", "--no-progress"],
+         "the tuning database must be a directory", ("tuning_db",)),
     Case("rpc-port", lambda m: _rpc_port(70000), lambda m: ["rpc", "tracker", "--port", 70000],
          "{port} 70000 is out of range (0..65535; 0 picks a free port)", ("port",)),
     Case("rpc-server", lambda m: _rpc_server(), lambda m: ["rpc", "server"],
@@ -233,3 +261,21 @@ def test_decode_pairing_names_the_shape_argument():
     assert info.value.argument == "shape" and "--" not in str(info.value)
     assert str(info.value).startswith("a.host: cannot decode: past_key's past length is fixed at 17")
     assert str(info.value).endswith("compile without binding it in shape")
+
+
+def test_notes_name_the_argument_cli_the_flag(models, tmp_path):
+    """A note (verify's, for a float model given a float reference) reads in the API's terms to a
+    library caller and in JSON, with the flag in the CLI's output."""
+    import json
+
+    from blockforge.compile import VerifyOptions, verify
+    from blockforge.errors import Phrase
+
+    report = verify(VerifyOptions(model=models["ffn"], reference=models["ffn"]))
+    note = next(n for n in report.notes if "not quantized" in n)
+    assert isinstance(note, Phrase) and note.startswith(f"reference {models['ffn']}:") and "--" not in note
+    assert json.loads(json.dumps({"notes": report.notes}))["notes"] == [str(n) for n in report.notes]
+
+    res = run_cli_in_process("verify", models["ffn"], "--reference", models["ffn"], cwd=tmp_path)
+    assert res.rc == 0, res.err
+    assert f"note: --reference {models['ffn']}: the model is not quantized" in res.out, res.out

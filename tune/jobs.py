@@ -561,7 +561,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
         raise BlockforgeError(f"cannot build for {target.name}: {problem}")
     n_servers = _check_options(opts, target)  # before the slow import, not after
     db_arg = opts.tuning_db if opts.tuning_db is not None else default_db_dir(target, opts.rpc_key)
-    check_outputs([Output("--tuning-db", db_arg, INTO, "tuning database")], [opts.model])  # refused: costs nothing
+    check_outputs([Output("tuning_db", db_arg, INTO, "tuning database")], [opts.model])  # refused: costs nothing
     db_dir = Path(db_arg)
     session = open_model(opts.model, target, opts.shape)
     local = not opts.rpc_tracker and target.run_problem() is None

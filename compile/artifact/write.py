@@ -156,8 +156,8 @@ def default_output(model: Path, target: ResolvedTarget) -> Path:
 
 
 def _check_outputs(opts: CompileOptions, out) -> Path:
-    check_outputs([Output("-o", out, TREE, "artifact", manifest_io.is_artifact),
-                   Output("--dump-ir", opts.dump_ir, INTO, "--dump-ir directory") if opts.dump_ir is not None else None],
+    check_outputs([Output("output", out, TREE, "artifact", manifest_io.is_artifact),
+                   Output("dump_ir", opts.dump_ir, INTO, "IR dump directory") if opts.dump_ir is not None else None],
                   [opts.model, opts.tuning_db], force=opts.force)
     return Path(out)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_force, add_precision, add_shape, check_outputs, shape, path_or_none, write_json
+from .common import add_force, add_precision, add_shape, check_outputs, note_text, shape, path_or_none, write_json
 
 
 DEFAULT_SHAPE = "batch=1,seq=128"
@@ -60,7 +60,7 @@ def run(a) -> int:
                              precision=a.precision))
     print(rep.markdown())
     for n in rep.notes:
-        print(f"note: {n}")
+        print(f"note: {note_text(n)}")
     write_json(a.json, rep.to_dict())
     if a.plot is not None:
         try:
@@ -87,6 +87,6 @@ def run_decode(a) -> int:
                                      tuning_db=path_or_none(a.tuning_db, "--tuning-db")))
     print(rep.markdown())
     for n in rep.notes:
-        print(f"note: {n}")
+        print(f"note: {note_text(n)}")
     write_json(a.json, rep.to_dict())
     return 0

@@ -35,6 +35,13 @@ def error_message(e: BlockforgeError) -> str:
     return e.render(flag_of) if isinstance(e, ArgumentError) else str(e)
 
 
+def note_text(note: str) -> str:
+    """A library note as the CLI prints it: the arguments a Phrase names as flags, made printable."""
+    from blockforge.errors import Phrase, printable
+
+    return printable(note.render(flag_of) if isinstance(note, Phrase) else note, limit=None)
+
+
 def path_or_none(v: str | None, flag: str) -> Path | None:
     """An optional path flag: absent is None; given but empty is the user's mistake (an empty
     --tuning-db once meant the default database, an empty --inputs random inputs)."""
@@ -93,8 +100,8 @@ def check_outputs(a: argparse.Namespace, inputs: list, *others, **paths: str | N
     the work, not after it; an empty path is an error."""
     from blockforge.fsutil import Output, check_outputs as policy
 
-    files = [Output(f"--{flag.replace('_', '-')}", path, what=f"--{flag.replace('_', '-')} output")
-             for flag, path in paths.items() if path is not None]
+    files = [Output(argument, path, what=f"{flag_of(argument)} output")
+             for argument, path in paths.items() if path is not None]
     policy([*files, *others], inputs, force=getattr(a, "force", False))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_force, add_shape, path_or_none, shape
+from .common import add_force, add_shape, note_text, path_or_none, shape
 
 
 def add(sub) -> None:
@@ -39,7 +39,7 @@ def run(a) -> int:
                            activation_type=a.activation_type, shape=shape(a), seed=a.seed, force=a.force)
     res = quantize(opts, progress=lambda s: print(f"quantize: {s}", file=sys.stderr, flush=True))
     for note in res.notes:
-        print(f"note: {printable(note, limit=None)}")
+        print(f"note: {note_text(note)}")
     if res.calibration:
         print(f"calibration: {printable(res.calibration, limit=None)}")
     kept = ", ".join(f"{n} {why}" for why, n in res.kept_float.items()) or "none"

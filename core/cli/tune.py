@@ -42,7 +42,7 @@ def run(a) -> int:
     from blockforge.fsutil import INTO, Output
 
     # --json and the database together: one path for both is refused
-    check_outputs(a, [a.model], Output("--tuning-db", a.tuning_db, INTO, "tuning database")
+    check_outputs(a, [a.model], Output("tuning_db", a.tuning_db, INTO, "tuning database")
                   if a.tuning_db is not None else None, json=a.json)
     from blockforge.tune import TuneOptions, tune
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_force, add_precision, add_shape, add_tuning, check_outputs, shape, path_or_none, print_table, write_json
+from .common import add_force, add_precision, add_shape, add_tuning, check_outputs, note_text, shape, path_or_none, print_table, write_json
 
 
 def add(sub) -> None:
@@ -31,7 +31,7 @@ def run(a) -> int:
                                   target=a.target, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
                                   precision=a.precision, reference=path_or_none(a.reference, "--reference")))
     for note in report.notes:
-        print(f"note: {printable(note, limit=None)}")
+        print(f"note: {note_text(note)}")
     for issue in report.input_issues:
         print(f"warning: {printable(issue, limit=None)}")
     rows = [[c.pair, printable(c.output), f"{c.max_abs:.3e}", _rel(c), f"{c.tol_used:.3g}", _tol(c),
