@@ -3,12 +3,12 @@ against ONNX Runtime and OpenVINO on the same quantized file, timed interleaved.
 
     flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_whole.py bert_dyn.onnx --seq 512 [--repeat 6] [--threads 1]
 
-(`blockforge quantize bert.onnx --mode dynamic|static -o ...` makes the file.) `bench` itself refuses to
-time blockforge on whole int8 BERT-base: over 12 layers the engines' rounding flips exceed the
-int8 parity row of graph/tolerance.py (sized on one block), though both are as accurate against
-the float model. Here every contender's distance to ORT is printed (with the output's range)
-instead of gating, and the times are ratios to blockforge. `--threads 1`: one thread each, in CPU
-time (TVM's pool and ORT run on the calling thread; ratios that hold on a loaded machine).
+(`blockforge quantize bert.onnx --mode dynamic|static -o ...` makes the file.) Over 12 layers the
+engines' rounding flips exceed the int8 parity row of one block; such a model is judged as a whole
+(graph/tolerance.py's "deep" rows, rel L2) by `bench` and `verify`. Here every contender's
+elementwise distance to ORT is printed too (with the output's range), and the times are ratios to
+blockforge. `--threads 1`: one thread each, in CPU time (TVM's pool and ORT run on the calling
+thread; ratios that hold on a loaded machine).
 """
 
 from __future__ import annotations

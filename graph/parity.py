@@ -39,7 +39,8 @@ class ParityReport:
                 {"pair": c.pair, "output": c.output, "max_abs": c.max_abs, "max_rel": c.max_rel,
                  "rel_count": c.rel_count, "count": c.count,  # max_rel: over |expected| > atol
                  "rtol": c.tol.rtol, "atol": c.tol.atol, "step": c.tol.step, "passed": c.passed, "note": c.note,
-                 "precision": c.precision or "float", "rel_l2": c.rel_l2, "accuracy_gate": c.gate}
+                 "precision": c.precision or "float", "rel_l2": c.rel_l2, "accuracy_gate": c.gate,
+                 "rel_l2_limit": c.tol.rel_l2}  # set: the row judges the whole output (bf16, deep int8)
                 for c in self.comparisons
             ],
         }
@@ -86,8 +87,7 @@ def compare_runs(model: onnx.ModelProto, runs: dict[str, dict[str, np.ndarray]],
     row (bf16). A quantized model (int8) is compared with ONNX Runtime on the same file at the
     int8 parity row; against a float original (the oracle, --reference) by the accuracy gate:
     the quantization's error is the model's, not ours."""
-    spec = model_spec(model)
-    kind = spec.kind if spec else None
+    kind = tolerance_kind(model)
     quant = model_precision(model)
     out_names = [o.name for o in model.graph.output]
     cmp = []
@@ -106,6 +106,18 @@ def compare_runs(model: onnx.ModelProto, runs: dict[str, dict[str, np.ndarray]],
             cmp.append(replace(compare(f"{a} vs {b}", name, actual, runs[b][name], tol),
                                precision=quant if quant != "float" else (row if row != "fp32" else "")))
     return cmp
+
+
+def tolerance_kind(model: onnx.ModelProto) -> str | None:
+    """Which rows of graph/tolerance.py hold the model's outputs: a blockforge model's spec kind;
+    a quantized one deeper than an encoder block, "deep"; else None (foreign: the block rows)."""
+    from .quantize import is_quantized, quantized_depth
+    from .tolerance import INT8_BLOCK_DEPTH
+
+    spec = model_spec(model)
+    if spec is not None:
+        return spec.kind
+    return "deep" if is_quantized(model) and quantized_depth(model) > INT8_BLOCK_DEPTH else None
 
 
 def model_precision(model: onnx.ModelProto) -> str:

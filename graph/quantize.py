@@ -72,6 +72,27 @@ def is_quantized(model: onnx.ModelProto) -> bool:
     return any(n.op_type in QUANTIZED_OPS for n in model.graph.node)
 
 
+_INT8_GEMMS = frozenset({"MatMulInteger", "QLinearMatMul", "MatMulIntegerToFloat", "QGemm", "ConvInteger",
+                         "QLinearConv", "DynamicQuantizeMatMul", "QAttention"})
+_FLOAT_GEMMS = frozenset({"MatMul", "Gemm", "Conv"})  # quantized when fed by a DequantizeLinear (QDQ)
+
+
+def quantized_depth(model: onnx.ModelProto) -> int:
+    """The most quantized GEMMs on one path from the graph's inputs to an output: how many
+    roundings a flip can pass through and grow (a MatMul/Gemm/Conv with a DequantizeLinear
+    operand counts, as QDQ writes them). One BERT-base layer: 4 dynamic, 6 QDQ."""
+    depth: dict[str, int] = {}
+    producer = {o: n.op_type for n in model.graph.node for o in n.output}
+    for n in model.graph.node:  # ONNX graphs are topologically sorted
+        d = max((depth.get(i, 0) for i in n.input), default=0)
+        if n.op_type in _INT8_GEMMS or (n.op_type in _FLOAT_GEMMS
+                                        and any(producer.get(i) == "DequantizeLinear" for i in n.input)):
+            d += 1
+        for o in n.output:
+            depth[o] = d
+    return max((depth.get(o.name, 0) for o in model.graph.output), default=0)
+
+
 def float_exclusions(model: onnx.ModelProto) -> dict[str, list[str]]:
     """Nodes kept in float, by reason (Optimum's exclusions): LayerNorm, Softmax, the Gelu/Erf
     chain (Erf and the Div/Add/Mul around it), residual Adds (both operands computed) and the

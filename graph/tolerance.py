@@ -29,6 +29,10 @@ class Tolerance:
 
 
 INT8_STEPS = 4  # int8 parity: 8-bit steps of the output's range (measured up to 2.5, below)
+# Deeper than one encoder block (graph/quantize.quantized_depth: BERT-base layer 4 dynamic, 6
+# QDQ) a quantized model is judged as a whole ("deep" rows): over 12 layers each flip is
+# requantized and spread again, and two correct int8 engines part by far more than the steps.
+INT8_BLOCK_DEPTH = 6
 
 TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # A single MHA/FFN: float32 GEMMs over d_model/d_ff terms differ from the float64
@@ -58,6 +62,13 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # too), which blockforge matches (0.001% of elements above 1e-5).
     ("int8", "op"): Tolerance(rtol=1e-4, atol=1e-5, step=INT8_STEPS / 255),
     ("int8", "block"): Tolerance(rtol=1e-4, atol=1e-4, step=INT8_STEPS / 255),
+    # Deep int8 (BERT-base 12 layers, seq 128, seeds 0/1, against ORT on the same file):
+    # dynamic: blockforge max 4.5-5.1 steps of max|ORT|/255, rel L2 1.6e-2; OpenVINO 3.9-4.3,
+    # 1.6e-2. Static QDQ: blockforge max 11.9-12.1 steps, 13-15% of elements beyond 4 steps, rel L2
+    # 4.6-4.9e-2; OpenVINO 13.0-13.3 steps, rel L2 4.8-4.9e-2 -- as far as ORT's own int8 is from
+    # the float model (5.3e-2). So the whole output is judged, 2x the worst measured; a wrong
+    # scale, zero point or layout is off by O(1).
+    ("int8", "deep"): Tolerance(rtol=0.0, atol=0.0, rel_l2=1e-1),
 }
 
 # Relative L2 error a quantized model may show against its float original (ORT or
@@ -69,18 +80,25 @@ ACCURACY: dict[tuple[str, str], float] = {
     ("int8", "ffn"): 5e-2,
     ("int8", "mha"): 2.5e-1,
     ("int8", "block"): 7e-2,
+    # BERT-base 12 layers (ORT int8 vs ORT float, seq 128): dynamic 2.8e-2, static QDQ 5.3e-2
+    ("int8", "deep"): 1e-1,
 }
 PRECISION_DTYPE = {"bf16": "bfloat16"}  # a build's precision -> the row its outputs are held to
 
 
+def _scope(kind: str | None) -> str:
+    return kind if kind in ("block", "deep") else "op"
+
+
 def tolerance_for(dtype: str, kind: str) -> Tolerance:
-    """kind is the spec kind ("mha", "ffn", "block") or a scope ("op", "block")."""
-    scope = "block" if kind == "block" else "op"
+    """kind is the spec kind ("mha", "ffn", "block") or a scope ("op", "block"; "deep" is
+    int8's alone: a float model of any depth is held to its block row)."""
+    scope = "block" if kind == "deep" else _scope(kind)
     return TOLERANCES[(str(np.dtype(dtype)), scope)]
 
 
 def tolerance_for_precision(precision: str, kind: str) -> Tolerance:
-    return TOLERANCES[(precision, "block" if kind == "block" else "op")]
+    return TOLERANCES[(precision, "block" if kind == "deep" and precision != "int8" else _scope(kind))]
 
 
 def accuracy_gate(precision: str, spec_kind: str | None) -> float:
@@ -99,7 +117,7 @@ def output_tolerance(dtype, spec_kind: str | None, precision: str | None = None)
     if precision == "int8":
         return tolerance_for_precision("int8", kind)
     if precision in PRECISION_DTYPE and str(dtype) == "float32":
-        return TOLERANCES[(PRECISION_DTYPE[precision], "block" if kind == "block" else "op")]
+        return tolerance_for_precision(PRECISION_DTYPE[precision], kind)
     try:
         return tolerance_for(dtype, kind)
     except (KeyError, TypeError):

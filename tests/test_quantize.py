@@ -149,6 +149,84 @@ def test_int8_parity_row_allows_a_few_rounding_steps_of_the_range():
     assert not compare("tvm vs ort", "y", e + 0.9 * one, e, output_tolerance(np.float32, "ffn")).passed  # float row
 
 
+def _chain(path, n: int, d: int = 16, parallel: bool = False):
+    """x -> n x (MatMul by a d x d weight, Relu) in series (or, parallel: n MatMuls of x summed)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+    for i in range(n):
+        w = f"w{i}"
+        inits.append(numpy_helper.from_array((rng.standard_normal((d, d)) / 4).astype(np.float32), w))
+        src = "x" if parallel else cur
+        nodes += [helper.make_node("MatMul", [src, w], [f"m{i}"], name=f"layer_{i}/matmul"),
+                  helper.make_node("Relu", [f"m{i}"], [f"r{i}"], name=f"layer_{i}/relu")]
+        if parallel and i:
+            nodes.append(helper.make_node("Add", [cur, f"r{i}"], [f"s{i}"]))
+            cur = f"s{i}"
+        else:
+            cur = f"r{i}"
+    nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, d])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, d])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    onnx.save(m, str(path))
+    return path
+
+
+def _quantized_chain(tmp_path, n, mode="dynamic", parallel=False):
+    from blockforge.graph.quantize import QuantizeOptions, quantize
+
+    f = _chain(tmp_path / f"f{n}{parallel}.onnx", n, parallel=parallel)
+    q = tmp_path / f"q{n}{mode}{parallel}.onnx"
+    quantize(QuantizeOptions(model=f, output=q, mode=mode))
+    return f, q
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_quantized_depth_counts_the_gemms_in_series(tmp_path, mode):
+    from blockforge.graph.parity import tolerance_kind
+    from blockforge.graph.quantize import quantized_depth
+    from blockforge.graph.tolerance import INT8_BLOCK_DEPTH
+
+    for n, parallel, depth in ((3, False, 3), (INT8_BLOCK_DEPTH + 1, False, INT8_BLOCK_DEPTH + 1),
+                               (INT8_BLOCK_DEPTH + 1, True, 1)):
+        f, q = _quantized_chain(tmp_path, n, mode, parallel)
+        m = onnx.load(str(q))
+        assert quantized_depth(m) == depth, (n, parallel, mode)
+        assert quantized_depth(onnx.load(str(f))) == 0
+        assert tolerance_kind(m) == ("deep" if depth > INT8_BLOCK_DEPTH else None)
+    assert quantized_depth(onnx.load(str(_quantized_chain(tmp_path, 2, mode)[1]))) == 2
+
+
+def test_deep_int8_row_judges_the_whole_output():
+    """A 12-layer int8 model's flips (measured: 12 steps of max|ORT|/255, rel L2 4.9e-2 between
+    two correct engines) pass the deep row and fail the block row; a wrong scale fails both."""
+    from blockforge.graph.tolerance import compare, output_tolerance
+
+    rng = np.random.default_rng(0)
+    e = rng.standard_normal((128, 768))
+    step = np.abs(e).max() / 255
+    steps = rng.choice([0, 1, 2, 3, 4, 8, 12], e.shape, p=[.27, .25, .18, .15, .05, .07, .03])  # 10% beyond 4
+    flips = e + rng.choice([-1, 1], e.shape) * steps * step
+    deep, block = output_tolerance(np.float32, "deep", "int8"), output_tolerance(np.float32, None, "int8")
+    assert 3e-2 < compare("tvm vs ort", "y", flips, e, deep).rel_l2 < deep.rel_l2
+    assert compare("tvm vs ort", "y", flips, e, deep).passed and not compare("tvm vs ort", "y", flips, e, block).passed
+    assert not compare("tvm vs ort", "y", e * 1.25, e, deep).passed
+    assert output_tolerance(np.float32, "deep") == output_tolerance(np.float32, "block")  # float: no deep row
+
+
+def test_verify_deep_quantized_model_on_the_deep_row(tmp_path):
+    import json
+
+    from blockforge.graph.tolerance import INT8_BLOCK_DEPTH, TOLERANCES
+
+    f, q = _quantized_chain(tmp_path, INT8_BLOCK_DEPTH + 2)
+    res = cli("verify", str(q), "--target", "host", "--reference", str(f), "--json", str(tmp_path / "r.json"))
+    assert res.rc == 0, res.text
+    rows = {r["pair"]: r for r in json.loads((tmp_path / "r.json").read_text())["comparisons"]}
+    assert rows["tvm vs ort"]["rel_l2_limit"] == TOLERANCES[("int8", "deep")].rel_l2 and rows["tvm vs ort"]["passed"]
+
+
 def test_accuracy_gate_by_relative_l2():
     from blockforge.graph.tolerance import ACCURACY, compare_accuracy
 
