@@ -125,6 +125,24 @@ def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> 
     return min(qt, sq)
 
 
+def lane_reduce(tirx, buf, at: list, op, width: int):
+    """buf[*at, 0:width] reduced to a scalar by a tree of vector halves held in registers
+    (Shuffle): log2(width) steps, not width dependent scalar ones (the row reductions are
+    latency-bound). Halving through memory (store the halves, reload) made LLVM split the
+    buffer into 8-byte pieces: each step became lane extracts and inserts (vpextrq/vinsertps)."""
+    if width == 1:
+        return tirx.BufferLoad(buf, at + [tirx.const(0, "int64")])
+    def step(v, width):
+        if width == 1:
+            return v
+        x, w = tirx.Var(f"lanes{width}", f"{buf.dtype}x{width}"), width // 2  # bound once: both halves read it
+        lo = tirx.Shuffle([x], [tirx.const(k, "int32") for k in range(w)])
+        hi = tirx.Shuffle([x], [tirx.const(k + w, "int32") for k in range(w)])
+        return tirx.Let(x, v, step(op(lo, hi), w))
+
+    return step(tirx.BufferLoad(buf, at + [tirx.Ramp(tirx.const(0, "int64"), tirx.const(1, "int64"), width)]), width)
+
+
 def fast_exp(x, nonpositive: bool = False):
     """topi.fast_exp's polynomial as a TIR expression (float32): vectorises and inlines,
     unlike libm's expf; relative error ~1e-7; exp(-inf) and anything below -88.38 give
@@ -222,13 +240,17 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                 q0 = p % n_q * i64(qt)
                 acc = T.alloc_buffer((qt, spec.dv), "float32", scope="local")
                 s = T.alloc_buffer((qt, kt), "float32", scope="local")
-                m = T.alloc_buffer((qt,), "float32", scope="local")
+                qtp = -(-qt // vk) * vk  # row buffers in whole vectors (alpha is computed so)
+                m = T.alloc_buffer((qtp,), "float32", scope="local")
                 el = T.alloc_buffer((qt,), "float32", scope="local")
-                alpha = T.alloc_buffer((qt,), "float32", scope="local")
+                alpha = T.alloc_buffer((qtp,), "float32", scope="local")
+                mnew = T.alloc_buffer((qtp,), "float32", scope="local")  # the new max, then the exp shift
                 part = T.alloc_buffer((vk,), "float32", scope="local")
                 pmax = T.alloc_buffer((qt, vk), "float32", scope="local")  # per-row partial maxima
-                with T.serial(i64(0), i64(qt)) as i:
+                with T.serial(i64(0), i64(qtp)) as i:
                     T.buffer_store(m, neg_inf, [i])
+                    T.buffer_store(mnew, neg_inf, [i])  # padding rows: defined values, never read back
+                with T.serial(i64(0), i64(qt)) as i:
                     T.buffer_store(el, f32(0), [i])
                     with T.vectorized(i64(0), i64(spec.dv)) as d:
                         T.buffer_store(acc, f32(0), [i, d])
@@ -237,14 +259,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
                     return q0 + i if static_q_exact else tirx.min(q0 + i, Sq - i64(1))
 
-                def halve(buf, op, width=vk):
-                    """Reduce buf[0:width] into buf[0] as a tree of vector halves (log2 steps, not
-                    width dependent scalar ones: the row reductions are latency-bound)."""
-                    w = width
-                    while w > 1:
-                        w //= 2
-                        with T.vectorized(i64(0), i64(w)) as j:
-                            T.buffer_store(buf, op(buf[j], buf[j + i64(w)]), [j])
+                def halve(buf, op, width=vk, at=()):
+                    """buf[*at, 0:width] reduced to a scalar (see lane_reduce)."""
+                    return lane_reduce(tirx, buf, list(at), op, width)
 
                 def tile(k0, valid, skip=0):
                     """One key tile at k0 (valid: its key count when partial, else None; skip:
@@ -254,8 +271,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
                         r = T.alloc_buffer((mr_s, kt), "float32", scope="local")
                         with T.unroll(i64(0), i64(mr_s)) as ii:
-                            with T.vectorized(i64(0), i64(kt)) as j:
-                                T.buffer_store(r, f32(0), [ii, j])
+                          with T.unroll(i64(0), i64(kt // vk)) as c:
+                            with T.vectorized(i64(0), i64(vk)) as jv:
+                                T.buffer_store(r, f32(0), [ii, c * i64(vk) + jv])
                         if key_rows:
                             # K as the cache holds it (keys x d): each score a dot product
                             # vectorised along d (contiguous), then a tree sum; no K^T copy
@@ -270,13 +288,14 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                             qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
                                             kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                             T.buffer_store(dot, dot[e] + qv * kv, [e])
-                                    halve(dot, lambda a, c: a + c, vd)
-                                    T.buffer_store(r, dot[0], [ii, j])
+                                    T.buffer_store(r, halve(dot, lambda a, c: a + c, vd), [ii, j])
                         else:
                           with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
                                 qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
-                                with T.vectorized(i64(0), i64(kt)) as j:
+                                with T.unroll(i64(0), i64(kt // vk)) as c:
+                                  with T.vectorized(i64(0), i64(vk)) as jv:
+                                    j = c * i64(vk) + jv
                                     kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                     T.buffer_store(r, r[ii, j] + qv * kv, [ii, j])
                         with T.unroll(i64(0), i64(mr_s)) as ii:
@@ -307,14 +326,20 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 T.buffer_store(pmax, tirx.max(pmax[row, jv], x), [row, jv])
                     # online softmax: new running max, p = exp(s - m'), rescale factor alpha
                     with T.serial(i64(0), i64(qt)) as i:
-                        with T.vectorized(i64(0), i64(vk)) as j:
-                            T.buffer_store(part, pmax[i, j], [j])
-                        halve(part, tirx.max)
-                        mx = T.Bind(tirx.max(m[i], part[0]))
+                        T.buffer_store(mnew, tirx.max(m[i], halve(pmax, tirx.max, at=(i,))), [i])
+                    # alpha across rows, vectorised: one scalar exp per row and tile cost as
+                    # much as the 16 lanes of one
+                    # (in whole vectors: the row buffers are padded to qtp rows)
+                    with T.serial(i64(0), i64(qtp // vk)) as c:
+                      with T.vectorized(i64(0), i64(vk)) as iv:
+                        i = c * i64(vk) + iv
                         # a row with no finite score yet keeps exp(-inf - 0) = 0, not NaN
-                        mu = T.Bind(tirx.Select(mx == neg_inf, f32(0), mx))
+                        mu = T.Bind(tirx.Select(mnew[i] == neg_inf, f32(0), mnew[i]))
                         T.buffer_store(alpha, fast_exp(m[i] - mu, nonpositive=True), [i])
-                        T.buffer_store(m, mx, [i])
+                        T.buffer_store(m, mnew[i], [i])
+                        T.buffer_store(mnew, mu, [i])
+                    with T.serial(i64(0), i64(qt)) as i:
+                        mu = mnew[i]
                         with T.vectorized(i64(0), i64(vk)) as j:
                             T.buffer_store(part, f32(0), [j])
                         with T.serial(i64(0), i64(kt // vk)) as c:
@@ -322,8 +347,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 e = T.Bind(fast_exp(s[i, c * i64(vk) + j] - mu, nonpositive=True))
                                 T.buffer_store(s, e, [i, c * i64(vk) + j])
                                 T.buffer_store(part, part[j] + e, [j])
-                        halve(part, lambda a, c: a + c)
-                        T.buffer_store(el, el[i] * alpha[i] + part[0], [i])
+                        T.buffer_store(el, el[i] * alpha[i] + halve(part, lambda a, c: a + c), [i])
                     # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
