@@ -238,6 +238,22 @@ def test_kernel_static_ragged_keys_read_k_unclamped(causal):
     assert not clamped
 
 
+@pytest.mark.parametrize("sq, skv, causal", [(150, 150, False), (150, 150, True), (70, 70, False), (40, 100, False)])
+def test_kernel_static_ragged_tail_reads_only_the_vectors_it_needs(sq, skv, causal):
+    """Static Skv = n * kt + rest: the last tile is the fewest whole vectors that cover rest,
+    ending at Skv (Whisper's 1500 = 23 * 64 + 28: a 32-key tile overlapping 4 keys, where a
+    64-key one visited 36 keys twice, 2.3% of the kernel's work), and still exact."""
+    kt = 4 * LANES
+    rest = skv % kt
+    kw = -(-rest // LANES) * LANES
+    spec = _spec(sq=sq, skv=skv, batch=2, causal=causal, fill=0.0 if causal else None)
+    text = attention.kernel(spec, (64, kt), LANES).script()
+    starts = {int(x) for a in _call_args(text, "k_t[", "]") for x in re.findall(r"T\.int64\((\d+)\) \+", a)}
+    assert skv - kw in starts and skv - kt not in starts, (sorted(starts), skv - kw)
+    got, want = _run_kernel(spec, (64, kt), 2, sq, skv)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def _call_args(text: str, call: str, close: str = ")") -> list[str]:
     """The text inside each `call(...)` (or `name[...]`) in text, to its matching bracket."""
     opener = call[-1]
