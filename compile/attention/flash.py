@@ -110,19 +110,28 @@ def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> 
     measured, 12 heads, 1 thread CPU time: 2.77 -> 2.12 ms, benchmarks/attention_qtile.py).
     A decode step (Sq = 1, or a short chunk) gets Sq rows, not a full tile of clamped ones.
     The smallest such tile whose micro-kernels (widths: the Q K^T and P V row lengths) get
-    min(4, Sq) rows or more: Whisper's 1500 keeps 64 (24 tiles of 63 would run 3-row ones).
+    min(4, Sq) rows or more (24 tiles of 63 would run 3-row ones), from as many tiles as qt
+    needs or one more, whichever computes fewer rows.
     An Sq below one tile stays its own tile: Wav2Vec2's 49 as 50 ran 3.3x faster as a kernel
     alone but its whole model 1.44x slower (loaded machine, benchmarks/whole_ab.py): unresolved."""
     if sq is None or sq % qt == 0:
         return qt
     if sq < qt:
         return sq
-    lo = -(-sq // -(-sq // qt))  # ceil(sq / number of tiles)
-    want = min(4, lo)
-    for t in range(lo, max(qt, lo) + 1):
-        if min(micro_rows(t, max(1, w // lanes), lanes) for w in widths) >= want:
-            return t
-    return min(qt, sq)
+
+    def balanced(n):  # the tile for n tiles
+        lo = -(-sq // n)  # ceil(sq / n)
+        want = min(4, lo)
+        for t in range(lo, max(qt, lo) + 1):
+            if min(micro_rows(t, max(1, w // lanes), lanes) for w in widths) >= want:
+                return t
+        return min(qt, sq)
+
+    # One tile more when it computes fewer rows: Whisper's 1500 as 25 x 60 (6-row
+    # micro-kernels, no clamped row), not 24 x 64 = 1536 rows (measured, kernel alone,
+    # 1 thread: 0.95x). Ties keep the fewer tiles (ViT's 197: 4 x 50, not 5 x 40).
+    n = -(-sq // qt)
+    return min((balanced(n), balanced(n + 1)), key=lambda t: -(-sq // t) * t)
 
 
 def lane_reduce(tirx, buf, at: list, op, width: int):
