@@ -22,9 +22,10 @@ def _spec(sq: int, heads: int = 12) -> attention.AttentionSpec:
                                    scale=0.125, batch=1, sq=sq, skv=sq)
 
 
-@pytest.mark.parametrize("sq, want", [(197, 50), (128, 64), (1500, 64), (49, 49), (7, 7), (5, 5), (1, 1), (300, 60)])
+@pytest.mark.parametrize("sq, want", [(197, 50), (128, 64), (1500, 60), (130, 44), (49, 49), (7, 7), (5, 5), (1, 1), (300, 60)])
 def test_query_tile(sq, want):
-    """197 -> 4 tiles of 50; Whisper's 1500 keeps 64 (63 would run 3-row micro-kernels);
+    """197 -> 4 tiles of 50; Whisper's 1500 -> 25 tiles of 60 (24 of 64 compute 1536 rows, 24 of
+    63 would run 3-row micro-kernels); 130 -> 3 of 44 (4 of 35 compute more rows);
     an Sq below one tile (a decode chunk, Wav2Vec2's 49) is its own tile."""
     assert query_tile(64, sq, (64, 64), 16) == want
     assert str(attention.kernel(_spec(sq), lanes=16).attrs[attention.KERNEL_ATTR + ".tiles"]) == f"{want}x64"

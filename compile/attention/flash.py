@@ -110,19 +110,46 @@ def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> 
     measured, 12 heads, 1 thread CPU time: 2.77 -> 2.12 ms, benchmarks/attention_qtile.py).
     A decode step (Sq = 1, or a short chunk) gets Sq rows, not a full tile of clamped ones.
     The smallest such tile whose micro-kernels (widths: the Q K^T and P V row lengths) get
-    min(4, Sq) rows or more: Whisper's 1500 keeps 64 (24 tiles of 63 would run 3-row ones).
+    min(4, Sq) rows or more (24 tiles of 63 would run 3-row ones), from as many tiles as qt
+    needs or one more, whichever computes fewer rows.
     An Sq below one tile stays its own tile: Wav2Vec2's 49 as 50 ran 3.3x faster as a kernel
     alone but its whole model 1.44x slower (loaded machine, benchmarks/whole_ab.py): unresolved."""
     if sq is None or sq % qt == 0:
         return qt
     if sq < qt:
         return sq
-    lo = -(-sq // -(-sq // qt))  # ceil(sq / number of tiles)
-    want = min(4, lo)
-    for t in range(lo, max(qt, lo) + 1):
-        if min(micro_rows(t, max(1, w // lanes), lanes) for w in widths) >= want:
-            return t
-    return min(qt, sq)
+
+    def balanced(n):  # the tile for n tiles
+        lo = -(-sq // n)  # ceil(sq / n)
+        want = min(4, lo)
+        for t in range(lo, max(qt, lo) + 1):
+            if min(micro_rows(t, max(1, w // lanes), lanes) for w in widths) >= want:
+                return t
+        return min(qt, sq)
+
+    # One tile more when it computes fewer rows: Whisper's 1500 as 25 x 60 (6-row
+    # micro-kernels, no clamped row), not 24 x 64 = 1536 rows (measured, kernel alone,
+    # 1 thread: 0.95x). Ties keep the fewer tiles (ViT's 197: 4 x 50, not 5 x 40).
+    n = -(-sq // qt)
+    return min((balanced(n), balanced(n + 1)), key=lambda t: -(-sq // t) * t)
+
+
+def lane_reduce(tirx, buf, at: list, op, width: int):
+    """buf[*at, 0:width] reduced to a scalar by a tree of vector halves held in registers
+    (Shuffle): log2(width) steps, not width dependent scalar ones (the row reductions are
+    latency-bound). Halving through memory (store the halves, reload) made LLVM split the
+    buffer into 8-byte pieces: each step became lane extracts and inserts (vpextrq/vinsertps)."""
+    if width == 1:
+        return tirx.BufferLoad(buf, at + [tirx.const(0, "int64")])
+    def step(v, width):
+        if width == 1:
+            return v
+        x, w = tirx.Var(f"lanes{width}", f"{buf.dtype}x{width}"), width // 2  # bound once: both halves read it
+        lo = tirx.Shuffle([x], [tirx.const(k, "int32") for k in range(w)])
+        hi = tirx.Shuffle([x], [tirx.const(k + w, "int32") for k in range(w)])
+        return tirx.Let(x, v, step(op(lo, hi), w))
+
+    return step(tirx.BufferLoad(buf, at + [tirx.Ramp(tirx.const(0, "int64"), tirx.const(1, "int64"), width)]), width)
 
 
 def fast_exp(x, nonpositive: bool = False):
@@ -222,13 +249,17 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                 q0 = p % n_q * i64(qt)
                 acc = T.alloc_buffer((qt, spec.dv), "float32", scope="local")
                 s = T.alloc_buffer((qt, kt), "float32", scope="local")
-                m = T.alloc_buffer((qt,), "float32", scope="local")
+                qtp = -(-qt // vk) * vk  # row buffers in whole vectors (alpha is computed so)
+                m = T.alloc_buffer((qtp,), "float32", scope="local")
                 el = T.alloc_buffer((qt,), "float32", scope="local")
-                alpha = T.alloc_buffer((qt,), "float32", scope="local")
+                alpha = T.alloc_buffer((qtp,), "float32", scope="local")
+                mnew = T.alloc_buffer((qtp,), "float32", scope="local")  # the new max, then the exp shift
                 part = T.alloc_buffer((vk,), "float32", scope="local")
                 pmax = T.alloc_buffer((qt, vk), "float32", scope="local")  # per-row partial maxima
-                with T.serial(i64(0), i64(qt)) as i:
+                with T.serial(i64(0), i64(qtp)) as i:
                     T.buffer_store(m, neg_inf, [i])
+                    T.buffer_store(mnew, neg_inf, [i])  # padding rows: defined values, never read back
+                with T.serial(i64(0), i64(qt)) as i:
                     T.buffer_store(el, f32(0), [i])
                     with T.vectorized(i64(0), i64(spec.dv)) as d:
                         T.buffer_store(acc, f32(0), [i, d])
@@ -237,31 +268,28 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
                     return q0 + i if static_q_exact else tirx.min(q0 + i, Sq - i64(1))
 
-                def halve(buf, op, width=vk):
-                    """Reduce buf[0:width] into buf[0] as a tree of vector halves (log2 steps, not
-                    width dependent scalar ones: the row reductions are latency-bound)."""
-                    w = width
-                    while w > 1:
-                        w //= 2
-                        with T.vectorized(i64(0), i64(w)) as j:
-                            T.buffer_store(buf, op(buf[j], buf[j + i64(w)]), [j])
+                def halve(buf, op, width=vk, at=()):
+                    """buf[*at, 0:width] reduced to a scalar (see lane_reduce)."""
+                    return lane_reduce(tirx, buf, list(at), op, width)
 
-                def tile(k0, valid, skip=0):
-                    """One key tile at k0 (valid: its key count when partial, else None; skip:
-                    its first keys were visited by the previous tile and are dropped here)."""
+                def tile(k0, valid, skip=0, kw=kt):
+                    """One key tile of kw keys at k0 (valid: its key count when partial, else
+                    None; skip: its first keys were visited by the previous tile and are
+                    dropped here)."""
                     kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
                     # scores: MR rows x KT keys in registers, reduced over d
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
-                        r = T.alloc_buffer((mr_s, kt), "float32", scope="local")
+                        r = T.alloc_buffer((mr_s, kw), "float32", scope="local")
                         with T.unroll(i64(0), i64(mr_s)) as ii:
-                            with T.vectorized(i64(0), i64(kt)) as j:
-                                T.buffer_store(r, f32(0), [ii, j])
+                          with T.unroll(i64(0), i64(kw // vk)) as c:
+                            with T.vectorized(i64(0), i64(vk)) as jv:
+                                T.buffer_store(r, f32(0), [ii, c * i64(vk) + jv])
                         if key_rows:
                             # K as the cache holds it (keys x d): each score a dot product
                             # vectorised along d (contiguous), then a tree sum; no K^T copy
                             dot = T.alloc_buffer((vd,), "float32", scope="local")
                             with T.unroll(i64(0), i64(mr_s)) as ii:
-                                with T.serial(i64(0), i64(kt)) as j:
+                                with T.serial(i64(0), i64(kw)) as j:
                                     with T.vectorized(i64(0), i64(vd)) as e:
                                         T.buffer_store(dot, f32(0), [e])
                                     with T.serial(i64(0), D // i64(vd)) as c:
@@ -270,13 +298,14 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                             qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
                                             kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                             T.buffer_store(dot, dot[e] + qv * kv, [e])
-                                    halve(dot, lambda a, c: a + c, vd)
-                                    T.buffer_store(r, dot[0], [ii, j])
+                                    T.buffer_store(r, halve(dot, lambda a, c: a + c, vd), [ii, j])
                         else:
                           with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
                                 qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
-                                with T.vectorized(i64(0), i64(kt)) as j:
+                                with T.unroll(i64(0), i64(kw // vk)) as c:
+                                  with T.vectorized(i64(0), i64(vk)) as jv:
+                                    j = c * i64(vk) + jv
                                     kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                     T.buffer_store(r, r[ii, j] + qv * kv, [ii, j])
                         with T.unroll(i64(0), i64(mr_s)) as ii:
@@ -284,7 +313,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             # the row max is taken here, from registers: one pass over s less
                             with T.vectorized(i64(0), i64(vk)) as j:
                                 T.buffer_store(pmax, neg_inf, [row, j])
-                            with T.unroll(i64(0), i64(kt // vk)) as c:
+                            with T.unroll(i64(0), i64(kw // vk)) as c:
                               with T.vectorized(i64(0), i64(vk)) as jv:
                                 j = c * i64(vk) + jv
                                 x = r[ii, j] * f32(spec.scale)
@@ -307,23 +336,28 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 T.buffer_store(pmax, tirx.max(pmax[row, jv], x), [row, jv])
                     # online softmax: new running max, p = exp(s - m'), rescale factor alpha
                     with T.serial(i64(0), i64(qt)) as i:
-                        with T.vectorized(i64(0), i64(vk)) as j:
-                            T.buffer_store(part, pmax[i, j], [j])
-                        halve(part, tirx.max)
-                        mx = T.Bind(tirx.max(m[i], part[0]))
+                        T.buffer_store(mnew, tirx.max(m[i], halve(pmax, tirx.max, at=(i,))), [i])
+                    # alpha across rows, vectorised: one scalar exp per row and tile cost as
+                    # much as the 16 lanes of one
+                    # (in whole vectors: the row buffers are padded to qtp rows)
+                    with T.serial(i64(0), i64(qtp // vk)) as c:
+                      with T.vectorized(i64(0), i64(vk)) as iv:
+                        i = c * i64(vk) + iv
                         # a row with no finite score yet keeps exp(-inf - 0) = 0, not NaN
-                        mu = T.Bind(tirx.Select(mx == neg_inf, f32(0), mx))
+                        mu = T.Bind(tirx.Select(mnew[i] == neg_inf, f32(0), mnew[i]))
                         T.buffer_store(alpha, fast_exp(m[i] - mu, nonpositive=True), [i])
-                        T.buffer_store(m, mx, [i])
+                        T.buffer_store(m, mnew[i], [i])
+                        T.buffer_store(mnew, mu, [i])
+                    with T.serial(i64(0), i64(qt)) as i:
+                        mu = mnew[i]
                         with T.vectorized(i64(0), i64(vk)) as j:
                             T.buffer_store(part, f32(0), [j])
-                        with T.serial(i64(0), i64(kt // vk)) as c:
+                        with T.serial(i64(0), i64(kw // vk)) as c:
                             with T.vectorized(i64(0), i64(vk)) as j:
                                 e = T.Bind(fast_exp(s[i, c * i64(vk) + j] - mu, nonpositive=True))
                                 T.buffer_store(s, e, [i, c * i64(vk) + j])
                                 T.buffer_store(part, part[j] + e, [j])
-                        halve(part, lambda a, c: a + c)
-                        T.buffer_store(el, el[i] * alpha[i] + part[0], [i])
+                        T.buffer_store(el, el[i] * alpha[i] + halve(part, lambda a, c: a + c), [i])
                     # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
@@ -331,7 +365,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 row = io * i64(mr_o) + ii
                                 T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
-                        with T.serial(i64(skip), i64(kt) if valid is None else valid) as j:
+                        with T.serial(i64(skip), i64(kw) if valid is None else valid) as j:
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
                                 with T.vectorized(i64(0), Dv) as d:
@@ -356,7 +390,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         cond = i64(k_tail) <= q0 + i64(qt - 1)
                     with T.If(cond):
                         with T.Then():
-                            tile(i64(spec.skv - kt), None, skip=kt - spec.skv % kt)
+                            # only as many whole vectors as the rest needs (Whisper's 28
+                            # keys: 32, not 64 of which 36 are visited twice)
+                            rest = spec.skv % kt
+                            kw = -(-rest // vk) * vk
+                            tile(i64(spec.skv - kw), None, skip=kw - rest, kw=kw)
                 elif not static_k_exact:
                     k_tail = Skv // i64(kt) * i64(kt)
                     cond = k_tail < Skv
