@@ -172,9 +172,8 @@ def _last_axis_keepdims(call, op: str):
 
 
 def _prefix_of(c, x) -> bool:
-    """c is x, or strided_slice(x) keeping the first positions of the last axis (conv-gemm's crop)."""
-    if c.same_as(x):
-        return True
+    """c's static shape is x's but for a last axis no longer (with a slice from 0 by 1, or
+    conv-gemm's crop, c is then x's first positions)."""
     cs, xs = (static_shape(getattr(e.ty, "shape", None)) for e in (c, x))
     if cs is None or xs is None or len(cs) != len(xs) or cs[:-1] != xs[:-1] or cs[-1] > xs[-1]:
         return False
@@ -197,9 +196,11 @@ class _InstanceNorm(PyExprMutator):
             return None
         x = s.args[0]
         nd = _ndim(x)
-        ints = [[int(getattr(v, "value", v)) for v in a] for a in s.args[1:4]]
-        strides = [int(getattr(v, "value", v)) for v in s.args[4]] if len(s.args) > 4 else [1]
-        axes, begin, _end = ints
+        try:  # (symbolic bounds: not this crop)
+            axes, begin = ([int(getattr(v, "value", v)) for v in a] for a in s.args[1:3])
+            strides = [int(getattr(v, "value", v)) for v in s.args[4]] if len(s.args) > 4 else [1]
+        except (TypeError, ValueError, AttributeError):
+            return None
         if nd is None or axes not in ([nd - 1], [-1]) or begin != [0] or strides != [1]:
             return None
         return x if _prefix_of(c, x) else None
