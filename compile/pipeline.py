@@ -41,8 +41,6 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
-    "implicit-strided": "strided 1-D convs whose padded input rows fit a page (Wav2Vec2's extractor layers 3-6) as "
-                        "the GEMM reading it in stride phases (left out: im2col columns)",
     "row-tiles": "packed matmuls whose static M no row tile divides (ViT's 197) computed over whole tiles and "
                  "cropped (left out: the last tile's row guard in every tile's k loop)",
     "attention-qtile": "the fused attention kernel's query tiles balanced at a static Sq no tile divides (ViT's "
@@ -102,8 +100,7 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
         # makes them call_tir); the patch convs are left to fast_math's patch-conv rewrite.
         tgt = target.tvm_target()
         return [conv_gemm_pass(panel_width(tgt), panels="conv-panels" not in without,
-                               implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt),
-                               implicit_strided="implicit-strided" not in without)]
+                               implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt))]
     return passes
 
 

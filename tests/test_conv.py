@@ -15,7 +15,7 @@ from onnx import helper as oh  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
-from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, conv_gemm_implicit, im2col, implicit, pad_input  # noqa: E402
+from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, conv_gemm_implicit, im2col, pad_input  # noqa: E402
 from blockforge.compile.conv.schedule import CPUIm2col  # noqa: E402
 from blockforge.compile.schedule.base import vector_lanes  # noqa: E402
 from blockforge.compile.schedule.matmul import CPUMatmul  # noqa: E402
@@ -322,34 +322,13 @@ def test_instance_norm_is_one_row_kernel(chain):
     assert any("variance" in n for n in old) and not any("instance_norm" in n for n in old)
 
 
-def test_short_strided_conv_reads_its_input():
-    """Strided 1-D convs go implicit (the padded input in stride phases, no im2col) when one
-    channel's phases fit a 4 KiB page: Wav2Vec2-base's extractor layers 3-6 (measured faster
-    so), not layers 1-2 nor Whisper's stride-2 conv (measured slower). In the pipeline: the
-    stride-2 conv of a short chain gets conv_pad, and with the ablation its columns back."""
-    # (input length, k) of Wav2Vec2-base's layers 1-6 (512 channels, stride 2), then Whisper's conv2
-    shapes = [(3199, 3), (1599, 3), (799, 3), (399, 3), (199, 2), (99, 2)]
-    got = [implicit(ConvShape([1, 512, n], [512, 512, k], [2], [0, 0], [1], 1), 64, 16) for n, k in shapes]
-    assert got == [False, False, True, True, True, True]
-    assert not implicit(ConvShape([1, 512, 3000], [512, 512, 3], [2], [1, 1], [1], 1), 64, 16)
-    assert not implicit(ConvShape([1, 1, 16000], [512, 1, 10], [5], [0, 0], [1], 1), 64, 16)  # layer 0: 64 KB
-    assert not implicit(ConvShape([1, 512, 399], [512, 512, 3], [2], [0, 0], [1], 1), 64, 16, strided=False)
-    model, _, _ = _chain_model(*CHAINS["w2v-layer0-no-bias"])
-    text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")[0]["main"].script()
-    assert text.count("R.call_tir(conv_pad") == 2 and "conv_im2col" not in text  # at L 203 layer 0 (s5) too
-    old = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without={"implicit-strided"})[0]
-    assert "conv_pad" not in old["main"].script()
-
-
 def test_stride1_conv_is_an_implicit_gemm():
     """A stride-1 1-D conv reads its padded input inside the GEMM (rewrite.conv_gemm_implicit):
     no im2col columns (k x the input's size, written then read back); the GEMM's B operand is
-    x itself, a contiguous 64-wide vector per (channel, tap); strided convs keep their columns
-    (without implicit-strided, which takes the short ones: test_short_strided_conv_reads_its_input).
+    x itself, a contiguous 64-wide vector per (channel, tap); strided convs keep their columns.
     Under the fixed target: the scheduled GEMM's update reads x_padded at j + t."""
     model, _, _ = _chain_model(*CHAINS["gelu-conv-s2-gelu"])
-    text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm",
-                      without={"implicit-strided"})[0]["main"].script()
+    text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")[0]["main"].script()
     assert text.count("R.call_tir(conv_pad") == 1 and text.count("R.call_tir(conv_im2col") == 1  # conv 2: stride 2
     old = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without={"conv-implicit"})[0]
     assert "conv_pad" not in old["main"].script()

@@ -134,40 +134,25 @@ PAD_BLOCK = "conv_pad"
 PANEL_ATTR = "conv_panel_width"  # on an implicit GEMM's block: its NR (CPUMatmul's packed path)
 
 
-# A strided conv's implicit GEMM steps its B operand through the phase-split input one
-# (channel, tap) row at a time: a row stride of stride x width floats, where im2col's panel is
-# contiguous. Measured per shape (Wav2Vec2-base's extractor, 512 channels, + GELU, 2 threads,
-# interleaved, load 10-12; implicit / im2col time, two runs): L_in 3199 1.17, 1599 1.10 / 1.06
-# (rows of 13.3 / 6.8 KB), 799 0.93 / 0.93 (3.7 KB), 399 0.65 / 0.84, 199 0.50 / 0.89,
-# 99 0.14 / 0.29. So a strided conv reads its input in place when a channel's phases fit in
-# one 4 KiB page (TLB and prefetch-friendly, is the reading); longer ones keep their columns.
-IMPLICIT_ROW_BYTES = 4096
-
-
-def padded_width(cs: ConvShape, nr: int, lanes: int) -> int:
-    """The length of each stride phase of pad_input's padded input: whole panels of every tap,
-    rounded up to whole vectors."""
-    nb, s = -(-cs.length // nr), cs.strides[0]
-    return -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1) // s) // lanes) * lanes
-
-
-def implicit(cs: ConvShape, nr: int, lanes: int, strided: bool = True) -> bool:
-    """A 1-D conv whose GEMM reads x (padded, in stride phases) directly: im2col column (c, t)
-    is row c of phase t*dilation % s shifted by t*dilation // s, a contiguous vector per
-    (c, t) and panel: no columns. Stride 1 always; strided (`strided`) when one channel's
-    phases fit IMPLICIT_ROW_BYTES (measured above; Whisper's stride-2 conv, 12 KB rows, ran
-    1.16x slower so at load 16 last round)."""
-    if len(cs.size) != 1:
-        return False
-    if cs.strides == [1]:
-        return True
-    return strided and 4 * cs.strides[0] * padded_width(cs, nr, lanes) <= IMPLICIT_ROW_BYTES
+def implicit(cs: ConvShape) -> bool:
+    """A stride-1 1-D conv: im2col column (c, t) is row c of x shifted by t * dilation, so the
+    GEMM reads x (padded) directly, a contiguous vector per (c, t) and panel: no columns.
+    (pad_input's phases make this hold at any stride, but measured interleaved, load 16:
+    Whisper's stride-2 conv ran 1.16x slower so than from im2col columns, Wav2Vec2's strided
+    stack 0.97x: the (c, t) vectors of a panel are 1536 rows apart where the columns are one
+    contiguous panel. Strided convs keep their columns. Re-measured per shape, each of
+    Wav2Vec2-base's strided extractor convs 2-6 alone + GELU, 40 reps, load 10-12, each A/B
+    in both build orders (the order swung the short layers: layer 6 read 0.29 with implicit
+    built second, 4.36 with it built first): implicit / im2col 1.06, 1.07, 1.17, 1.33, 1.11,
+    the geometric means of the two orders.)"""
+    return len(cs.size) == 1 and cs.strides == [1]
 
 
 def pad_input(x: te.Tensor, cs: ConvShape, nr: int, lanes: int) -> te.Tensor:
     """x with its padding as zeros, split into the stride's phases and long enough for whole
     panels of every tap (rounded up to whole vectors): xp[n, c, r, m] = x[n, c, m * s + r - pad]."""
-    s, width = cs.strides[0], padded_width(cs, nr, lanes)
+    nb, s = -(-cs.length // nr), cs.strides[0]
+    width = -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1) // s) // lanes) * lanes
     pb, size = cs.pad_begin[0], cs.size[0]
 
     def f(n, c, r, m):
@@ -242,9 +227,9 @@ def _broadcasts_along_last(e) -> bool:
 
 @mutator
 class _ConvGemm(PyExprMutator):
-    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, strided: bool):
+    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int):
         super().__init__(mod)
-        self.nr, self.panels, self.implicit, self.lanes, self.strided = nr, panels, implicit, lanes, strided
+        self.nr, self.panels, self.implicit, self.lanes = nr, panels, implicit, lanes
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
         self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
 
@@ -320,7 +305,7 @@ class _ConvGemm(PyExprMutator):
         x = self.padded.get(x, (x, None))[0]
         one_d = len(cs.out) == 1
         panels = one_d and self.panels  # (2-D: the reshape to (OH, OW) needs the crop first)
-        if panels and self.implicit and implicit(cs, self.nr, self.lanes, self.strided):
+        if panels and self.implicit and implicit(cs):
             xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
         else:
@@ -338,8 +323,7 @@ class _ConvGemm(PyExprMutator):
         return relax.op.reshape(b.emit(gemm), (cs.n, cs.o, *cs.out))
 
 
-def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
-                   implicit_strided: bool = True) -> tvm.transform.Pass:
+def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
@@ -347,7 +331,7 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes, implicit_strided)
+        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 # the crops the chain slid past are left unused
