@@ -59,6 +59,9 @@ ABLATIONS = {
                       "(compile/passes/matmul_reshape.py; left out: bias/activation/residual as separate passes)",
     "rms-norm": "exported RMSNorm (x * 1/sqrt(mean(x**2) + eps) * w) as one rms_norm row kernel "
                 "(compile/passes/norms.py; left out: a square kernel and an unscheduled mean kernel)",
+    "instance-norm": "InstanceNormalization's mean/variance/normalize (Wav2Vec2's GroupNorm) as one row kernel "
+                     "reading a conv's GEMM panels (compile/passes/norms.py; left out: a crop, a variance and a "
+                     "normalize kernel)",
 }
 
 
@@ -143,13 +146,14 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
         from tvm import relax
 
         from blockforge.compile.passes.fast_math import fast_math
-        from blockforge.compile.passes.norms import rms_norm_pass
+        from blockforge.compile.passes.norms import instance_norm_pass, rms_norm_pass
 
         # (Parallel per-head matmuls were already combined at import: frontend.embed_weights.)
         # rms_norm before fast_math: it matches x ** 2 as the power op.
         from blockforge.compile.passes.matmul_reshape import matmul_reshape_pass
 
         norms = [] if "rms-norm" in without else [rms_norm_pass()]
+        norms += [] if "instance-norm" in without else [instance_norm_pass()]
         norms += [] if "matmul-reshape" in without else [matmul_reshape_pass()]
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
                 fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),

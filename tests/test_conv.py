@@ -17,6 +17,7 @@ from tvm import te, tirx  # noqa: E402
 
 from blockforge.compile.conv.rewrite import ConvShape, conv_gemm, conv_gemm_implicit, im2col, pad_input  # noqa: E402
 from blockforge.compile.conv.schedule import CPUIm2col  # noqa: E402
+from blockforge.compile.schedule.base import vector_lanes  # noqa: E402
 from blockforge.compile.schedule.matmul import CPUMatmul  # noqa: E402
 from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
 from blockforge.compile.onnx_backend import BlockforgeBackend  # noqa: E402
@@ -197,13 +198,17 @@ def _chain_model(x_shape, steps):
         out = f"t{i}"
         if op == "conv":
             cout, k, attrs = arg
+            attrs = dict(attrs)
+            bias = attrs.pop("bias", True)  # Wav2Vec2's extractor convs have none
             g = attrs.get("group", 1)
             inits += [nh.from_array((rng.standard_normal((cout, c // g, k)) * 0.3).astype(np.float32), f"w{i}"),
-                      nh.from_array(rng.standard_normal(cout).astype(np.float32), f"b{i}")]
-            nodes.append(oh.make_node("Conv", [cur, f"w{i}", f"b{i}"], [out], **attrs))
+                      nh.from_array(rng.standard_normal(cout).astype(np.float32), f"b{i}")][:2 if bias else 1]
+            nodes.append(oh.make_node("Conv", [cur, f"w{i}"] + ([f"b{i}"] if bias else []), [out], **attrs))
             c = cout
-        elif op == "InstanceNormalization":
-            inits += [nh.from_array(np.ones(c, np.float32), f"s{i}"), nh.from_array(np.zeros(c, np.float32), f"z{i}")]
+        elif op == "InstanceNormalization":  # arg "affine": random scale and shift (else ones, zeros)
+            scale, shift = (rng.standard_normal((2, c)).astype(np.float32) + [[1], [0]]) if arg == "affine" else \
+                (np.ones(c, np.float32), np.zeros(c, np.float32))
+            inits += [nh.from_array(scale.astype(np.float32), f"s{i}"), nh.from_array(shift.astype(np.float32), f"z{i}")]
             nodes.append(oh.make_node(op, [cur, f"s{i}", f"z{i}"], [out]))
         elif arg is None:
             nodes.append(oh.make_node(op, [cur], [out]))
@@ -233,6 +238,12 @@ CHAINS = {
     # Wav2Vec2's layer 0: a norm (a reduction over L) is no elementwise consumer: cropped before it
     "instance-norm-gelu-conv": ((1, 1, 203), [("conv", (16, 10, dict(strides=[5]))), ("InstanceNormalization", None),
                                                ("Gelu", None), ("conv", (16, 3, dict(strides=[2])))]),
+    # Wav2Vec2's layers 0 and 1 as exported: no conv bias (layer 0's crop is a slice the norm reads)
+    "w2v-layer0-no-bias": ((1, 1, 203), [("conv", (16, 10, dict(strides=[5], bias=False))),
+                                          ("InstanceNormalization", "affine"), ("Gelu", None),
+                                          ("conv", (16, 3, dict(strides=[2], bias=False))), ("Gelu", None)]),
+    # the norm on a graph input (no conv): the rewrite's plain form
+    "instance-norm-alone": ((2, 6, 50), [("Add", (1,)), ("InstanceNormalization", "affine")]),
     # a residual with the conv's input varies along L: no sinking past it
     "residual-add": ((1, 16, 45), [("conv", K3), ("Sigmoid", None), ("Add", "x"), ("Tanh", None)]),
     # the grouped positional conv (even kernel: L + 1 outputs) then GELU, at batch 2
@@ -277,6 +288,38 @@ def test_conv_chain_stays_in_whole_panels():
     old, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule", without={"conv-panels"})
     old = [f for gv, f in old.functions_items() if gv.name_hint.startswith("fused_conv_gemm")]
     assert all(epilogue_blocks(f) for f in old) and any(column_guards(f) for f in old)
+
+
+@pytest.mark.parametrize("chain", ["w2v-layer0-no-bias", "instance-norm-gelu-conv", "instance-norm-alone"])
+def test_instance_norm_is_one_row_kernel(chain):
+    """InstanceNormalization (Wav2Vec2's GroupNorm) after a conv: one row kernel that reads the
+    conv's whole panels (no crop kernel before it: the slice after a bias-free GEMM, the
+    conv_crop copy after a bias) and has the affine and GELU fused in; its two reductions
+    vectorised rfactors in the one parallel loop over the channels. Without the rewrite: a
+    variance kernel, a mean + normalize kernel and the crop (3 passes over the tensor)."""
+    model, _, _ = _chain_model(*CHAINS[chain])
+
+    def kernels(without=frozenset()):
+        mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="schedule", without=without)
+        return {gv.name_hint: f for gv, f in mod.functions_items() if gv.name_hint != "main"}
+
+    got = kernels()
+    norms = [n for n in got if "instance_norm" in n]
+    assert len(norms) == 1 and not any("variance" in n or "mean" in n for n in got), sorted(got)
+    if chain != "instance-norm-alone":
+        assert "gelu" in norms[0], norms  # the activation after the norm is in the row loop
+        crops = [n for n in got if "crop" in n or "strided_slice" in n]
+        assert len(crops) == 1, sorted(got)  # the graph output's only
+    c = CHAINS[chain][0][1] if chain == "instance-norm-alone" else 16
+    par = [lp for lp in _loops(got[norms[0]]) if lp.kind == tirx.ForKind.PARALLEL]
+    assert [int(lp.extent) for lp in par] == [CHAINS[chain][0][0] * c], "one parallel loop over the rows"
+    rf = [b for b in _blocks(got[norms[0]]) if b.endswith("_rf") or b.endswith("_rf_update")]
+    assert len(rf) == 2, sorted(_blocks(got[norms[0]]))
+    vec = [lp for lp in _loops(got[norms[0]]) if lp.kind == tirx.ForKind.VECTORIZED]
+    lanes = vector_lanes(resolve("host").tvm_target())
+    assert vec and all(int(lp.extent) == lanes for lp in vec)
+    old = kernels({"instance-norm"})
+    assert any("variance" in n for n in old) and not any("instance_norm" in n for n in old)
 
 
 def test_stride1_conv_is_an_implicit_gemm():
