@@ -190,8 +190,9 @@ class _Plan:
             return Traced(a.root, a.idx, -a.sign, a.rope)
         if op == "relax.strided_slice":
             try:
-                axes, begin, end, strides = (_ints(t) for t in e.args[1:5])
-            except (TypeError, ValueError, IndexError):
+                axes, begin, end = (_ints(t) for t in e.args[1:4])
+                strides = _ints(e.args[4]) if len(e.args) > 4 else [1] * len(axes)  # absent: all 1
+            except (TypeError, ValueError):
                 return None
             sl = [slice(None)] * a.idx.ndim
             for ax, b, en, st in zip(axes, begin, end, strides):
@@ -323,30 +324,51 @@ def heads_kernel(shape_x: list[int], outs: list[HeadsOut], tables: list[tuple], 
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8,
                          KERNEL_ATTR: ",".join(f"{o.layout}@{o.offset}:{o.heads}x{o.d}" + ("+rope" if o.rope is not None else "")
                                                for o in outs)})
-            with T.parallel(i64(0), i64(bsz * s_len)) as p:
-                b = p // i64(s_len)
-                s = p % i64(s_len)
+            # Blocks of `lanes` rows: a K^T output (B, H, d, S) is stored from a row tile as
+            # whole vectors along S (row by row, each of its d values was a strided scatter).
+            sb = lanes
+            n_sb = (s_len + sb - 1) // sb
+            with T.parallel(i64(0), i64(bsz * n_sb)) as p:
+                b = p // i64(n_sb)
+                s0 = p % i64(n_sb) * i64(sb)
+                rows = i64(sb) if s_len % sb == 0 else tirx.min(i64(sb), i64(s_len) - s0)
                 for o, buf in zip(outs, bufs):
-                    def at(h, j, o=o):
+                    def at(h, s, j, o=o):
                         return [{"b": b, "h": h, "s": s, "d": j}[c] for c in o.layout]
                     with T.serial(i64(0), i64(o.heads)) as h:
                         base = i64(o.offset) + h * i64(o.d)
-                        if o.rope is None:
-                            with T.vectorized(i64(0), i64(o.d)) as j:
-                                T.buffer_store(buf, X[b, s, base + j], at(h, j))
-                            continue
-                        cos, sin = tabs[2 * o.rope], tabs[2 * o.rope + 1]
-
-                        def tab(t, j):
-                            tb = b if int(t.shape[0]) > 1 else i64(0)
-                            return t[tb, i64(0), s, j]
-                        h2 = o.d // 2
-                        with T.vectorized(i64(0), i64(h2)) as j:
-                            lo, hi = X[b, s, base + j], X[b, s, base + i64(h2) + j]
-                            T.buffer_store(buf, lo * tab(cos, j) - hi * tab(sin, j), at(h, j))
-                            T.buffer_store(buf, hi * tab(cos, j + i64(h2)) + lo * tab(sin, j + i64(h2)),
-                                           at(h, j + i64(h2)))
+                        tile = T.alloc_buffer((sb, o.d), "float32", scope="local") if o.layout == "bhds" else None
+                        with T.serial(i64(0), rows) as i:
+                            s = s0 + i
+                            put = (lambda j, v, i=i: T.buffer_store(tile, v, [i, j])) if tile is not None else \
+                                (lambda j, v, h=h, s=s, at=at, buf=buf: T.buffer_store(buf, v, at(h, s, j)))
+                            _row(T, X, b, s, base, o, tabs, put, i64)
+                        if tile is not None:
+                            with T.serial(i64(0), i64(o.d)) as j:
+                                if s_len % sb == 0:
+                                    with T.vectorized(i64(0), i64(sb)) as i:
+                                        T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
+                                else:
+                                    with T.serial(i64(0), rows) as i:
+                                        T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
     return ib.get()
+
+
+def _row(T, X, b, s, base, o: HeadsOut, tabs, put, i64):
+    """One head's row of x (columns base .. base + d), rotated when o has RoPE, into put(j, v)."""
+    if o.rope is None:
+        with T.vectorized(i64(0), i64(o.d)) as j:
+            put(j, X[b, s, base + j])
+        return
+    cos, sin = tabs[2 * o.rope], tabs[2 * o.rope + 1]
+
+    def tab(t, j):
+        return t[b if int(t.shape[0]) > 1 else i64(0), i64(0), s, j]
+    h2 = i64(o.d // 2)
+    with T.vectorized(i64(0), h2) as j:
+        lo, hi = X[b, s, base + j], X[b, s, base + h2 + j]
+        put(j, lo * tab(cos, j) - hi * tab(sin, j))
+        put(j + h2, hi * tab(cos, j + h2) + lo * tab(sin, j + h2))
 
 
 def is_kernel(func) -> bool:
