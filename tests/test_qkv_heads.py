@@ -15,6 +15,7 @@ from tvm import relax  # noqa: E402
 from blockforge.compile.passes.qkv_heads import qkv_heads_pass  # noqa: E402
 from blockforge.compile.pipeline import build, run_phases  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
+from conftest import relax_op_names as _ops  # noqa: E402
 
 HOST = resolve("host")
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
@@ -77,13 +78,6 @@ def _gpt2_module():
             out = bb.emit_output(relax.Tuple([q, k, v]))
         bb.emit_func_output(out)
     return bb.get()
-
-
-def _ops(mod) -> list[str]:
-    names = []
-    relax.analysis.post_order_visit(mod["main"].body, lambda e: names.append(e.op.name) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) else None)
-    return names
 
 
 def _kernels(mod) -> list[str]:
