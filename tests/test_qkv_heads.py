@@ -36,7 +36,7 @@ def _rope_np(t, cos, sin):
 
 def _llama_module(sign_ok: bool = True, q_3d: bool = False):
     """x (B, S, (H + 2 HKV) D) -> split -> heads -> RoPE(q), RoPE(k) -> K^T, V, as dynamo writes
-    it. sign_ok=False: concat(x1, -x2) (not rotate_half); q_3d: q also read as (B*H, S, D)."""
+    it. sign_ok=False: concat(x2, -x1) (rotate_half the other way); q_3d: q also read as (B*H, S, D)."""
     cos, sin = (relax.const(t) for t in _tables())
     x = relax.Var("x", relax.TensorType((B, S, (H + 2 * HKV) * D), "float32"))
     bb = relax.BlockBuilder()
@@ -51,7 +51,7 @@ def _llama_module(sign_ok: bool = True, q_3d: bool = False):
                     lo = bb.emit(relax.op.strided_slice(t, [3], [0], [D // 2]))
                     hi = bb.emit(relax.op.strided_slice(t, [3], [D // 2], [2 ** 63 - 1]))
                     rot = bb.emit(relax.op.concat([relax.op.negative(hi), lo] if sign_ok
-                                                  else [lo, relax.op.negative(hi)], axis=-1))
+                                                  else [hi, relax.op.negative(lo)], axis=-1))
                     t = bb.emit(relax.op.add(relax.op.multiply(t, cos), relax.op.multiply(rot, sin)))
                 if i == 1:
                     t = bb.emit(relax.op.permute_dims(t, [0, 1, 3, 2]))  # K^T
@@ -124,8 +124,8 @@ def test_gpt2_split_and_key_transpose_become_one_kernel():
 
 
 def test_a_rotation_that_is_not_rotate_half_is_left_to_the_graph():
-    """concat(x1, -x2) is not RoPE (the sign check): its negated halves are no layout the kernel
-    writes, so nothing is rewritten."""
+    """concat(x2, -x1) is not RoPE (the halves right, the signs not): its negated half is no
+    layout the kernel writes, so nothing is rewritten."""
     mod = _llama_module(sign_ok=False)
     new = qkv_heads_pass()(mod)
     assert _kernels(new) == [] and "relax.split" in _ops(new), (_kernels(new), _ops(new))
