@@ -52,6 +52,16 @@ class Traced:
 
 
 @dataclass(frozen=True)
+class _Summary:
+    """A traced var as groups() uses it: its root, shape, head layout (or None), RoPE tables."""
+    root: object
+    shape: list
+    lay: tuple | None
+    rope: tuple | None  # (cos, sin)
+    rotated: bool  # the RoPE's own result (its multiplies are internal)
+
+
+@dataclass(frozen=True)
 class HeadsOut:
     """One output of the kernel: x's columns [offset, offset + heads * d) in `layout`."""
     layout: str
@@ -246,13 +256,38 @@ class _Plan:
         shp = [1] * (4 - len(shp)) + shp
         return shp[0] in (1, shape[0]) and shp[1] == 1 and shp[2:] == shape[2:]
 
+    def _summary(self, t: Traced) -> _Summary:
+        """What groups() needs of a trace, without its index arrays."""
+        shp = _static(t.root.ty.shape)
+        lay = None
+        if t.rope is None:
+            lay = _head_layout(t.idx, shp) if np.all(t.sign == 1) else None
+        else:
+            pre = _head_layout(t.rope.pre, shp)
+            if pre is not None and pre[0] == "bhsd" and np.all(t.sign == 1):
+                base = np.arange(t.idx.size, dtype=np.int32).reshape(t.rope.pre.shape)
+                lay = next(((name, *pre[1:]) for name, perm in LAYOUTS.items()
+                            if base.transpose(perm).shape == t.idx.shape
+                            and np.array_equal(base.transpose(perm), t.idx)), None)
+        rotated = t.rope is not None and np.array_equal(t.idx.reshape(-1), np.arange(t.idx.size))
+        return _Summary(t.root, list(t.idx.shape), lay, (t.rope.cos, t.rope.sin) if t.rope else None, rotated)
+
     def groups(self) -> list:
         """(x, [HeadsOut], [(cos, sin)], [out shapes], [sink vars]) per root x worth rewriting."""
-        traced = {v: self.trace(v) for v in self.order}
-        traced = {v: t for v, t in traced.items() if t is not None}
+        traced, root = {}, None
+        for v in self.order:
+            t = self.trace(v)
+            if t is None:
+                continue
+            traced[v] = self._summary(t)
+            if root is None or not t.root.same_as(root):
+                # a new root (the next layer): the earlier roots' index arrays go (a later
+                # trace of them recomputes); the memo held every layer's at once
+                root = t.root
+                self.memo = {k: m for k, m in self.memo.items() if m is None or m.root.same_as(root)}
         ropes_inner = set()  # the multiplies of matched RoPEs: read only by their rotated result
         for v, t in traced.items():
-            if t.rope is not None and t.idx.ndim == 4 and np.array_equal(t.idx.reshape(-1), np.arange(t.idx.size)):
+            if t.rotated:
                 for a in self.v2v[v].args:
                     ropes_inner.add(a)
         by_root: dict = {}
@@ -264,32 +299,21 @@ class _Plan:
             by_root.setdefault(t.root, []).append(v)
         out = []
         for x, sinks in by_root.items():
-            shp = _static(x.ty.shape)
             outs, pairs, shapes, ok = [], [], [], True
             for v in sinks:
                 t = traced[v]
-                if t.rope is None:
-                    lay = _head_layout(t.idx, shp) if np.all(t.sign == 1) else None
-                    rope = None
-                else:
-                    pre = _head_layout(t.rope.pre, shp)
-                    lay = None
-                    if pre is not None and pre[0] == "bhsd" and np.all(t.sign == 1):
-                        base = np.arange(t.idx.size, dtype=np.int32).reshape(t.rope.pre.shape)
-                        lay = next(((name, *pre[1:]) for name, perm in LAYOUTS.items()
-                                    if base.transpose(perm).shape == t.idx.shape
-                                    and np.array_equal(base.transpose(perm), t.idx)), None)
-                    key = next((i for i, (c, s) in enumerate(pairs)
-                                if c.same_as(t.rope.cos) and s.same_as(t.rope.sin)), None)
-                    if lay is not None and key is None:
-                        pairs.append((t.rope.cos, t.rope.sin))
-                        key = len(pairs) - 1
-                    rope = key
-                if lay is None:
+                if t.lay is None:
                     ok = False
                     break
-                outs.append(HeadsOut(lay[0], lay[1], lay[2], lay[3], rope))
-                shapes.append(list(t.idx.shape))
+                rope = None
+                if t.rope is not None:
+                    rope = next((i for i, (c, s) in enumerate(pairs)
+                                 if c.same_as(t.rope[0]) and s.same_as(t.rope[1])), None)
+                    if rope is None:
+                        pairs.append(t.rope)
+                        rope = len(pairs) - 1
+                outs.append(HeadsOut(t.lay[0], t.lay[1], t.lay[2], t.lay[3], rope))
+                shapes.append(t.shape)
             split_root = any(_op(self.v2v.get(self.v2v[v].tuple_value)) == "relax.split"
                              for v in traced if traced[v].root.same_as(x)
                              and isinstance(self.v2v.get(v), relax.TupleGetItem))
@@ -300,7 +324,7 @@ class _Plan:
                     isinstance(c, relax.Var) and c in self.order and self.order[c] >= self.order[first]
                     for p in pairs for c in p):
                 continue
-            out.append((x, outs, pairs, shapes, sorted(sinks, key=self.order.get)))
+            out.append((x, outs, pairs, shapes, sinks))
         return out
 
 
