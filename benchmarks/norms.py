@@ -3,7 +3,8 @@
     nice .venv/bin/python benchmarks/norms.py [--repeat 10] MODEL.onnx:dim=v,dim=v [...]
     e.g. /tmp/peertable/cache/llama_gqa-*/llama_gqa.onnx:s33=1,s50=128,s6=1
     nice .venv/bin/python benchmarks/norms.py --micro   # Llama's RMSNorm (1, 128, 768) and SwiGLU
-                                                        # (1, 128, 2 x 2048) alone
+                                                        # (1, 128, 2 x 2048) alone, and the QKV
+                                                        # split + heads (+ RoPE) of Llama / GPT-2
     nice .venv/bin/python benchmarks/norms.py --without matmul-reshape MODEL.onnx:dims
 
 Each model is built twice (with and without the rewrite), both outputs compared with each
@@ -42,6 +43,8 @@ def main() -> None:
     if args.micro:
         _micro(args.repeat)
         _micro_swiglu(args.repeat)
+        for rope in (True, False):
+            _micro_qkv(args.repeat, rope)
     for spec in args.models:
         path, _, dims = spec.partition(":")
         session = open_model(path, "host", dims or None)
@@ -99,6 +102,37 @@ def _micro_swiglu(repeat: int) -> None:
     _ab(bb.get(), x, "fast-sigmoid", "SwiGLU (1, 128, 2 x 2048)", repeat)
 
 
+def _micro_qkv(repeat: int, rope: bool) -> None:
+    """After the combined QKV projection (seq 128, d 64): Llama-style GQA 12/4 (split, heads,
+    RoPE of q and k, K^T) or GPT-2 12/12 (split, q and v viewed as (B, S, H, d), K^T)."""
+    from tvm import relax
+
+    heads = (12, 4, 4) if rope else (12, 12, 12)
+    n = sum(heads) * 64
+    ang = np.arange(128)[:, None] * 10000.0 ** (-np.arange(0, 64, 2) / 64)
+    cos, sin = (relax.const(f(np.concatenate([ang, ang], -1)).astype("float32")[None, None]) for f in (np.cos, np.sin))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 128, n), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, [heads[0] * 64, (heads[0] + heads[1]) * 64], axis=2))
+            outs = []
+            for i, h in enumerate(heads):
+                t = bb.emit(relax.op.reshape(relax.TupleGetItem(parts, i), [1, 128, h, 64]))
+                if rope or i == 1:
+                    t = bb.emit(relax.op.permute_dims(t, [0, 2, 1, 3]))
+                if rope and i < 2:
+                    half = [bb.emit(relax.op.strided_slice(t, [3], [a], [a + 32])) for a in (0, 32)]
+                    rot = bb.emit(relax.op.concat([relax.op.negative(half[1]), half[0]], axis=-1))
+                    t = bb.emit(relax.op.add(relax.op.multiply(t, cos), relax.op.multiply(rot, sin)))
+                outs.append(bb.emit(relax.op.permute_dims(t, [0, 1, 3, 2])) if i == 1 else t)
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    x = np.random.default_rng(0).standard_normal((1, 128, n)).astype("float32")
+    what = "QKV heads + RoPE, Llama GQA 12/4 (1, 128, 20 x 64)" if rope else "QKV heads, GPT-2 (1, 128, 36 x 64)"
+    _ab(bb.get(), x, "qkv-heads", what, repeat)
+
+
 def _ab(mod, x: np.ndarray, ablation: str, what: str, repeat: int) -> None:
     """mod built with and without `ablation`, same outputs, timed interleaved."""
     import tvm
@@ -113,7 +147,8 @@ def _ab(mod, x: np.ndarray, ablation: str, what: str, repeat: int) -> None:
     runners, outs = {}, {}
     for label, without in (("with", frozenset()), ("without", frozenset({ablation}))):
         f = relax.VirtualMachine(build(mod, resolve("host"), without=without).executable, dev)["main"]
-        outs[label] = f(a).numpy()
+        r = f(a)
+        outs[label] = r.numpy() if hasattr(r, "numpy") else np.concatenate([t.numpy().ravel() for t in r])
         runners[label] = (lambda f=f: f(a))
     np.testing.assert_allclose(outs["with"], outs["without"], rtol=1e-5, atol=1e-5)
     load0 = os.getloadavg()[0]

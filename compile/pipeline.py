@@ -62,6 +62,8 @@ ABLATIONS = {
     "instance-norm": "InstanceNormalization's mean/variance/normalize (Wav2Vec2's GroupNorm) as one row kernel "
                      "reading a conv's GEMM panels (compile/passes/norms.py; left out: a crop, a variance and a "
                      "normalize kernel)",
+    "qkv-heads": "the combined QKV projection's split, head transposes and RoPE as one row kernel "
+                 "(compile/passes/qkv_heads.py; left out: a split copy and a scalar kernel per part)",
 }
 
 
@@ -141,7 +143,7 @@ def _bf16_gemm() -> list:
     return [bf16_gemm()]
 
 
-def _optimize(without: frozenset[str]) -> Callable[[], list]:
+def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None) -> Callable[[], list]:
     def passes() -> list:
         from tvm import relax
 
@@ -155,6 +157,11 @@ def _optimize(without: frozenset[str]) -> Callable[[], list]:
         norms = [] if "rms-norm" in without else [rms_norm_pass()]
         norms += [] if "instance-norm" in without else [instance_norm_pass()]
         norms += [] if "matmul-reshape" in without else [matmul_reshape_pass()]
+        if cpu_target is not None and "qkv-heads" not in without:  # a CPU kernel (T.parallel)
+            from blockforge.compile.passes.qkv_heads import qkv_heads_pass
+            from blockforge.compile.schedule.base import vector_lanes
+
+            norms.append(qkv_heads_pass(vector_lanes(cpu_target.tvm_target())))
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
                 fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),
                 relax.transform.FoldConstant()]
@@ -325,7 +332,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("bf16-gemm", _bf16_gemm))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
         out.append(Phase("conv-gemm", _conv_gemm(target, without)))
-    out.append(Phase("optimize", _optimize(without)))
+    out.append(Phase("optimize", _optimize(without, target if cpu and default_schedules else None)))
     if fp16 and not cpu:
         # GPUs keep float16 storage (ORT's CUDA provider has float16 kernels), fp32 sums.
         out.append(Phase("fp32-accumulate", _fp32_accumulate))
@@ -401,8 +408,11 @@ def extract_tasks(mod, target: ResolvedTarget) -> list:
     from blockforge.compile.bf16 import gemm as bf16_gemm
     from blockforge.compile.quant import gemm, minmax
 
+    from blockforge.compile.passes import qkv_heads
+
     def hand_written(f) -> bool:
-        return is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f) or bf16_gemm.is_kernel(f)
+        return (is_kernel(f) or qkv_heads.is_kernel(f) or gemm.is_kernel(f) or minmax.is_kernel(f)
+                or bf16_gemm.is_kernel(f))
 
     return [t for t in ms.relax_integration.extract_tasks(mod, target.tvm_target())
             if not hand_written(t.dispatched[0]["main"])]

@@ -276,3 +276,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_sep("=", title, yellow=bool(reasons), green=not reasons, bold=True)
     for line in lines:
         terminalreporter.write_line(line, yellow=bool(reasons) and not line.startswith(" "))
+
+
+def relax_op_names(mod, func: str = "main") -> list[str]:
+    """The Relax ops a module's function calls, in post order (rewrite passes' IR tests)."""
+    import tvm
+    from tvm import relax
+
+    names = []
+    relax.analysis.post_order_visit(mod[func].body, lambda e: names.append(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    return names

@@ -271,7 +271,8 @@ def test_norms(tmp_path):
     out = _run("norms.py", "--micro", "--repeat", 1,
                f"{REPO / 'tests/fixtures/models/llama_sdpa_dynamo_op18.onnx'}:s33=1,s50=8,s6=1", cwd=tmp_path)
     for what in ("RMSNorm (1, 128, 768): with rms-norm", "SwiGLU (1, 128, 2 x 2048): with fast-sigmoid",
-                 "llama_sdpa_dynamo_op18.onnx: with rms-norm"):
+                 "llama_sdpa_dynamo_op18.onnx: with rms-norm", "RoPE, Llama GQA 12/4 (1, 128, 20 x 64): with qkv-heads",
+                 "QKV heads, GPT-2 (1, 128, 36 x 64): with qkv-heads"):
         assert what in out, out
 
 

@@ -16,6 +16,7 @@ from blockforge.compile.passes.norms import rms_norm_pass  # noqa: E402
 from blockforge.compile.pipeline import build, run_phases  # noqa: E402
 from blockforge.compile.schedule.reduction import CPURowReduction  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
+from conftest import relax_op_names as _ops  # noqa: E402
 
 HOST = resolve("host")
 AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
@@ -64,13 +65,6 @@ def _rms_module(square: str, inverse: str, weight: str | None, axis: int = -1):
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     return bb.get()
-
-
-def _ops(mod) -> list[str]:
-    names = []
-    relax.analysis.post_order_visit(mod["main"].body, lambda e: names.append(e.op.name) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) else None)
-    return names
 
 
 def _run(mod, without=frozenset()) -> np.ndarray:

@@ -1,0 +1,427 @@
+"""The combined QKV projection's split, head transposes and RoPE as one row kernel.
+
+Decoder exports (after the frontend combined the q/k/v projections into one matmul) write
+
+    x = matmul(h, W_qkv)                          (B, S, (H + 2 Hkv) d)
+    q, k, v = split(x);  q = permute(reshape(q, [B, S, H, d]), [0, 2, 1, 3])   (B, H, S, d)
+    q = q * cos + concat(-q[..., d/2:], q[..., :d/2]) * sin                     (RoPE, Llama family)
+    k^T = permute(rope(k), [0, 1, 3, 2])         (the fused attention reads K^T)
+
+Legalized, that is a split kernel (a copy of x) and one injective kernel per part whose
+reshape/transpose index arithmetic (flattened div/mod per element) and concat (a select per
+element) are scalar: Llama-style GQA 5.7% of kernel time, GPT-2 2.2% (issue #20, quiet profile
+of 2026-12-01c). Here every layout / slice / negate / concat step from x is traced as index
+arrays (numpy, static shapes), so whatever op sequence an exporter wrote is recognised by what
+it computes: each output the rest of the graph reads is x's columns [o, o + H d) as (B, H, S, d),
+(B, H, d, S) or (B, S, H, d), optionally rotated. All of one x's outputs come from one kernel:
+rows (b, s) parallel, x's row read once, each head's row (and its RoPE halves) vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static
+from blockforge.compile.passes.kernels import add_kernel
+
+KERNEL_ATTR = "blockforge.qkv_heads"  # PrimFunc attr: the kernel's outputs, for tests and tune
+LAYOUTS = {"bhsd": (0, 1, 2, 3), "bhds": (0, 1, 3, 2), "bshd": (0, 2, 1, 3)}  # of (B, H, S, d)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """x's part pre_idx (B, H, S, d), rotated: t * cos + rotate_half(t) * sin."""
+    pre: object  # np.ndarray: indices into x of the rotated tensor's input
+    cos: object  # relax expr, broadcastable to (B, 1, S, d)
+    sin: object
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A tensor computed from root x by layout steps only: idx[i] = the element of x (flat
+    index) it holds, sign -1 where negated; with rope, idx indexes the rotated tensor instead."""
+    root: object
+    idx: object
+    sign: object
+    rope: Rope | None = None
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """A traced var as groups() uses it: its root, shape, head layout (or None), RoPE tables."""
+    root: object
+    shape: list
+    lay: tuple | None
+    rope: tuple | None  # (cos, sin)
+    rotated: bool  # the RoPE's own result (its multiplies are internal)
+
+
+@dataclass(frozen=True)
+class HeadsOut:
+    """One output of the kernel: x's columns [offset, offset + heads * d) in `layout`."""
+    layout: str
+    offset: int
+    heads: int
+    d: int
+    rope: int | None  # index of its (cos, sin) pair among the kernel's inputs
+
+
+def _ints(t) -> list[int]:
+    return [int(v) for v in t]
+
+
+def _head_layout(idx, shape_x) -> tuple[str, int, int, int] | None:
+    """(layout, offset, heads, d) when idx (4-D, indices into x (B, S, N)) is a column range
+    of x as (B, H, S, d), (B, H, d, S) or (B, S, H, d), else None."""
+    bsz, s, n = shape_x
+    if idx.ndim != 4 or idx.size == 0:
+        return None
+    o = int(idx.reshape(-1)[0] % n)
+    for name, perm in LAYOUTS.items():
+        # the layout's dims back in (B, H, S, d) order
+        dims = [0] * 4
+        for i, p in enumerate(perm):
+            dims[p] = idx.shape[i]
+        if dims[0] != bsz or dims[2] != s:
+            continue
+        b, h, q, j = np.ix_(*[np.arange(v) for v in dims])
+        want = (b * s * n + q * n + o + h * dims[3] + j).transpose(perm)
+        if want.shape == idx.shape and np.array_equal(want, idx):
+            return name, o, dims[1], dims[3]
+    return None
+
+
+@mutator
+class _QKVHeads(PyExprMutator):
+    def __init__(self, mod, lanes: int):
+        super().__init__(mod)
+        self.lanes = lanes
+        self.plan: dict = {}  # sink var -> (group, output index)
+        self.emitted: dict = {}  # group id -> the kernel call's tuple var
+        self.kernels: dict = {}  # kernel key -> GlobalVar
+
+    def visit_var_binding_(self, binding):
+        todo = self.plan.get(binding.var)
+        if todo is None:
+            return super().visit_var_binding_(binding)
+        group, i = todo
+        if id(group) not in self.emitted:
+            self.emitted[id(group)] = self.builder_.emit(self._call(group))
+        value = relax.TupleGetItem(self.emitted[id(group)], i)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+
+    def _call(self, group):
+        x, outs, pairs, shapes = group
+        args = [self.visit_expr(x)]
+        for cos, sin in pairs:
+            for c in (cos, sin):
+                c = self.visit_expr(c)
+                shp = _static(c.ty.shape)
+                if len(shp) < 4:
+                    c = self.builder_.emit(relax.op.reshape(c, [1] * (4 - len(shp)) + shp))
+                args.append(c)
+        key = (tuple(_static(x.ty.shape)), tuple(outs), tuple(tuple(_static(a.ty.shape)) for a in args[1:]))
+        if key not in self.kernels:
+            func = heads_kernel(_static(x.ty.shape), outs, [tuple(_static(a.ty.shape)) for a in args[1:]],
+                                self.lanes)
+            self.kernels[key] = add_kernel(self.builder_, func, "qkv_heads")
+        return relax.call_tir(self.kernels[key], args, out_ty=[relax.TensorType(s, "float32") for s in shapes])
+
+
+class _Plan:
+    """Traces one function's bindings and groups the outputs to compute per root."""
+
+    def __init__(self, func):
+        self.v2v = relax.analysis.get_var2val(func)
+        self.order: dict = {}
+        self.block: dict = {}
+        self.users: dict = {}
+        for bi, blk in enumerate(func.body.blocks):
+            for b in blk.bindings:
+                self.order[b.var] = len(self.order)
+                self.block[b.var] = bi
+                for v in relax.analysis.free_vars(b.value):
+                    self.users.setdefault(v, []).append(b.var)
+        for v in relax.analysis.free_vars(func.body.body):
+            self.users.setdefault(v, []).append(None)  # the function's result
+        self.memo: dict = {}
+
+    def trace(self, e) -> Traced | None:
+        if not isinstance(e, relax.Var):
+            return None
+        if e not in self.memo:
+            self.memo[e] = None  # no cycles in dataflow, but be safe
+            self.memo[e] = self._trace(e)
+        return self.memo[e]
+
+    def _trace(self, var) -> Traced | None:
+        e = self.v2v.get(var)
+        if e is None or getattr(var.ty, "dtype", None) != "float32" or _static(var.ty.shape) is None:
+            return None
+        if isinstance(e, relax.TupleGetItem):
+            sp = self.v2v.get(e.tuple_value)
+            if _op(sp) != "relax.split":
+                return None
+            x = sp.args[0]
+            shp = _static(getattr(x.ty, "shape", None) or [])
+            if shp is None or len(shp) != 3 or int(sp.attrs.axis) not in (2, -1) or x.ty.dtype != "float32":
+                return None
+            sec = sp.attrs.indices_or_sections
+            parts = np.split(np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp),
+                             int(sec) if isinstance(sec, tvm.tirx.IntImm) else _ints(sec), axis=2)
+            idx = parts[int(e.index)]
+            return Traced(x, idx, np.ones(idx.shape, np.int8))
+        op = _op(e)
+        if op == "relax.add":
+            return self._rope(var, e)
+        a = self.trace(e.args[0]) if op in ("relax.reshape", "relax.permute_dims", "relax.strided_slice",
+                                            "relax.negative") else None
+        out = _static(var.ty.shape)
+        if op == "relax.reshape":
+            if a is None:  # a new root: a (B, S, N) tensor viewed as heads
+                x = e.args[0]
+                shp = _static(getattr(x.ty, "shape", None) or [])
+                if shp is None or len(shp) != 3 or len(out) != 4 or getattr(x.ty, "dtype", None) != "float32":
+                    return None
+                a = Traced(x, np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp),
+                           np.ones(shp, np.int8))
+            return Traced(a.root, a.idx.reshape(out), a.sign.reshape(out), a.rope)
+        if a is None and op != "relax.concat":
+            return None
+        if op == "relax.permute_dims":
+            axes = None if e.attrs.axes is None else _ints(e.attrs.axes)
+            return Traced(a.root, a.idx.transpose(axes), a.sign.transpose(axes), a.rope)
+        if op == "relax.negative":
+            return Traced(a.root, a.idx, -a.sign, a.rope)
+        if op == "relax.strided_slice":
+            try:
+                axes, begin, end = (_ints(t) for t in e.args[1:4])
+                strides = _ints(e.args[4]) if len(e.args) > 4 else [1] * len(axes)  # absent: all 1
+            except (TypeError, ValueError):
+                return None
+            sl = [slice(None)] * a.idx.ndim
+            for ax, b, en, st in zip(axes, begin, end, strides):
+                sl[ax] = slice(b, min(en, a.idx.shape[ax]), st)
+            sl = tuple(sl)
+            return Traced(a.root, a.idx[sl], a.sign[sl], a.rope) if list(a.idx[sl].shape) == out else None
+        if op == "relax.concat" and isinstance(e.args[0], relax.Tuple):
+            ts = [self.trace(f) for f in e.args[0].fields]
+            if not ts or any(t is None or not t.root.same_as(ts[0].root) or t.rope is not ts[0].rope for t in ts):
+                return None
+            ax = int(e.attrs.axis)
+            return Traced(ts[0].root, np.concatenate([t.idx for t in ts], ax),
+                          np.concatenate([t.sign for t in ts], ax), ts[0].rope)
+        return None
+
+    def _rope(self, var, add) -> Traced | None:
+        """add(t * cos, rotate_half(t) * sin) (either order), t traced (B, H, S, d) from x."""
+        muls = [self.v2v.get(a) if isinstance(a, relax.Var) else None for a in add.args]
+        if any(_op(m) != "relax.multiply" for m in muls):
+            return None
+        shape = _static(var.ty.shape)
+        for plain_mul, rot_mul in (muls, muls[::-1]):
+            for t_e, c in (plain_mul.args, plain_mul.args[::-1]):
+                t = self.trace(t_e)
+                if t is None or t.rope is not None or t.idx.ndim != 4 or not np.all(t.sign == 1):
+                    continue
+                if list(t.idx.shape) != shape or t.idx.shape[-1] % 2:
+                    continue
+                for r_e, s in (rot_mul.args, rot_mul.args[::-1]):
+                    r = self.trace(r_e)
+                    if r is None or r.rope is not None or not r.root.same_as(t.root):
+                        continue
+                    h2 = shape[-1] // 2
+                    want = np.concatenate([t.idx[..., h2:], t.idx[..., :h2]], -1)
+                    sign = np.concatenate([-np.ones(h2, np.int8), np.ones(h2, np.int8)])
+                    if r.idx.shape != want.shape or not np.array_equal(r.idx, want) or \
+                            not np.all(r.sign == sign):
+                        continue
+                    if not (self._table(c, shape) and self._table(s, shape)):
+                        continue
+                    n = int(np.prod(shape))
+                    return Traced(t.root, np.arange(n, dtype=np.int32).reshape(shape),
+                                  np.ones(shape, np.int8), Rope(t.idx, c, s))
+        return None
+
+    def _table(self, c, shape) -> bool:
+        """cos/sin: float32, static, broadcastable as (1 or B, 1, S, d), not traced from x."""
+        shp = _static(getattr(c.ty, "shape", None) or [])
+        if shp is None or getattr(c.ty, "dtype", None) != "float32" or len(shp) > 4 or self.trace(c) is not None:
+            return False
+        shp = [1] * (4 - len(shp)) + shp
+        return shp[0] in (1, shape[0]) and shp[1] == 1 and shp[2:] == shape[2:]
+
+    def _summary(self, t: Traced) -> _Summary:
+        """What groups() needs of a trace, without its index arrays."""
+        shp = _static(t.root.ty.shape)
+        lay = None
+        if t.rope is None:
+            lay = _head_layout(t.idx, shp) if np.all(t.sign == 1) else None
+        else:
+            pre = _head_layout(t.rope.pre, shp)
+            if pre is not None and pre[0] == "bhsd" and np.all(t.sign == 1):
+                base = np.arange(t.idx.size, dtype=np.int32).reshape(t.rope.pre.shape)
+                lay = next(((name, *pre[1:]) for name, perm in LAYOUTS.items()
+                            if base.transpose(perm).shape == t.idx.shape
+                            and np.array_equal(base.transpose(perm), t.idx)), None)
+        rotated = t.rope is not None and np.array_equal(t.idx.reshape(-1), np.arange(t.idx.size))
+        return _Summary(t.root, list(t.idx.shape), lay, (t.rope.cos, t.rope.sin) if t.rope else None, rotated)
+
+    def groups(self) -> list:
+        """(x, [HeadsOut], [(cos, sin)], [out shapes], [sink vars]) per root x worth rewriting."""
+        traced, root = {}, None
+        for v in self.order:
+            t = self.trace(v)
+            if t is None:
+                continue
+            traced[v] = self._summary(t)
+            if root is None or not t.root.same_as(root):
+                # a new root (the next layer): the earlier roots' index arrays go (a later
+                # trace of them recomputes); the memo held every layer's at once
+                root = t.root
+                self.memo = {k: m for k, m in self.memo.items() if m is None or m.root.same_as(root)}
+        ropes_inner = set()  # the multiplies of matched RoPEs: read only by their rotated result
+        for v, t in traced.items():
+            if t.rotated:
+                for a in self.v2v[v].args:
+                    ropes_inner.add(a)
+        by_root: dict = {}
+        for v, t in traced.items():
+            users = self.users.get(v, [])
+            if users and all(u is not None and (u in traced or (u in ropes_inner and all(
+                    w is not None and w in traced for w in self.users.get(u, [])))) for u in users):
+                continue  # only read by more layout steps (or its RoPE): not an output
+            by_root.setdefault(t.root, []).append(v)
+        out = []
+        for x, sinks in by_root.items():
+            outs, pairs, shapes, ok = [], [], [], True
+            for v in sinks:
+                t = traced[v]
+                if t.lay is None:
+                    ok = False
+                    break
+                rope = None
+                if t.rope is not None:
+                    rope = next((i for i, (c, s) in enumerate(pairs)
+                                 if c.same_as(t.rope[0]) and s.same_as(t.rope[1])), None)
+                    if rope is None:
+                        pairs.append(t.rope)
+                        rope = len(pairs) - 1
+                outs.append(HeadsOut(t.lay[0], t.lay[1], t.lay[2], t.lay[3], rope))
+                shapes.append(t.shape)
+            split_root = any(_op(self.v2v.get(self.v2v[v].tuple_value)) == "relax.split"
+                             for v in traced if traced[v].root.same_as(x)
+                             and isinstance(self.v2v.get(v), relax.TupleGetItem))
+            if not ok or not (split_root or any(o.rope is not None for o in outs)):
+                continue
+            first = min(sinks, key=self.order.get)
+            if len({self.block[v] for v in sinks}) != 1 or any(
+                    isinstance(c, relax.Var) and c in self.order and self.order[c] >= self.order[first]
+                    for p in pairs for c in p):
+                continue
+            out.append((x, outs, pairs, shapes, sinks))
+        return out
+
+
+def heads_kernel(shape_x: list[int], outs: list[HeadsOut], tables: list[tuple], lanes: int = 16):
+    """The PrimFunc: x (B, S, N), the (cos, sin) tables (4-D), one buffer per output."""
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    bsz, s_len, n = shape_x
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("qkv_heads")
+            X = T.arg("x", T.buffer([i64(bsz), i64(s_len), i64(n)], "float32"))
+            tabs = [T.arg(f"table{i}", T.buffer([i64(v) for v in shp], "float32")) for i, shp in enumerate(tables)]
+            bufs = []
+            for i, o in enumerate(outs):
+                dims = {"b": bsz, "h": o.heads, "s": s_len, "d": o.d}
+                bufs.append(T.arg(f"out{i}", T.buffer([i64(dims[c]) for c in o.layout], "float32")))
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8,
+                         KERNEL_ATTR: ",".join(f"{o.layout}@{o.offset}:{o.heads}x{o.d}" + ("+rope" if o.rope is not None else "")
+                                               for o in outs)})
+            # Blocks of `lanes` rows: a K^T output (B, H, d, S) is stored from a row tile as
+            # whole vectors along S (row by row, each of its d values was a strided scatter).
+            sb = lanes
+            n_sb = (s_len + sb - 1) // sb
+            with T.parallel(i64(0), i64(bsz * n_sb)) as p:
+                b = p // i64(n_sb)
+                s0 = p % i64(n_sb) * i64(sb)
+                rows = i64(sb) if s_len % sb == 0 else tirx.min(i64(sb), i64(s_len) - s0)
+                for o, buf in zip(outs, bufs):
+                    def at(h, s, j, o=o):
+                        return [{"b": b, "h": h, "s": s, "d": j}[c] for c in o.layout]
+                    with T.serial(i64(0), i64(o.heads)) as h:
+                        base = i64(o.offset) + h * i64(o.d)
+                        tile = T.alloc_buffer((sb, o.d), "float32", scope="local") if o.layout == "bhds" else None
+                        with T.serial(i64(0), rows) as i:
+                            s = s0 + i
+                            put = (lambda j, v, i=i: T.buffer_store(tile, v, [i, j])) if tile is not None else \
+                                (lambda j, v, h=h, s=s, at=at, buf=buf: T.buffer_store(buf, v, at(h, s, j)))
+                            _row(T, X, b, s, base, o, tabs, put, i64)
+                        if tile is not None:
+                            with T.serial(i64(0), i64(o.d)) as j:
+                                if s_len % sb == 0:
+                                    with T.vectorized(i64(0), i64(sb)) as i:
+                                        T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
+                                else:
+                                    with T.serial(i64(0), rows) as i:
+                                        T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
+    return ib.get()
+
+
+def _row(T, X, b, s, base, o: HeadsOut, tabs, put, i64):
+    """One head's row of x (columns base .. base + d), rotated when o has RoPE, into put(j, v)."""
+    if o.rope is None:
+        with T.vectorized(i64(0), i64(o.d)) as j:
+            put(j, X[b, s, base + j])
+        return
+    cos, sin = tabs[2 * o.rope], tabs[2 * o.rope + 1]
+
+    def tab(t, j):
+        return t[b if int(t.shape[0]) > 1 else i64(0), i64(0), s, j]
+    h2 = i64(o.d // 2)
+    with T.vectorized(i64(0), h2) as j:
+        lo, hi = X[b, s, base + j], X[b, s, base + h2 + j]
+        put(j, lo * tab(cos, j) - hi * tab(sin, j))
+        put(j + h2, hi * tab(cos, j + h2) + lo * tab(sin, j + h2))
+
+
+def is_kernel(func) -> bool:
+    return func.attrs is not None and KERNEL_ATTR in func.attrs
+
+
+def qkv_heads_pass(lanes: int = 16) -> tvm.transform.Pass:
+    """The rewrite above over every Relax function (static shapes), then the dead chain removed."""
+
+    @tvm.transform.module_pass(opt_level=0, name="BlockforgeQKVHeads")
+    def qkv_heads(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        m = _QKVHeads(mod, lanes)
+        changed = False
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            groups = _Plan(func).groups()
+            if not groups:
+                continue
+            m.plan = {}
+            for g in groups:
+                x, outs, pairs, shapes, sinks = g
+                grp = (x, outs, pairs, shapes)
+                for i, v in enumerate(sinks):
+                    m.plan[v] = (grp, i)
+            m.builder_.update_func(gv, m.visit_expr(func))
+            changed = True
+        if not changed:
+            return mod
+        return relax.transform.DeadCodeElimination()(m.builder_.get())
+
+    return qkv_heads
