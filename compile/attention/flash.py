@@ -69,9 +69,15 @@ class AttentionSpec:
     # NaN/+inf score: its denominator is then 0 or NaN) comes out 0, not NaN
     nan_rows_zero: bool = False
     kv_heads: int | None = None  # grouped-query: K/V have this many heads (None: heads)
+    # torch's _safe_softmax (torch.export's decomposed SDPA): a row whose every score is -inf
+    # comes out 0; a NaN or +inf score still gives NaN, as softmax does
+    inf_rows_zero: bool = False
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if not d["inf_rows_zero"]:  # written only when set: older specs (tuning records) keep their text
+            del d["inf_rows_zero"]
+        return json.dumps(d, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "AttentionSpec":
@@ -85,7 +91,7 @@ class AttentionSpec:
         mask = "+".join(x for x in ("causal" if self.causal else "", "add" if self.add else "",
                                     "keep" if self.keep else "") if x) or "none"
         extra = (f" kv_heads={self.kv_heads}" if self.kv_heads else "") + \
-            (" nan-rows-zero" if self.nan_rows_zero else "")
+            (" nan-rows-zero" if self.nan_rows_zero else "") + (" inf-rows-zero" if self.inf_rows_zero else "")
         return (f"{self.dtype} q:{self.q} k:{self.k} v:{self.v} o:{self.o} h={self.heads} d={self.d} "
                 f"dv={self.dv} mask={mask}{extra}")
 
@@ -376,6 +382,10 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             y = acc[i, d] * inv[0]
                             if spec.nan_rows_zero:  # el is 0 (all -inf) or NaN exactly when softmax is NaN
                                 y = tirx.Select(el[i] > f32(0), y, f32(0))
+                            elif spec.inf_rows_zero:
+                                # el is exactly 0 only when every score is -inf (a row's max
+                                # scores exp(0) = 1 otherwise); a NaN score makes it NaN
+                                y = tirx.Select(el[i] == f32(0), f32(0), y)
                             T.buffer_store(O, y if spec.dtype == "float32" else tirx.Cast(spec.dtype, y),
                                            at(spec.o, b, h, q0 + i, d))
                     if static_q_exact:
