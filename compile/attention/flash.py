@@ -153,10 +153,18 @@ def fast_exp(x, nonpositive: bool = False):
     return tirx.Let(xv, clamped, body)
 
 
-def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True):
+def tail_width(skv: int, kt: int, vk: int) -> int:
+    """The width of the last key tile at a static Skv no key tile divides: the remainder's whole
+    vectors (ViT's 197 = 3 x 64 + 5: 16 keys, not a full 64-key tile of which 59 are dropped)."""
+    return min(kt, -(-(skv % kt) // vk) * vk)
+
+
+def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True,
+           key_tail: bool = True):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
-    query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's."""
+    query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
+    key_tail=False: a static ragged Skv's last key tile is a whole one (ablation attention-key-tail)."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -252,22 +260,22 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         with T.vectorized(i64(0), i64(w)) as j:
                             T.buffer_store(buf, op(buf[j], buf[j + i64(w)]), [j])
 
-                def tile(k0, valid, skip=0):
-                    """One key tile at k0 (valid: its key count when partial, else None; skip:
-                    its first keys were visited by the previous tile and are dropped here)."""
+                def tile(k0, valid, skip=0, w=kt):
+                    """One key tile of w keys at k0 (valid: its key count when partial, else None;
+                    skip: its first keys were visited by the previous tile and are dropped here)."""
                     kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
                     # scores: MR rows x KT keys in registers, reduced over d
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
-                        r = T.alloc_buffer((mr_s, kt), "float32", scope="local")
+                        r = T.alloc_buffer((mr_s, w), "float32", scope="local")
                         with T.unroll(i64(0), i64(mr_s)) as ii:
-                            with T.vectorized(i64(0), i64(kt)) as j:
+                            with T.vectorized(i64(0), i64(w)) as j:
                                 T.buffer_store(r, f32(0), [ii, j])
                         if key_rows:
                             # K as the cache holds it (keys x d): each score a dot product
                             # vectorised along d (contiguous), then a tree sum; no K^T copy
                             dot = T.alloc_buffer((vd,), "float32", scope="local")
                             with T.unroll(i64(0), i64(mr_s)) as ii:
-                                with T.serial(i64(0), i64(kt)) as j:
+                                with T.serial(i64(0), i64(w)) as j:
                                     with T.vectorized(i64(0), i64(vd)) as e:
                                         T.buffer_store(dot, f32(0), [e])
                                     with T.serial(i64(0), D // i64(vd)) as c:
@@ -282,7 +290,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                           with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
                                 qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
-                                with T.vectorized(i64(0), i64(kt)) as j:
+                                with T.vectorized(i64(0), i64(w)) as j:
                                     kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                     T.buffer_store(r, r[ii, j] + qv * kv, [ii, j])
                         with T.unroll(i64(0), i64(mr_s)) as ii:
@@ -290,7 +298,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             # the row max is taken here, from registers: one pass over s less
                             with T.vectorized(i64(0), i64(vk)) as j:
                                 T.buffer_store(pmax, neg_inf, [row, j])
-                            with T.unroll(i64(0), i64(kt // vk)) as c:
+                            with T.unroll(i64(0), i64(w // vk)) as c:
                               with T.vectorized(i64(0), i64(vk)) as jv:
                                 j = c * i64(vk) + jv
                                 x = r[ii, j] * f32(spec.scale)
@@ -323,7 +331,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         T.buffer_store(m, mx, [i])
                         with T.vectorized(i64(0), i64(vk)) as j:
                             T.buffer_store(part, f32(0), [j])
-                        with T.serial(i64(0), i64(kt // vk)) as c:
+                        with T.serial(i64(0), i64(w // vk)) as c:
                             with T.vectorized(i64(0), i64(vk)) as j:
                                 e = T.Bind(fast_exp(s[i, c * i64(vk) + j] - mu, nonpositive=True))
                                 T.buffer_store(s, e, [i, c * i64(vk) + j])
@@ -337,7 +345,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 row = io * i64(mr_o) + ii
                                 T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
-                        with T.serial(i64(skip), i64(kt) if valid is None else valid) as j:
+                        with T.serial(i64(skip), i64(w) if valid is None else valid) as j:
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
                                 with T.vectorized(i64(0), Dv) as d:
@@ -362,7 +370,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         cond = i64(k_tail) <= q0 + i64(qt - 1)
                     with T.If(cond):
                         with T.Then():
-                            tile(i64(spec.skv - kt), None, skip=kt - spec.skv % kt)
+                            tw = tail_width(spec.skv, kt, vk) if key_tail else kt
+                            tile(i64(spec.skv - tw), None, skip=tw - spec.skv % kt, w=tw)
                 elif not static_k_exact:
                     k_tail = Skv // i64(kt) * i64(kt)
                     cond = k_tail < Skv
