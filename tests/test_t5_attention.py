@@ -67,9 +67,11 @@ def test_t5_encoder_fixture_fuses_every_layer_and_matches_ort():
         np.testing.assert_allclose(ours[name], ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def _safe_model(path, neg: float = -np.inf):
+def _safe_model(path, neg: float = -np.inf, shape: tuple = (B, H, S, D)):
     """The decomposed form over q, k, v (B, H, S, D) and bias (1, H, S, S); `neg`: the value
-    the guard tests the scores against (-inf is _safe_softmax's)."""
+    the guard tests the scores against (-inf is _safe_softmax's). Also the kernel-level A/B at
+    T5-base's shape (notes/vitt5.md): shape=(1, 12, 128, 64), then benchmarks/whole_ab.py."""
+    B, H, S, D = shape
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     c = lambda a, n: numpy_helper.from_array(np.array(a), n)  # noqa: E731
     inits = [c([B * H, S, D], "s3"), c([B * H, D, S], "k3"), c([B, H, S, S], "p4"), c([B * H, S, S], "p3"),
