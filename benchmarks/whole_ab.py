@@ -2,11 +2,14 @@
 ORT and OpenVINO f32 (outputs checked against ORT first); prints median ms, the ratios, the load.
 
     nice .venv/bin/python benchmarks/whole_ab.py MODEL.onnx --dims s33=1 --ab row-tiles [--repeat 10]
+    (T5-base encoder: --dims s33=1,s50=128,s6=1 --ab fuse-attention)
+    TVM_NUM_THREADS=1 ... --cpu-time: one core, thread CPU time, no peers (a loaded machine)
 """
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import numpy as np
 import onnx
@@ -32,34 +35,56 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", required=True, help="pipeline ablation(s), comma list")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time in thread CPU time (run with TVM_NUM_THREADS=1; no peers): a loaded machine's "
+                         "descheduling and worker wake-ups then do not count")
     a = ap.parse_args(argv)
     dims = {k: int(v) for k, v in (kv.split("=") for kv in a.dims.split(",") if kv)}
     model = onnx.load(a.model)
-    inp = model.graph.input[0]
-    shape = [d.dim_value or dims[d.dim_param] for d in inp.type.tensor_type.shape.dim]
-    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    feeds = _inputs(model, dims)
     target = resolve("host")
     threads = int(target.target_json.get("num-cores", 1))
     bm = type("M", (), {"onnx": model})()
-    ort = Ort().make_runner(bm, {inp.name: x}, threads)
+    ort = Ort().make_runner(bm, feeds, threads)
     want = ort.outputs()[0]
-    runners = {} if a.no_peers else {"ort": ort}
-    if not a.no_peers and OpenVino().available():
-        runners["openvino"] = OpenVino().make_runner(bm, {inp.name: x}, threads, precision="f32")
+    peers = not (a.no_peers or a.cpu_time)
+    runners = {"ort": ort} if peers else {}
+    if peers and OpenVino().available():
+        runners["openvino"] = OpenVino().make_runner(bm, feeds, threads, precision="f32")
     for label, without in (("new", set()), (f"without {a.ab}", set(a.ab.split(",")))):
         # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
         vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
                                   tvm.cpu())
-        t = tvm.runtime.tensor(x)
-        np.testing.assert_allclose(vm["main"](t).numpy(), want, rtol=2e-3, atol=2e-3)
-        runners[label] = (lambda f=vm["main"], t=t: f(t))
-    ms = {k: float(np.median(v)) for k, v in measure_interleaved(runners, a.repeat, warmup=1).items()}
+        t = [tvm.runtime.tensor(x) for x in feeds.values()]
+        np.testing.assert_allclose(vm["main"](*t).numpy(), want, rtol=2e-3, atol=2e-3)
+        runners[label] = (lambda f=vm["main"], t=t: f(*t))
+    ms = {k: float(np.median(v)) for k, v in measure_interleaved(runners, a.repeat, warmup=1,
+                                                                         clock=time.thread_time if a.cpu_time else time.perf_counter).items()}
     best = min((v for k, v in ms.items() if k in ("ort", "openvino")), default=None)
     print({k: round(v, 2) for k, v in ms.items()})
     print(f"new / without {a.ab}: {ms['new'] / ms[f'without {a.ab}']:.3f}"
           + (f"; new / best peer {ms['new'] / best:.3f}; without / best peer {ms[f'without {a.ab}'] / best:.3f}"
              if best else ""), "load", os.getloadavg())
     return 0
+
+
+def _inputs(model, dims: dict) -> dict:
+    """One array per graph input: float inputs random normal, token ids random below 100, an
+    attention mask all ones (T5's encoder takes input_ids and attention_mask)."""
+    from onnx import helper
+
+    rng = np.random.default_rng(1)
+    out = {}
+    for inp in model.graph.input:
+        shape = [d.dim_value or dims[d.dim_param] for d in inp.type.tensor_type.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)
+        if dtype.kind == "f":
+            out[inp.name] = rng.standard_normal(shape).astype(dtype)
+        elif "mask" in inp.name:
+            out[inp.name] = np.ones(shape, dtype)
+        else:
+            out[inp.name] = rng.integers(0, 100, shape).astype(dtype)
+    return out
 
 
 if __name__ == "__main__":

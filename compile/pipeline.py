@@ -45,6 +45,8 @@ ABLATIONS = {
                  "cropped (left out: the last tile's row guard in every tile's k loop)",
     "attention-qtile": "the fused attention kernel's query tiles balanced at a static Sq no tile divides (ViT's "
                        "197: 4 tiles of 50) (left out: the recorded or default tile)",
+    "attention-key-tail": "the fused attention kernel's last key tile at a static Skv no key tile divides only the "
+                          "remainder's vectors wide (ViT's 197: 16 keys) (left out: a whole 64-key tile, 59 dropped)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
@@ -113,7 +115,7 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
-                               key_rows="attention-key-rows" not in without)]
+                               key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without)]
     return passes
 
 

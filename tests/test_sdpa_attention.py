@@ -52,11 +52,28 @@ def _sdpa_model(path, kv_heads: int, softmax_axis: int = -1):
            helper.make_tensor_value_info("k", f32, [B, kv_heads, S, D]),
            helper.make_tensor_value_info("v", f32, [B, kv_heads, S, D]),
            helper.make_tensor_value_info("mask", f32, [B, 1, 1, S])]
-    graph = helper.make_graph(nodes, "sdpa", ins, [helper.make_tensor_value_info("output", f32, [B, H, S, D])], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return save_model(path, "sdpa", nodes, ins, [B, H, S, D], inits)
+
+
+def save_model(path, name: str, nodes: list, ins: list, out_shape: list, inits: list):
+    """An opset-18 graph with one float32 output "output" of out_shape, saved at path."""
+    out = [helper.make_tensor_value_info("output", TensorProto.FLOAT, out_shape)]
+    m = helper.make_model(helper.make_graph(nodes, name, ins, out, inits), opset_imports=[helper.make_opsetid("", 18)])
     m.ir_version = 10
     onnx.save(m, str(path))
     return path
+
+
+def non_finite_diffs(what: str, ours: np.ndarray, ref: np.ndarray) -> list[str]:
+    """Where TVM's NaN/+Inf/-Inf/zero pattern or finite values differ from ORT's, in words."""
+    bad = []
+    for label, test in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf), ("zero", lambda a: a == 0)):
+        if not np.array_equal(test(ours), test(ref)):
+            bad.append(f"{what}: {label} TVM {int(test(ours).sum())}, ORT {int(test(ref).sum())}")
+    fin = np.isfinite(ref) & np.isfinite(ours)
+    if not np.allclose(ours[fin], ref[fin], rtol=1e-4, atol=1e-5):
+        bad.append(f"{what}: max abs diff {np.abs(ours[fin] - ref[fin]).max():.3e}")
+    return bad
 
 
 def _inject(x: dict, what: str) -> dict:
@@ -106,12 +123,7 @@ def test_sdpa_form_fuses_and_matches_ort_non_finite(tmp_path, kv_heads):
         ref = ort_runner.run(session.model, inputs)["output"].astype(np.float64)
         if what != "none":
             assert not np.isfinite(ref).all() or (ref == 0).any(), f"{what}: the case must reach the output"
-        for label, test in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf), ("zero", lambda a: a == 0)):
-            if not np.array_equal(test(ours), test(ref)):
-                bad.append(f"{what}: {label} TVM {int(test(ours).sum())}, ORT {int(test(ref).sum())}")
-        fin = np.isfinite(ref) & np.isfinite(ours)
-        if not np.allclose(ours[fin], ref[fin], rtol=1e-4, atol=1e-5):
-            bad.append(f"{what}: max abs diff {np.abs(ours[fin] - ref[fin]).max():.3e}")
+        bad += non_finite_diffs(what, ours, ref)
     assert not bad, bad
 
 

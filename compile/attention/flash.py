@@ -69,9 +69,15 @@ class AttentionSpec:
     # NaN/+inf score: its denominator is then 0 or NaN) comes out 0, not NaN
     nan_rows_zero: bool = False
     kv_heads: int | None = None  # grouped-query: K/V have this many heads (None: heads)
+    # torch's _safe_softmax (torch.export's decomposed SDPA): a row whose every score is -inf
+    # comes out 0; a NaN or +inf score still gives NaN, as softmax does
+    inf_rows_zero: bool = False
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if not d["inf_rows_zero"]:  # written only when set: older specs (tuning records) keep their text
+            del d["inf_rows_zero"]
+        return json.dumps(d, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "AttentionSpec":
@@ -85,7 +91,7 @@ class AttentionSpec:
         mask = "+".join(x for x in ("causal" if self.causal else "", "add" if self.add else "",
                                     "keep" if self.keep else "") if x) or "none"
         extra = (f" kv_heads={self.kv_heads}" if self.kv_heads else "") + \
-            (" nan-rows-zero" if self.nan_rows_zero else "")
+            (" nan-rows-zero" if self.nan_rows_zero else "") + (" inf-rows-zero" if self.inf_rows_zero else "")
         return (f"{self.dtype} q:{self.q} k:{self.k} v:{self.v} o:{self.o} h={self.heads} d={self.d} "
                 f"dv={self.dv} mask={mask}{extra}")
 
@@ -174,10 +180,18 @@ def fast_exp(x, nonpositive: bool = False):
     return tirx.Let(xv, clamped, body)
 
 
-def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True):
+def tail_width(skv: int, kt: int, vk: int) -> int:
+    """The width of the last key tile at a static Skv no key tile divides: the remainder's whole
+    vectors (ViT's 197 = 3 x 64 + 5: 16 keys, not a full 64-key tile of which 59 are dropped)."""
+    return min(kt, -(-(skv % kt) // vk) * vk)
+
+
+def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True,
+           key_tail: bool = True):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
-    query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's."""
+    query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
+    key_tail=False: a static ragged Skv's last key tile is a whole one (ablation attention-key-tail)."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -390,11 +404,10 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         cond = i64(k_tail) <= q0 + i64(qt - 1)
                     with T.If(cond):
                         with T.Then():
-                            # only as many whole vectors as the rest needs (Whisper's 28
-                            # keys: 32, not 64 of which 36 are visited twice)
-                            rest = spec.skv % kt
-                            kw = -(-rest // vk) * vk
-                            tile(i64(spec.skv - kw), None, skip=kw - rest, kw=kw)
+                            # only as many whole vectors as the rest needs (ViT's 197: 16
+                            # keys; Whisper's 1500: 32, not 64 of which 36 are visited twice)
+                            kw = tail_width(spec.skv, kt, vk) if key_tail else kt
+                            tile(i64(spec.skv - kw), None, skip=kw - spec.skv % kt, kw=kw)
                 elif not static_k_exact:
                     k_tail = Skv // i64(kt) * i64(kt)
                     cond = k_tail < Skv
@@ -414,6 +427,10 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             y = acc[i, d] * inv[0]
                             if spec.nan_rows_zero:  # el is 0 (all -inf) or NaN exactly when softmax is NaN
                                 y = tirx.Select(el[i] > f32(0), y, f32(0))
+                            elif spec.inf_rows_zero:
+                                # el is exactly 0 only when every score is -inf (a row's max
+                                # scores exp(0) = 1 otherwise); a NaN score makes it NaN
+                                y = tirx.Select(el[i] == f32(0), f32(0), y)
                             T.buffer_store(O, y if spec.dtype == "float32" else tirx.Cast(spec.dtype, y),
                                            at(spec.o, b, h, q0 + i, d))
                     if static_q_exact:

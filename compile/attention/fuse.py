@@ -23,10 +23,10 @@ def _reshape(bb, x, shape):
 class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
-    def __init__(self, bb, target, database, balance: bool = True):
+    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True):
         from blockforge.compile.schedule.base import vector_lanes
 
-        self.bb, self.target, self.database, self.balance = bb, target, database, balance
+        self.bb, self.target, self.database, self.balance, self.key_tail = bb, target, database, balance, key_tail
         self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
@@ -38,7 +38,7 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes, self.balance), f"fused_attention_{len(self.funcs)}")
+            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes, self.balance, self.key_tail), f"fused_attention_{len(self.funcs)}")
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 
@@ -66,9 +66,10 @@ class _Rewrite:
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 
 
-def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True):
+def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
     balance=False: query tiles as recorded or default (ablation `attention-qtile`);
+    key_tail=False: whole last key tiles (ablation `attention-key-tail`);
     key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
     import tvm
     from tvm import relax
@@ -79,7 +80,7 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database, balance)
+            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)

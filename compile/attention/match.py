@@ -112,16 +112,28 @@ class _Finder:
     def match(self, out_var, value) -> Match | None:
         from tvm import relax
 
-        if not _is_call(value, "relax.matmul") or len(value.args) != 2:
+        chain = []
+        if _is_call(value, "relax.reshape"):
+            # P V as a (batch*heads) matmul between reshapes (torch.export's decomposed SDPA)
+            flat = self._unflatten(out_var)
+            if flat is None:
+                return None
+            _, probs, v, chain = flat
+        elif not _is_call(value, "relax.matmul") or len(value.args) != 2:
             return None
-        probs, v = value.args
+        else:
+            probs, v = value.args
         if not isinstance(probs, relax.Var) or not self.once(probs):
             return None
-        chain = [probs]
+        chain.append(probs)
         guard = self._nan_guard(probs)
+        safe = None if guard is not None else self._safe_softmax_guard(probs)
         if guard is not None:
             probs, isnan = guard
             chain += [isnan, probs]
+        elif safe is not None:
+            probs, cond = safe
+            chain += [cond, probs]
         sm = self.call(probs, "relax.nn.softmax")
         if sm is None:
             return None
@@ -131,7 +143,8 @@ class _Finder:
         if rank not in (3, 4) or int(sm.attrs.axis) not in (-1, rank - 1):
             return why(f"softmax over axis {int(sm.attrs.axis)} of a rank-{rank} tensor, not the keys of (B[, H], S, S)")
         keep = fill = None
-        if not (isinstance(x, relax.Var) and self.once(x)):
+        # the safe-softmax guard reads the scores too (its all -inf test): their one other use
+        if not (isinstance(x, relax.Var) and self.uses.get(x, 0) == (2 if safe is not None else 1)):
             return why("the scores are used outside the attention")
         c = self.value(x)
         if _is_call(c, "relax.where"):
@@ -168,12 +181,17 @@ class _Finder:
             x = a
             chain.append(x)
             c = self.value(x)
-        if not _is_call(c, "relax.matmul") or len(c.args) != 2:
+        flat = self._unflatten(x) if _is_call(c, "relax.reshape") and self.once(x) else None
+        if flat is not None:
+            c, q, kt, inner = flat
+            chain += inner
+        elif not _is_call(c, "relax.matmul") or len(c.args) != 2:
             return why(f"the scores come from {getattr(getattr(c, 'op', None), 'name', type(c).__name__)}, "
                        "not matmul(Q, K^T) [* or / a scalar constant] [+ mask] [where]")
+        else:
+            q, kt = c.args
         if c.attrs.out_dtype not in (None, "") and str(c.attrs.out_dtype) not in ("void", _dtype(c.args[0])):
             return why(f"Q K^T accumulates in {c.attrs.out_dtype}")
-        q, kt = c.args
         # SDPA's export scales both operands by sqrt(scale): (Q*c)(K^T*c) = Q K^T c^2
         q, kq = self._peel_scale(q)
         kt, kk = self._peel_scale(kt)
@@ -183,6 +201,8 @@ class _Finder:
             return why("shapes the kernel does not take (dtype, rank, symbolic heads or d, broadcast batch, mask dims)")
         if guard is not None:
             m.spec = replace(m.spec, nan_rows_zero=True)
+        if safe is not None:
+            m.spec = replace(m.spec, inf_rows_zero=True)
         return self._key_rows(self._ungroup(m))
 
     def _key_rows(self, m: Match) -> Match:
@@ -214,6 +234,68 @@ class _Finder:
         if isnan is None or not isnan.args[0].same_as(p) or not self.once(cond) or self.uses.get(p, 0) != 2:
             return None
         return (p, cond) if self.call(p, "relax.nn.softmax") is not None else None
+
+    def _safe_softmax_guard(self, probs):
+        """torch's _safe_softmax as torch.export decomposes it: where(all(x == -inf) over the
+        keys, 0, softmax(x)), the all as not(bool(max(int64(not(x == -inf)), -1, keepdims))).
+        (softmax var, the condition var), else None. Unlike where(isnan(p), 0, p), a row with a
+        NaN or +inf score stays NaN: the kernel's inf_rows_zero."""
+        c = self.call(probs, "relax.where")
+        if c is None or len(c.args) != 3 or not self._is_zero(c.args[1]):
+            return None
+        cond, p = c.args[0], c.args[2]
+        sm = self.call(p, "relax.nn.softmax")
+        if sm is None or not (self.once(p) and self.once(cond)) or not _same_shape(probs, p):
+            return None
+        e = cond
+        for op in ("relax.logical_not", "relax.astype", "relax.max", "relax.astype", "relax.logical_not"):
+            call = self.call(e, op)
+            if call is None or (e is not cond and not self.once(e)):
+                return None
+            if op == "relax.max":
+                rank = len(static_shape(call.args[0]) or [])
+                axes = [int(a) for a in call.attrs.axis] if call.attrs.axis is not None else []
+                if not call.attrs.keepdims or axes not in ([-1], [rank - 1]):
+                    return None
+            e = call.args[0]
+        eq = self.call(e, "relax.equal")
+        if eq is None or not self.once(e) or not eq.args[0].same_as(sm.args[0]) or _scalar_const(eq.args[1]) != -math.inf:
+            return None
+        return p, cond
+
+    def _is_zero(self, e) -> bool:
+        """A constant of zeros (scalar or folded tensor), or broadcast_to of a scalar 0."""
+        c = self.call(e, "relax.broadcast_to")
+        if c is not None:
+            e = c.args[0]
+        value = getattr(self.value(e), "value", None)
+        if value is None or not hasattr(value, "numpy"):
+            return False
+        a = value.numpy()
+        return a.dtype.kind == "f" and bool((a == 0).all())
+
+    def _unflatten(self, var):
+        """var = reshape(matmul(reshape(A), reshape(B))) where A, B are (batch, heads, ..)
+        rank-4 and the matmul is their (batch*heads) rank-3 form: (the matmul call, A, B, the
+        intermediate vars), else None. torch.export's decomposition writes SDPA's two products so."""
+        r = self.call(var, "relax.reshape")
+        inner = r.args[0] if r is not None else None
+        mm = self.call(inner, "relax.matmul") if inner is not None else None
+        if mm is None or len(mm.args) != 2 or not self.once(inner):
+            return None
+        out4, out3 = static_shape(var), static_shape(inner)
+        srcs = []
+        for x3 in mm.args:
+            rs = self.call(x3, "relax.reshape")
+            x4 = rs.args[0] if rs is not None else None
+            if x4 is None or not _merges_heads(static_shape(x4), static_shape(x3)):
+                return None
+            srcs.append(x4)
+        a4, b4 = (static_shape(x) for x in srcs)
+        if not _merges_heads(out4, out3) or not all(same_dim(x, y) for x, y in zip(a4[:2], out4[:2])) \
+                or not all(same_dim(x, y) for x, y in zip(b4[:2], out4[:2])):
+            return None
+        return mm, srcs[0], srcs[1], [inner, *mm.args]
 
     def _peel_scale(self, e):
         """(x, k) when e = x * k, k * x or x / k for a scalar constant k used only here, else (e, 1)."""
@@ -284,7 +366,8 @@ class _Finder:
 
     def _is_scores_side(self, e) -> bool:
         c = self.value(e)
-        return _is_call(c, "relax.divide", "relax.multiply", "relax.matmul")
+        return _is_call(c, "relax.divide", "relax.multiply", "relax.matmul") or \
+            (_is_call(c, "relax.reshape") and self._unflatten(e) is not None)
 
     def _shapes(self, out_var, value, q, kt, v, add, keep, fill, scale, chain) -> Match | None:
         sq_, sk_, sv_ = static_shape(q), static_shape(kt), static_shape(v)
@@ -388,6 +471,25 @@ class _Finder:
                     spec = replace(spec, o="bshd")
         m.spec = spec
         return m
+
+
+def _same_shape(a, b) -> bool:
+    sa, sb = static_shape(a), static_shape(b)
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(same_dim(x, y) for x, y in zip(sa, sb))
+
+
+def _merges_heads(s4: list | None, s3: list | None) -> bool:
+    """s3 is s4 = (B, H, x, y) with B and H merged: (B*H, x, y)."""
+    import tvm
+
+    if s4 is None or s3 is None or len(s4) != 4 or len(s3) != 3:
+        return False
+    if not (same_dim(s4[2], s3[1]) and same_dim(s4[3], s3[2])):
+        return False
+    b, h, bh = static_int(s4[0]), static_int(s4[1]), static_int(s3[0])
+    if b is not None and h is not None:
+        return bh == b * h
+    return bh is None and tvm.sym.Analyzer().can_prove_equal(s4[0] * s4[1], s3[0])
 
 
 def _mask_dims(mask, scores: list, letters: list) -> tuple[str, ...] | None:
