@@ -92,10 +92,10 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func, isa: str = "vnni"):
+    def __init__(self, func, isa: str = "vnni", post: bool = True):
         from tvm import relax
 
-        self.isa = isa
+        self.isa, self.post = isa, post
         self.values, self.users = {}, {}  # var -> value; var -> the binding vars that read it
         for block in func.body.blocks:
             for b in block.bindings:
@@ -176,6 +176,54 @@ class _Finder:
             out.append(_Range(x, mx, v, minmax.MinMaxSpec(cols=_static(shape[-1]), rows=_static(rows))))
         return out
 
+    def qparams(self, value) -> tuple[float, int, str] | None:
+        """(scale, zero point, int dtype) of a per-tensor relax.quantize/dequantize with constant
+        parameters, else None."""
+        if len(value.args) != 3:
+            return None
+        s, zp = self.const(value.args[1]), self.const(value.args[2])
+        if s is None or zp is None or s.size != 1 or zp.size != 1 or s.dtype != np.float32:
+            return None
+        dtype = str(value.attrs.out_dtype) if _call(value, "relax.quantize") else _dtype(value.args[0])
+        if dtype not in ("int8", "uint8") or str(zp.dtype) != dtype:
+            return None
+        return float(s.reshape(())), int(zp.reshape(())), dtype
+
+    def post_chain(self, out, n: int):
+        """(out, steps, bias) of what follows the scaled GEMM in a QDQ model: QuantizeLinear/
+        DequantizeLinear pairs, the bias add between them, gelu/relu, and a last QuantizeLinear
+        (the next GEMM's int8 input), each step the previous one's only user; gemm.POST_STEPS."""
+        steps, bias = [], None
+        while True:
+            user = self.only_user(out)
+            uv = self.values.get(user)
+            if uv is None or not _same_shape(uv, self.values[out]):
+                break
+            if _call(uv, "relax.quantize") and uv.args[0].same_as(out) and (qp := self.qparams(uv)) is not None:
+                dq = self.only_user(user)
+                dv = self.values.get(dq)
+                if dv is not None and _call(dv, "relax.dequantize") and _dtype(dv) == "float32" \
+                        and self.qparams(dv) == qp:
+                    out = dq
+                    steps.append(("qdq", *qp))
+                    continue
+                out = user
+                steps.append(("q", *qp))
+                break
+            kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
+            if kind is not None:
+                out = user
+                steps.append((kind,))
+                continue
+            if bias is None and _call(uv, "relax.add"):
+                b = uv.args[1] if uv.args[0].same_as(out) else uv.args[0]
+                if _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
+                    out, bias = user, b
+                    steps.append(("bias",))
+                    continue
+            break
+        return out, tuple(steps), bias
+
     def match(self, var, value) -> _Match | None:
         if not _call(value, "relax.matmul") or _dtype(value) != "int32" or len(value.args) != 2:
             return None
@@ -215,16 +263,20 @@ class _Finder:
             kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
             if kind is not None and _same_shape(uv, self.values[out]):
                 out, activation = user, kind
+        post = ()
+        if self.post and scale is not None and bias is None and activation == "none":
+            out, post, bias = self.post_chain(out, n)
         spec = gemm.Int8GemmSpec(k=k, n=gemm.padded(n), m=m_static, scale=scale_kind, bias=bias is not None,
-                                 rowcorr=wz[1] != 0, activation=activation, isa=self.isa)
+                                 rowcorr=wz[1] != 0, activation=activation, isa=self.isa, post=post)
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
-def int8_gemm(isa: str = "vnni", target=None, database=None):
+def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
-    (compile/quant/tiles.py), else the defaults."""
+    (compile/quant/tiles.py), else the defaults; post False: no QDQ chain in the epilogue
+    (the int8-qdq-epilogue ablation)."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
@@ -314,7 +366,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None):
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            f = _Finder(func, isa)
+            f = _Finder(func, isa, post)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 continue
