@@ -73,6 +73,27 @@ class _Match:
     bias: object | None
     out_shape: list  # [..., n]: n the model's columns, spec.n that rounded up to 16 (padded)
     spec: gemm.Int8GemmSpec
+    # the kernel's last quantize writes the next int8 GEMM's activations already shifted to its
+    # instruction's signedness (zero point + shift); `out` then keeps the model's dtype beside them
+    shift_out: int = 0
+
+
+def _shift_outputs(matches: list, shift_for) -> None:
+    """A GEMM whose post chain ends in a quantize that feeds another int8 GEMM writes that
+    GEMM's activations (s8 -> u8 +128 for VPDPBUSD) itself: clip(round(x/s) + zp + 128, 0, 255)
+    is clip(round(x/s) + zp, -128, 127) + 128, so the separate shift pass over the tensor goes."""
+    import dataclasses
+
+    feeds = {mt.act: mt for mt in matches}  # (vars hash by identity)
+    for mt in matches:
+        last = mt.spec.post[-1] if mt.spec.post else None
+        if last is None or last[0] != "q" or mt.out not in feeds:
+            continue
+        shift = shift_for(last[3])
+        if shift:
+            dtype = "uint8" if shift > 0 else "int8"
+            mt.spec = dataclasses.replace(mt.spec, post=mt.spec.post[:-1] + (("q", last[1], last[2] + shift, dtype),))
+            mt.shift_out = shift
 
 
 @dataclass
@@ -290,6 +311,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True):
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
+            self.shifted: dict = {}  # a GEMM's out var -> (its activations for the next GEMM, shift)
             self.funcs: dict = {}
             self.applied: list[str] = []
 
@@ -305,12 +327,15 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True):
 
         def emit_call(self, mt: _Match):
             bb, sp = self.builder_, mt.spec
-            act = self.visit_expr(mt.act)
+            pre = self.shifted.get(mt.act)  # the GEMM before wrote these activations shifted
+            act = pre[0] if pre is not None else self.visit_expr(mt.act)
             m = 1
             for d in _shape(act)[:-1]:
                 m = m * d
             a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([m, sp.k])))
             zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
+            if pre is not None:
+                zp = bb.emit(relax.op.add(zp, relax.const(pre[1], "int32")))
             shift = shift_for(_dtype(act))
             if shift:
                 # (a + c) - (zp + c) = a - zp: s8 -> u8 for VPDPBUSD (c = 128), u8 -> s8 for SDOT
@@ -337,6 +362,13 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True):
             if pad:
                 y = bb.emit(relax.op.strided_slice(y, axes=[1], begin=[0], end=[n]))
             self.applied.append(sp.describe())
+            if mt.shift_out:
+                # the next GEMM reads the shifted tensor; the model's own (unshifted) one is left
+                # for any other reader (and dropped as unused when there is none)
+                u = bb.emit(relax.op.reshape(y, relax.ShapeExpr(mt.out_shape)))
+                self.shifted[mt.out] = (u, mt.shift_out)
+                return relax.op.astype(relax.op.subtract(relax.op.astype(u, "int32"),
+                                                         relax.const(mt.shift_out, "int32")), _dtype(mt.out))
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
         def emit_range(self, r: _Range, var):
@@ -370,6 +402,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True):
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 continue
+            _shift_outputs(matches, shift_for)
             m.plan = {mt.out: mt for mt in matches}
             # The activations' range for their dynamic quantization, next to the int8 GEMMs.
             for r in f.ranges():
