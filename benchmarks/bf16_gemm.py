@@ -11,7 +11,7 @@ OpenVINO's bf16, interleaved in one process:
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--blocks ffn,mha,block] [--seq N] [--smoke]
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--blocks ffn,mha,block] [--seq N] [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -22,9 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+import sys
 
 os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
+# --threads 1: TVM's pool and OpenBLAS read their thread counts when they start (before numpy's import)
+if "--threads" in sys.argv[:-1] and sys.argv[sys.argv.index("--threads") + 1] == "1":
+    os.environ["TVM_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = "1"
+THREADS = 1 if os.environ.get("TVM_NUM_THREADS") == "1" else 2
+# One thread each: the process's CPU time, which a shared machine's descheduling does not add to
+# and which counts an engine's work on a worker thread of its own too (OpenVINO's streams).
+CLOCK = time.process_time if THREADS == 1 else time.perf_counter
+
+import numpy as np  # noqa: E402
 
 from blockforge import configure  # noqa: E402
 from blockforge.bench import REGISTRY, measure_interleaved  # noqa: E402
@@ -48,7 +57,7 @@ def _load() -> str:
 
 
 def _medians(calls: dict, repeat: int) -> dict[str, float]:
-    return {k: float(np.median(v)) for k, v in measure_interleaved(calls, repeat, warmup=2).items()}
+    return {k: float(np.median(v)) for k, v in measure_interleaved(calls, repeat, warmup=2, clock=CLOCK).items()}
 
 
 def _rel_l2(got, ref) -> float:
@@ -86,11 +95,11 @@ def _gemm(shape, repeat: int) -> None:
     # numpy's SGEMM is never interleaved with TVM's kernels: OpenBLAS's workers spin for tens of
     # ms after each call and take both cores from TVM's pool (int8_gemm.py measured 1.89 ms alone
     # vs 4.91 ms right after one SGEMM). The ceiling is taken before and after instead.
-    ceil_before = sgemm_ceiling()
+    ceil_before = sgemm_ceiling(clock=CLOCK)
     time.sleep(0.5)
     med = _medians({"bf16": lambda: lib["main"](*args, out), "fp32": lambda: vm["main"](xt)}, repeat)
     time.sleep(0.2)
-    ceil_after = sgemm_ceiling()
+    ceil_after = sgemm_ceiling(clock=CLOCK)
     rate = {key: 2 * m * n * k / (ms * 1e-3) / 1e9 for key, ms in med.items()}
     ceiling = max(ceil_before, ceil_after, rate["fp32"])  # the rate float32 reaches here
     print(f"GEMM {m}x{k}x{n} (max |kernel - bf16 emulation| {exact:.1e}; rel L2 vs fp32 "
@@ -118,7 +127,7 @@ def _ffn(spec, seq: int, repeat: int, tmp: Path) -> None:
 
     bf16, res = tvm_call(s16)
     fp32, _ = tvm_call(s32)
-    ort = ort_runner.session(s32.model, threads=2)
+    ort = ort_runner.session(s32.model, threads=THREADS)
     ref = np.asarray(next(iter(ort_runner.run(ort, inputs).values())), np.float64)
     calls = {"blockforge bf16": bf16, "blockforge fp32": fp32, "ORT fp32": lambda: ort.run(None, inputs)}
     errors = {"blockforge bf16": _rel_l2(bf16().numpy(), ref), "blockforge fp32": _rel_l2(fp32().numpy(), ref)}
@@ -126,13 +135,14 @@ def _ffn(spec, seq: int, repeat: int, tmp: Path) -> None:
     if ov.available():
         bm = BenchModel(session=s32, onnx=s32.model, spec=None, dims=dims)
         for name, precision in (("OpenVINO bf16", "bf16"), ("OpenVINO f32", "f32")):
-            calls[name] = ov.make_runner(bm, inputs, 2, precision=precision)
+            calls[name] = ov.make_runner(bm, inputs, THREADS, precision=precision)
             errors[name] = _rel_l2(calls[name].outputs()[0], ref)
     load = _load()
     med = _medians(calls, repeat)
     what = f"d_ff {spec.d_ff} {spec.activation}" if spec.kind == "ffn" else f"heads {spec.heads}" + \
         (f" d_ff {spec.d_ff} {spec.activation} {spec.norm}-LN" if spec.kind == "block" else "")
-    print(f"{spec.kind.upper()} d_model {spec.d_model} {what} seq {seq} ({load} -> {_load()}; "
+    print(f"{spec.kind.upper()} d_model {spec.d_model} {what} seq {seq} ({THREADS} thread(s), "
+          f"{'process CPU time' if THREADS == 1 else 'wall'}; {load} -> {_load()}; "
           f"phases {' > '.join(res.phases)}):")
     peer = med.get("OpenVINO bf16")
     for k, ms in med.items():
@@ -145,6 +155,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
+    ap.add_argument("--threads", type=int, choices=(1, 2), default=2, help="1: every engine on one thread, "
+                    "timed in the process's CPU time (ratios that hold on a shared machine)")
     ap.add_argument("--blocks", default="ffn", help="comma list of ffn, mha, block (default ffn)")
     ap.add_argument("--seq", type=int, default=None, help="the blocks' rows (default 128; smoke 8)")
     a = ap.parse_args()
