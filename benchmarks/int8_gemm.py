@@ -277,6 +277,8 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
     peer = f"ORT int8 {mode} (same file)"
     calls = {"blockforge int8 (before: int8-gemm off)": before, "blockforge int8 (after)": after,
              peer: lambda: ort.run(None, inputs), "blockforge fp32": ours_fp32}
+    if mode == "static":  # the requantize/gelu chain between the GEMMs as a second kernel (A/B)
+        calls["blockforge int8 (int8-qdq-epilogue off)"], _ = tvm_call(sq, {"int8-qdq-epilogue"})
     peers = [peer]
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint

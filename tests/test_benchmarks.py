@@ -138,8 +138,9 @@ def test_int8_gemm(tmp_path):
     assert "no AVX-512 VNNI" in out or (out.count("x the SGEMM ceiling") == 7 and "VNNI probe" in out
                                         and "int8 FFN 8x64x128 scale=scalar +bias +gelu" in out
                                         and "int8 QDQ FFN 8x64x128 scale=column +bias >qdq(int8) >bias >qdq(int8) "
-                                            ">gelu >q(int8)" in out
-                                        and out.count("blockforge int8 (after)") == 2), out
+                                            ">gelu >q(uint8)" in out
+                                        and out.count("blockforge int8 (after)") == 2
+                                        and out.count("blockforge int8 (int8-qdq-epilogue off)") == 1), out
 
 
 def test_int8_gemm_one_thread_tiles(tmp_path):
