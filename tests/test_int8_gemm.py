@@ -432,6 +432,29 @@ def test_qdq_ffn_chain_between_the_gemms_is_in_the_kernels(qdq_gelu_ffn, seq, mo
         assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
 
 
+@pytest.mark.parametrize("bad", [-0.04, float("nan")])  # (0: the import refuses it, one line)
+def test_qdq_chain_with_a_bad_scale_stays_as_written(qdq_gelu_ffn, bad, tmp_path, monkeypatch):
+    """An untrusted QDQ model whose requantize scale the kernel cannot take (negative, NaN)
+    compiles: the chain stops before that quantize (no ValueError from the spec)."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    import onnx
+    from onnx import numpy_helper
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+
+    m = onnx.load(str(qdq_gelu_ffn))
+    q = [n for n in m.graph.node if n.op_type == "QuantizeLinear"][2]  # input, matmul out, then the bias add's
+    t = next(t for t in m.graph.initializer if t.name == q.input[1])
+    t.CopyFrom(numpy_helper.from_array(np.array(bad, np.float32), t.name))
+    onnx.save(m, str(tmp_path / "bad.onnx"))
+    s = open_model(tmp_path / "bad.onnx", "host", {"batch": 1, "seq": 16})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    first = gemm.kernel_specs(mod)[0]
+    assert [st[0] for st in first.post] in (["qdq", "bias"], []), first
+
+
 def test_qdq_rewrite_reads_weights_the_child_left_on_disk(qdq_ffn, monkeypatch):
     """Isolation on, the prepared model's weights are external data in the child's folder:
     the QDQ rewrite still reads them (Session.prepared_with_weights) and imports MatMulInteger."""

@@ -22,6 +22,7 @@ parallel kernel instead of two serial scalar loops.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,9 +207,11 @@ class _Finder:
         if s is None or zp is None or s.size != 1 or zp.size != 1 or s.dtype != np.float32:
             return None
         dtype = str(value.attrs.out_dtype) if _call(value, "relax.quantize") else _dtype(value.args[0])
-        if dtype not in ("int8", "uint8") or str(zp.dtype) != dtype:
+        scale = float(s.reshape(()))
+        # (the model is untrusted: a scale the kernel's spec refuses leaves the step as written)
+        if dtype not in ("int8", "uint8") or str(zp.dtype) != dtype or not (math.isfinite(scale) and scale > 0):
             return None
-        return float(s.reshape(())), int(zp.reshape(())), dtype
+        return scale, int(zp.reshape(())), dtype
 
     def post_chain(self, out, n: int):
         """(out, steps, bias) of what follows the scaled GEMM in a QDQ model: QuantizeLinear/
