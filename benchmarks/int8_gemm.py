@@ -285,11 +285,13 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
         bm = BenchModel(session=sq, onnx=sq.model, spec=None, dims=dims)
         calls["OpenVINO (same file)"] = ov.make_runner(bm, inputs, threads)
         peers.append("OpenVINO (same file)")
-    samples = measure_interleaved(calls, repeat, warmup=2)
+    # one thread: the process's CPU time (as the kernels' thread time above; the process's, so
+    # that OpenVINO's work on a stream thread of its own is counted too)
+    samples = measure_interleaved(calls, repeat, warmup=2, clock=time.process_time if threads == 1 else time.perf_counter)
     med = {k: float(np.median(v)) for k, v in samples.items()}
     what = "quantize_dynamic QInt8" if mode == "dynamic" else "quantize_static QDQ S8S8 per-channel"
     print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq}, {what} "
-          f"({_load()}; SGEMM ceiling {sgemm:.0f} GFLOP/s; phases {' > '.join(res.phases)}; "
+          f"({threads} thread(s), {'process CPU time' if threads == 1 else 'wall'}; {_load()}; SGEMM ceiling {sgemm:.0f} GFLOP/s; phases {' > '.join(res.phases)}; "
           f"max |after - ORT| {err:.2e}):")
     base, best = med["blockforge fp32"], min(med[p] for p in peers)
     for k, ms in med.items():
