@@ -3,14 +3,15 @@ OpenVINO's bf16, interleaved in one process:
 
 1. the bf16 GEMM kernel alone vs numpy's SGEMM and blockforge's fp32 GEMM at the same shape
    (GFLOP/s; x the SGEMM ceiling, the faster of the two: VDPBF16PS's hardware target is ~2x);
-2. the BERT-base FFN (d_model 768, d_ff 3072, gelu, seq 128): blockforge --precision bf16,
-   blockforge fp32, OpenVINO with the bf16 precision hint and ONNX Runtime (fp32), with each
-   output's relative L2 error against ORT's float32.
+2. the BERT-base FFN (d_model 768, d_ff 3072, gelu, seq 128; `--blocks ffn,mha,block` adds the
+   MHA (12 heads) and the post-LN encoder block, `--seq` another length): blockforge
+   --precision bf16, blockforge fp32, OpenVINO with the bf16 precision hint, OpenVINO f32 and
+   ONNX Runtime (fp32), with each output's relative L2 error against ORT's float32.
 
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--smoke]
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--blocks ffn,mha,block] [--seq N] [--threads 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,21 +22,34 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+import sys
 
 os.environ.setdefault("BLOCKFORGE_ISOLATE", "0")  # our own models; no child-process check
+# --threads 1: TVM's pool and OpenBLAS read their thread counts when they start (before numpy's import)
+if "--threads" in sys.argv[:-1] and sys.argv[sys.argv.index("--threads") + 1] == "1":
+    os.environ["TVM_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = "1"
+THREADS = 1 if os.environ.get("TVM_NUM_THREADS") == "1" else 2
+# One thread each: the process's CPU time, which a shared machine's descheduling does not add to
+# and which counts an engine's work on a worker thread of its own too (OpenVINO's streams).
+CLOCK = time.process_time if THREADS == 1 else time.perf_counter
+
+import numpy as np  # noqa: E402
 
 from blockforge import configure  # noqa: E402
 from blockforge.bench import REGISTRY, measure_interleaved  # noqa: E402
 from blockforge.bench.harness import sgemm_ceiling  # noqa: E402
 from blockforge.bench.contenders import BenchModel  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
-from blockforge.graph import FFNSpec, export  # noqa: E402
+from blockforge.graph import BlockSpec, FFNSpec, MHASpec, export  # noqa: E402
 from blockforge.graph import ort as ort_runner  # noqa: E402
 from blockforge.graph.model_io import random_inputs  # noqa: E402
 
 FULL = dict(gemm=(128, 768, 3072), ffn=FFNSpec(d_model=768, d_ff=3072, activation="gelu"), seq=128)
 SMOKE = dict(gemm=(16, 64, 128), ffn=FFNSpec(d_model=64, d_ff=128, activation="gelu"), seq=8)
+# --blocks: the BERT-base blocks issue #19's bf16 target names (<= 0.9x OpenVINO bf16), at toy sizes for --smoke
+BLOCKS = {"mha": (MHASpec(d_model=768, heads=12), MHASpec(d_model=64, heads=2)),
+          "block": (BlockSpec(d_model=768, heads=12, d_ff=3072, activation="gelu", norm="post", eps=1e-12),
+                    BlockSpec(d_model=64, heads=2, d_ff=128, activation="gelu", norm="post", eps=1e-12))}
 
 
 def _load() -> str:
@@ -43,7 +57,7 @@ def _load() -> str:
 
 
 def _medians(calls: dict, repeat: int) -> dict[str, float]:
-    return {k: float(np.median(v)) for k, v in measure_interleaved(calls, repeat, warmup=2).items()}
+    return {k: float(np.median(v)) for k, v in measure_interleaved(calls, repeat, warmup=2, clock=CLOCK).items()}
 
 
 def _rel_l2(got, ref) -> float:
@@ -81,11 +95,11 @@ def _gemm(shape, repeat: int) -> None:
     # numpy's SGEMM is never interleaved with TVM's kernels: OpenBLAS's workers spin for tens of
     # ms after each call and take both cores from TVM's pool (int8_gemm.py measured 1.89 ms alone
     # vs 4.91 ms right after one SGEMM). The ceiling is taken before and after instead.
-    ceil_before = sgemm_ceiling()
+    ceil_before = sgemm_ceiling(clock=CLOCK)
     time.sleep(0.5)
     med = _medians({"bf16": lambda: lib["main"](*args, out), "fp32": lambda: vm["main"](xt)}, repeat)
     time.sleep(0.2)
-    ceil_after = sgemm_ceiling()
+    ceil_after = sgemm_ceiling(clock=CLOCK)
     rate = {key: 2 * m * n * k / (ms * 1e-3) / 1e9 for key, ms in med.items()}
     ceiling = max(ceil_before, ceil_after, rate["fp32"])  # the rate float32 reaches here
     print(f"GEMM {m}x{k}x{n} (max |kernel - bf16 emulation| {exact:.1e}; rel L2 vs fp32 "
@@ -95,11 +109,12 @@ def _gemm(shape, repeat: int) -> None:
           f"bf16 = {rate['bf16'] / ceiling:.2f}x the SGEMM ceiling in this run (hardware target ~2x)")
 
 
-def _ffn(spec: FFNSpec, seq: int, repeat: int, tmp: Path) -> None:
+def _ffn(spec, seq: int, repeat: int, tmp: Path) -> None:
+    """One block (an FFN, MHA or encoder block spec) at bf16 and fp32 against the peers."""
     import tvm
     from tvm import relax
 
-    model = export(spec, tmp / "ffn.onnx").model_path
+    model = export(spec, tmp / f"{spec.kind}.onnx").model_path
     dims = {"batch": 1, "seq": seq}
     s16, s32 = open_model(model, "host", dims, precision="bf16"), open_model(model, "host", dims)
     inputs = random_inputs(s32.inputs, dims, seed=0)
@@ -112,17 +127,22 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, tmp: Path) -> None:
 
     bf16, res = tvm_call(s16)
     fp32, _ = tvm_call(s32)
-    ort = ort_runner.session(s32.model, threads=2)
+    ort = ort_runner.session(s32.model, threads=THREADS)
     ref = np.asarray(next(iter(ort_runner.run(ort, inputs).values())), np.float64)
     calls = {"blockforge bf16": bf16, "blockforge fp32": fp32, "ORT fp32": lambda: ort.run(None, inputs)}
     errors = {"blockforge bf16": _rel_l2(bf16().numpy(), ref), "blockforge fp32": _rel_l2(fp32().numpy(), ref)}
     ov = REGISTRY["openvino"]
     if ov.available():
         bm = BenchModel(session=s32, onnx=s32.model, spec=None, dims=dims)
-        calls["OpenVINO bf16"] = ov.make_runner(bm, inputs, 2, precision="bf16")
-        errors["OpenVINO bf16"] = _rel_l2(calls["OpenVINO bf16"].outputs()[0], ref)
+        for name, precision in (("OpenVINO bf16", "bf16"), ("OpenVINO f32", "f32")):
+            calls[name] = ov.make_runner(bm, inputs, THREADS, precision=precision)
+            errors[name] = _rel_l2(calls[name].outputs()[0], ref)
+    load = _load()
     med = _medians(calls, repeat)
-    print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq} ({_load()}; "
+    what = f"d_ff {spec.d_ff} {spec.activation}" if spec.kind == "ffn" else f"heads {spec.heads}" + \
+        (f" d_ff {spec.d_ff} {spec.activation} {spec.norm}-LN" if spec.kind == "block" else "")
+    print(f"{spec.kind.upper()} d_model {spec.d_model} {what} seq {seq} ({THREADS} thread(s), "
+          f"{'process CPU time' if THREADS == 1 else 'wall'}; {load} -> {_load()}; "
           f"phases {' > '.join(res.phases)}):")
     peer = med.get("OpenVINO bf16")
     for k, ms in med.items():
@@ -135,7 +155,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
+    ap.add_argument("--threads", type=int, choices=(1, 2), default=2, help="1: every engine on one thread, "
+                    "timed in the process's CPU time (ratios that hold on a shared machine)")
+    ap.add_argument("--blocks", default="ffn", help="comma list of ffn, mha, block (default ffn)")
+    ap.add_argument("--seq", type=int, default=None, help="the blocks' rows (default 128; smoke 8)")
     a = ap.parse_args()
+    blocks = a.blocks.split(",")
+    if set(blocks) - {"ffn", *BLOCKS}:
+        ap.error(f"--blocks: choose from ffn, {', '.join(BLOCKS)}")
     configure(redirect_native_output=False)
     from blockforge.targets import resolve
     from blockforge.targets.precision import target_has
@@ -147,7 +174,9 @@ def main() -> int:
         return 0
     cfg = SMOKE if a.smoke else FULL
     _gemm(cfg["gemm"], a.repeat)
-    _ffn(cfg["ffn"], cfg["seq"], a.repeat, Path(tempfile.mkdtemp()))
+    for b in blocks:
+        spec = cfg["ffn"] if b == "ffn" else BLOCKS[b][1 if a.smoke else 0]
+        _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tempfile.mkdtemp()))
     return 0
 
 

@@ -133,13 +133,14 @@ def _kernel_call(spec, tiles=None):
     out = tvm.runtime.tensor(np.zeros((m, n), spec.out_dtype))
     lib["main"](*args, out)
     err = 0.0
-    if spec.activation == "none":  # (gelu's polynomial is tests/test_int8_gemm.py's business)
+    if spec.activation == "none" and ("gelu",) not in spec.post:  # (gelu's polynomial: tests/test_int8_gemm.py)
         err = float(np.abs(out.numpy().astype(np.float64) - gemm.reference(spec, a, w, 3, 0, scale, bias)).max())
     return (lambda: lib["main"](*args, out)), err
 
 
-def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool) -> float:
-    """The int8 kernels against the SGEMM ceiling and the VNNI rate; returns the ceiling."""
+def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool, qdq_specs: list = ()) -> float:
+    """The int8 kernels (the dynamic FFN's, `ffn_specs`, and the QDQ FFN's) against the SGEMM
+    ceiling and the VNNI rate; returns the ceiling."""
     from blockforge.compile.quant import gemm
 
     m, k, n = shape
@@ -147,7 +148,8 @@ def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool) -> flo
     ceil_before = sgemm_ceiling(clock=clock)
     time.sleep(0.5)  # OpenBLAS's workers stop spinning before TVM's pool is timed
     bare = gemm.Int8GemmSpec(k=k, n=n, m=m)
-    specs = {f"bare {bare.describe()}": bare, **{f"FFN {sp.describe()}": sp for sp in ffn_specs}}
+    specs = {f"bare {bare.describe()}": bare, **{f"FFN {sp.describe()}": sp for sp in ffn_specs},
+             **{f"QDQ FFN {sp.describe()}": sp for sp in qdq_specs}}
     calls, errs, ops = {}, {}, {}
     for name, sp in specs.items():
         calls[name], errs[name] = _kernel_call(sp)
@@ -176,13 +178,15 @@ def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool) -> flo
         print(f"  int8 {name} (max err vs numpy {errs[name]:.1e}): {med[name]:.3f} ms = {rate[name]:.0f} GOP/s = "
               f"{rate[name] / ceiling:.2f}x the SGEMM ceiling, {100 * rate[name] / probe:.0f}% of the VNNI probe"
               + (f", {100 * rate[name] / peak:.0f}% of the nominal-clock VNNI peak" if peak else ""))
-    if ffn_specs:
-        t = sum(med[f"FFN {sp.describe()}"] for sp in ffn_specs)
-        r = sum(2 * sp.m * sp.k * sp.n for sp in ffn_specs) / (t * 1e-3) / 1e9
-        print(f"  the FFN's {len(ffn_specs)} GEMMs together: {t:.3f} ms = {r:.0f} GOP/s = {r / ceiling:.2f}x the SGEMM "
-              f"ceiling, {100 * r / probe:.0f}% of the VNNI probe")
+    for what, group in (("FFN", ffn_specs), ("QDQ FFN", qdq_specs)):
+        if not group:
+            continue
+        t = sum(med[f"{what} {sp.describe()}"] for sp in group)
+        r = sum(2 * sp.m * sp.k * sp.n for sp in group) / (t * 1e-3) / 1e9
+        print(f"  the {what}'s {len(group)} GEMMs together: {t:.3f} ms = {r:.0f} GOP/s = {r / ceiling:.2f}x the SGEMM "
+              f"ceiling ({100 * r / (4 * ceiling):.0f}% of the VNNI rate, 4x the ceiling), {100 * r / probe:.0f}% of the VNNI probe")
     if tiles:
-        _tiles(ffn_specs, repeat, clock)
+        _tiles([*ffn_specs, *qdq_specs], repeat, clock)
     return ceiling
 
 
@@ -273,29 +277,34 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
     peer = f"ORT int8 {mode} (same file)"
     calls = {"blockforge int8 (before: int8-gemm off)": before, "blockforge int8 (after)": after,
              peer: lambda: ort.run(None, inputs), "blockforge fp32": ours_fp32}
+    if mode == "static":  # the requantize/gelu chain between the GEMMs as a second kernel (A/B)
+        calls["blockforge int8 (int8-qdq-epilogue off)"], _ = tvm_call(sq, {"int8-qdq-epilogue"})
     peers = [peer]
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint
         bm = BenchModel(session=sq, onnx=sq.model, spec=None, dims=dims)
         calls["OpenVINO (same file)"] = ov.make_runner(bm, inputs, threads)
         peers.append("OpenVINO (same file)")
-    samples = measure_interleaved(calls, repeat, warmup=2)
+    # one thread: the process's CPU time (as the kernels' thread time above; the process's, so
+    # that OpenVINO's work on a stream thread of its own is counted too)
+    samples = measure_interleaved(calls, repeat, warmup=2, clock=time.process_time if threads == 1 else time.perf_counter)
     med = {k: float(np.median(v)) for k, v in samples.items()}
     what = "quantize_dynamic QInt8" if mode == "dynamic" else "quantize_static QDQ S8S8 per-channel"
     print(f"FFN d_model {spec.d_model} d_ff {spec.d_ff} {spec.activation} seq {seq}, {what} "
-          f"({_load()}; SGEMM ceiling {sgemm:.0f} GFLOP/s; phases {' > '.join(res.phases)}; "
+          f"({threads} thread(s), {'process CPU time' if threads == 1 else 'wall'}; {_load()}; SGEMM ceiling {sgemm:.0f} GFLOP/s; phases {' > '.join(res.phases)}; "
           f"max |after - ORT| {err:.2e}):")
     base, best = med["blockforge fp32"], min(med[p] for p in peers)
     for k, ms in med.items():
         print(f"  {k}: {ms:.3f} ms ({ms / base:.2f}x blockforge fp32, {ms / best:.2f}x the best peer)")
 
 
-def _ffn_kernel_specs(spec: FFNSpec, seq: int, tmp: Path) -> list:
-    """The int8 GEMM specs the dynamic-quantized FFN's int8-gemm phase emits."""
+def _ffn_kernel_specs(spec: FFNSpec, seq: int, tmp: Path, mode: str = "dynamic") -> list:
+    """The int8 GEMM specs the quantized FFN's int8-gemm phase emits (QDQ: with the
+    requantize/bias/gelu chain in their epilogues, gemm.POST_STEPS)."""
     from blockforge.compile.pipeline import run_phases
     from blockforge.compile.quant import gemm
 
-    quant = _quantize(export(spec, tmp / "ffn.onnx").model_path, "dynamic", seq, spec.d_model, tmp)
+    quant = _quantize(export(spec, tmp / "ffn.onnx").model_path, mode, seq, spec.d_model, tmp)
     s = open_model(quant, "host", {"batch": 1, "seq": seq})
     mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
     return list(dict.fromkeys(gemm.kernel_specs(mod)))
@@ -327,7 +336,8 @@ def main() -> int:
         cfg = dict(cfg, seq=a.seq, gemm=(a.seq, *cfg["gemm"][1:]))
     threads = int(os.environ["TVM_NUM_THREADS"])  # configure() set it (or --threads did)
     specs = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], Path(tempfile.mkdtemp()))
-    sgemm = _gemm(cfg["gemm"], a.repeat, specs, threads, a.tiles)
+    qdq = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], Path(tempfile.mkdtemp()), "static")
+    sgemm = _gemm(cfg["gemm"], a.repeat, specs, threads, a.tiles, qdq)
     if a.gemm_only:
         return 0
     for mode in ("dynamic", "static"):

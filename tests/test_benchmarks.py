@@ -133,16 +133,20 @@ def test_export_models(tmp_path):
 
 def test_int8_gemm(tmp_path):
     out = _run("int8_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
-    # the kernels the FFN runs (its two specs) beside the bare one, none interleaved with numpy
-    assert "no AVX-512 VNNI" in out or (out.count("x the SGEMM ceiling") == 4 and "VNNI probe" in out
+    # the kernels the dynamic and the QDQ FFN run (two specs each, QDQ's with its requantize chain
+    # in the epilogue) beside the bare one, none interleaved with numpy
+    assert "no AVX-512 VNNI" in out or (out.count("x the SGEMM ceiling") == 7 and "VNNI probe" in out
                                         and "int8 FFN 8x64x128 scale=scalar +bias +gelu" in out
-                                        and out.count("blockforge int8 (after)") == 2), out
+                                        and "int8 QDQ FFN 8x64x128 scale=column +bias >qdq(int8) >bias >qdq(int8) "
+                                            ">gelu >q(uint8)" in out
+                                        and out.count("blockforge int8 (after)") == 2
+                                        and out.count("blockforge int8 (int8-qdq-epilogue off)") == 1), out
 
 
 def test_int8_gemm_one_thread_tiles(tmp_path):
     out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", "--seq", 12,
                cwd=tmp_path)
-    assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and out.count("time / default 6x64 tiles") == 2
+    assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and out.count("time / default 6x64 tiles") == 4
                                         and "int8 FFN 12x64x128" in out and "blockforge int8 (after)" not in out), out
 
 
@@ -152,8 +156,9 @@ def test_compile_memory(tmp_path):
 
 
 def test_bf16_gemm(tmp_path):
-    out = _run("bf16_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
-    assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and "blockforge bf16:" in out), out
+    out = _run("bf16_gemm.py", "--smoke", "--repeat", 1, "--blocks", "ffn,mha,block", cwd=tmp_path)
+    assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and out.count("blockforge bf16:") == 3
+                                       and all(f"{b} d_model 64" in out for b in ("FFN", "MHA", "BLOCK"))), out
 
 
 def _whole_models_module():

@@ -278,6 +278,16 @@ def test_int8_kernels_are_not_tuning_tasks(quantized_ffn, monkeypatch):
 @pytest.fixture(scope="module", params=["QInt8", "QUInt8"])
 def qdq_ffn(tmp_path_factory, request):
     """ORT quantize_static, QDQ S8S8 (as issue #19) and U8S8, per-channel, after quant_pre_process."""
+    return _qdq_ffn(tmp_path_factory.mktemp("qdq"), request.param, "relu")
+
+
+@pytest.fixture(scope="module")
+def qdq_gelu_ffn(tmp_path_factory):
+    """The same, S8S8, with BERT's gelu between the matmuls."""
+    return _qdq_ffn(tmp_path_factory.mktemp("qdq_gelu"), "QInt8", "gelu")
+
+
+def _qdq_ffn(d: Path, act_type: str, activation: str) -> Path:
     pytest.importorskip("onnxruntime.quantization")
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -292,11 +302,10 @@ def qdq_ffn(tmp_path_factory, request):
         def get_next(self):
             return next(self.it, None)
 
-    d = tmp_path_factory.mktemp("qdq")
-    fp32 = export(FFNSpec(d_model=64, d_ff=128), d / "ffn.onnx").model_path
+    fp32 = export(FFNSpec(d_model=64, d_ff=128, activation=activation), d / "ffn.onnx").model_path
     quant_pre_process(str(fp32), str(d / "pre.onnx"))
     quantize_static(str(d / "pre.onnx"), str(d / "ffn_qdq.onnx"), Batches(), quant_format=QuantFormat.QDQ,
-                    activation_type=getattr(QuantType, request.param), weight_type=QuantType.QInt8,
+                    activation_type=getattr(QuantType, act_type), weight_type=QuantType.QInt8,
                     per_channel=True)
     return d / "ffn_qdq.onnx"
 
@@ -338,6 +347,112 @@ def test_qdq_ffn_matches_ort_on_the_int8_kernel(qdq_ffn, monkeypatch):
         got = vm["main"](tvm.runtime.tensor(x)).numpy()
         ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
         assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+# What a QDQ FFN writes after its first matmul: requantize, bias, requantize, activation, quantize.
+_POST = (("qdq", 0.03, 2, "int8"), ("bias",), ("qdq", 0.04, -3, "int8"), ("relu",), ("q", 0.01, -120, "int8"))
+
+
+@pytest.mark.parametrize("m, last", [(13, ("q", 0.01, -120, "int8")), (None, ("q", 0.01, 7, "uint8")),
+                                     (12, ("qdq", 0.03, 0, "int8"))])
+def test_qdq_chain_in_the_epilogue_is_exact(m, last):
+    """The POST_STEPS epilogue, bit for bit against numpy (round half to even of x / scale, + zp,
+    clipped), int8 or uint8 out or float after a last requantize; ragged, symbolic, whole tiles."""
+    _need_vnni_host()
+    rng = np.random.default_rng(11)
+    spec = gemm.Int8GemmSpec(k=64, n=48, m=m, scale="column", bias=True, post=_POST[:-1] + (last,))
+    assert spec.out_dtype == (last[3] if last[0] == "q" else "float32")
+    rows = m or 9
+    a = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 48), dtype=np.int8)
+    scale = rng.uniform(2e-5, 6e-5, 48).astype(np.float32)  # pre-activations of about +-5: some clip
+    bias = rng.standard_normal(48).astype(np.float32)
+    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias)
+    ref = gemm.reference(spec, a, w, 128, 0, scale, bias)
+    assert got.dtype == ref.dtype
+    np.testing.assert_array_equal(got, ref)
+    if last[0] == "q":  # the clip at both ends is exercised
+        lo, hi = (-128, 127) if last[3] == "int8" else (0, 255)
+        assert (got == hi).any() and (got == last[2]).any(), np.unique(got)
+
+
+def test_post_steps_refused_where_they_cannot_be_computed():
+    with pytest.raises(ValueError, match="last step"):
+        gemm.Int8GemmSpec(k=64, n=64, scale="scalar", post=(("q", 0.1, 0, "int8"), ("relu",)))
+    with pytest.raises(ValueError, match="post step"):
+        gemm.Int8GemmSpec(k=64, n=64, scale="scalar", post=(("bias",),))  # no bias input
+    for bad in (("q", 0.1, 200, "int8"), ("q", -0.1, 0, "int8"), ("q", float("nan"), 0, "int8"),
+                ("q", 0.1, 0, "int16"), ("erf",), ("relu", 1)):
+        with pytest.raises(ValueError, match="post step"):
+            gemm.Int8GemmSpec(k=64, n=64, scale="scalar", post=(bad,))
+    with pytest.raises(ValueError, match="float epilogue"):
+        gemm.Int8GemmSpec(k=64, n=64, post=(("relu",),))
+    sp = gemm.Int8GemmSpec(k=64, n=64, m=None, scale="column", bias=True, post=_POST)
+    import json
+    assert gemm.Int8GemmSpec(**json.loads(sp.to_json())) == sp  # kernel_specs reads it back (lists -> tuples)
+
+
+@pytest.mark.parametrize("seq", [16, None])
+def test_qdq_ffn_chain_between_the_gemms_is_in_the_kernels(qdq_gelu_ffn, seq, monkeypatch):
+    """A QDQ FFN (gelu): the requantize / bias / requantize / gelu / quantize chain after the
+    first GEMM runs in its epilogue, which writes the second GEMM's int8 input (no float32
+    512x3072 tensor through memory at BERT's seq 512); the second GEMM's chain likewise. The
+    same numbers as the unfused build (the int8-qdq-epilogue ablation) and ORT within a step."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+
+    dims = {"batch": 1} if seq is None else {"batch": 1, "seq": seq}
+    s = open_model(qdq_gelu_ffn, "host", dims)
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    first, second = gemm.kernel_specs(mod)
+    assert [st[0] for st in first.post] == ["qdq", "bias", "qdq", "gelu", "q"], first
+    assert [st[0] for st in second.post] == ["qdq", "bias", "qdq"] and second.out_dtype == "float32", second
+    # the first writes the second's u8 activations itself (its s8 zero point + 128; the numbers
+    # are checked against the unfused build below)
+    assert first.out_dtype == "uint8", first
+    text = mod["main"].script()
+    # only the model input's QuantizeLinear is left as an op; no dequantize, no gelu, and one
+    # s8 -> u8 shift (the input's): none between the GEMMs
+    assert text.count("R.quantize(") == 1 and "R.dequantize(" not in text and "R.nn.gelu" not in text, text
+    assert text.count('dtype="uint8") = R.astype(') == 1, text
+    off, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm", without={"int8-qdq-epilogue"})
+    assert all(not sp.post for sp in gemm.kernel_specs(off)) and "R.nn.gelu" in off["main"].script()
+    vms = [relax.VirtualMachine(s.build(without=w).executable, tvm.cpu())
+           for w in (frozenset(), frozenset({"int8-qdq-epilogue"}))]
+    for n in ((seq,) if seq else (1, 7, 16)):
+        x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
+        got, unfused = (vm["main"](tvm.runtime.tensor(x)).numpy() for vm in vms)
+        np.testing.assert_array_equal(got, unfused)
+        ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+        assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+@pytest.mark.parametrize("bad", [-0.04, float("nan")])  # (0: the import refuses it, one line)
+def test_qdq_chain_with_a_bad_scale_stays_as_written(qdq_gelu_ffn, bad, tmp_path, monkeypatch):
+    """An untrusted QDQ model whose requantize scale the kernel cannot take (negative, NaN)
+    compiles: the chain stops before that quantize (no ValueError from the spec)."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    import onnx
+    from onnx import numpy_helper
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+
+    m = onnx.load(str(qdq_gelu_ffn))
+    q = [n for n in m.graph.node if n.op_type == "QuantizeLinear"][2]  # input, matmul out, then the bias add's
+    t = next(t for t in m.graph.initializer if t.name == q.input[1])
+    t.CopyFrom(numpy_helper.from_array(np.array(bad, np.float32), t.name))
+    onnx.save(m, str(tmp_path / "bad.onnx"))
+    s = open_model(tmp_path / "bad.onnx", "host", {"batch": 1, "seq": 16})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    first = gemm.kernel_specs(mod)[0]
+    assert [st[0] for st in first.post] in (["qdq", "bias"], []), first
 
 
 def test_qdq_rewrite_reads_weights_the_child_left_on_disk(qdq_ffn, monkeypatch):

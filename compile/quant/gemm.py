@@ -46,6 +46,15 @@ PARALLEL_WEIGHT_BYTES = 1 << 18
 KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
 TILES_ATTR = KERNEL_ATTR + ".tiles"  # PrimFunc attr: the tiles it was scheduled with (describe())
 ACTIVATIONS = ("none", "relu", "gelu")
+# Steps after the scale (and bias/activation) that the epilogue computes too, in order: what a
+# QDQ model writes between its MatMuls, so the elementwise chain never goes through memory in
+# float32 (BERT-base FFN at seq 512: a 512x3072 float32 tensor written, then read by a second
+# kernel that re-quantized it):
+#   ("qdq", scale, zp, dtype)  QuantizeLinear then DequantizeLinear (per tensor): float -> float
+#   ("q", scale, zp, dtype)    QuantizeLinear, the last step: the kernel writes int8/uint8
+#   ("bias",) | ("relu",) | ("gelu",)   the bias input added here (not after the scale), an activation
+POST_STEPS = ("qdq", "q", "bias", "relu", "gelu")
+_QRANGE = {"int8": (-128, 127), "uint8": (0, 255)}
 # The parallel split: "tiles" runs (column panel, row tile) pairs in parallel (static M);
 # "panels" runs the column panels in parallel with their row tiles serial inside (the only
 # split for a symbolic M: LoopPartition splits the guarded last row tile off the full ones).
@@ -67,8 +76,12 @@ class Int8GemmSpec:
     rowcorr: bool = False  # weights' zero point != 0: a per-row int32 correction input
     activation: str = "none"  # after the bias, in the epilogue: "none", "relu", "gelu" (fast_math's)
     isa: str = "vnni"  # the dot-product instruction (compile/quant/isa.py): "vnni" (u8 A), "sdot" (s8 A)
+    post: tuple = ()  # POST_STEPS after the activation (QDQ's requantizations; see above)
 
     def __post_init__(self):
+        # (JSON gives lists: the spec is a dict key, so tuples)
+        object.__setattr__(self, "post", tuple(tuple(step) for step in self.post))
+        _check_post(self)
         if self.k % 4 or self.n % 16 or self.k <= 0 or self.n <= 0:
             raise ValueError(f"int8 GEMM needs K % 4 == 0 and N % 16 == 0, got K={self.k} N={self.n}")
         if self.scale not in ("none", "scalar", "column"):
@@ -82,7 +95,13 @@ class Int8GemmSpec:
 
     @property
     def out_dtype(self) -> str:
+        if self.post and self.post[-1][0] == "q":
+            return self.post[-1][3]
         return "int32" if self.scale == "none" else "float32"
+
+    @property
+    def bias_in_post(self) -> bool:
+        return ("bias",) in self.post
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -91,7 +110,28 @@ class Int8GemmSpec:
         m = "M" if self.m is None else str(self.m)
         return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
             (f" +{self.activation}" if self.activation != "none" else "") + \
+            "".join(f" >{step[0]}" + (f"({step[3]})" if len(step) > 1 else "") for step in self.post) + \
             (f" [{self.isa}]" if self.isa != "vnni" else "")
+
+
+def _check_post(spec: "Int8GemmSpec") -> None:
+    import math
+
+    if spec.post and spec.scale == "none":
+        raise ValueError("post steps need a float epilogue (scale)")
+    for i, step in enumerate(spec.post):
+        kind = step[0] if step else None
+        if kind not in POST_STEPS:
+            raise ValueError(f"post step: {step!r}")
+        if kind in ("qdq", "q"):
+            if len(step) != 4 or step[3] not in _QRANGE or not isinstance(step[2], int) \
+                    or not _QRANGE[step[3]][0] <= step[2] <= _QRANGE[step[3]][1] \
+                    or not isinstance(step[1], float) or not (math.isfinite(step[1]) and step[1] > 0):
+                raise ValueError(f"post step: {step!r}")
+            if kind == "q" and i != len(spec.post) - 1:
+                raise ValueError("a post quantize (int8 out) must be the last step")
+        elif len(step) != 1 or (kind == "bias" and not spec.bias):
+            raise ValueError(f"post step: {step!r}")
 
 
 @dataclass(frozen=True)
@@ -198,18 +238,46 @@ def compute(spec: Int8GemmSpec, mr: int | None = None):
         if scale is None:
             return c
         v = c.astype("float32") * (scale[j] if spec.scale == "column" else scale[()])
-        return v + bias[j] if bias is not None else v
+        return v + bias[j] if bias is not None and not spec.bias_in_post else v
 
-    out = te.compute((m, i64(N)), epilogue, name="out")
-    if spec.activation == "relu":
+    out = _activation(te.compute((m, i64(N)), epilogue, name="out"), spec.activation)
+    for step in spec.post:
+        out = _post_step(out, step, bias)
+    return ins, out
+
+
+def _activation(x, kind: str):
+    if kind == "relu":
         from tvm import topi
 
-        out = topi.nn.relu(out)
-    elif spec.activation == "gelu":
+        return topi.nn.relu(x)
+    if kind == "gelu":
         from blockforge.compile.passes.fast_math import gelu
 
-        out = gelu(out)  # the same polynomial the float build's gelu uses
-    return ins, out
+        return gelu(x)  # the same polynomial the float build's gelu uses
+    return x
+
+
+def _post_step(x, step: tuple, bias):
+    """One POST_STEPS step on the epilogue's tensor, as TVM's legalization of relax.quantize /
+    dequantize computes it (round half to even of x / scale, + zp, clipped), so the fused
+    epilogue is bit-exact with the unfused build."""
+    from tvm import te, tirx
+
+    kind = step[0]
+    if kind == "bias":
+        return te.compute(x.shape, lambda i, j: x[i, j] + bias[j], name="post_bias")
+    if kind not in ("qdq", "q"):
+        return _activation(x, kind)
+    _, s, zp, dtype = step
+    lo, hi = _QRANGE[dtype]
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    q = te.compute(x.shape, lambda i, j: te.max(te.min(te.round(x[i, j] / f32(s)) + f32(zp), f32(hi)),
+                                               f32(lo)).astype(dtype), name="post_q")
+    if kind == "q":
+        return q
+    return te.compute(x.shape, lambda i, j: (q[i, j].astype("int32") - tirx.const(zp, "int32")).astype("float32")
+                      * f32(s), name="post_dq")
 
 
 def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
@@ -278,7 +346,24 @@ def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w:
     if spec.scale == "none":
         return c.astype(np.int32)
     v = c.astype(np.float32) * np.asarray(scale, np.float32)
-    return v + bias if bias is not None else v
+    v = v + bias if bias is not None and not spec.bias_in_post else v
+    if spec.activation == "relu":
+        v = np.maximum(v, np.float32(0))
+    elif spec.activation == "gelu":
+        raise ValueError("reference: gelu is fast_erf's polynomial (tests compare it with a tolerance)")
+    for step in spec.post:
+        if step[0] == "bias":
+            v = v + bias
+        elif step[0] == "relu":
+            v = np.maximum(v, np.float32(0))
+        elif step[0] in ("qdq", "q"):
+            _, s, zp, dtype = step
+            lo, hi = _QRANGE[dtype]
+            q = np.clip(np.round(v / np.float32(s)) + np.float32(zp), lo, hi).astype(dtype)  # half to even
+            v = q if step[0] == "q" else (q.astype(np.int32) - zp).astype(np.float32) * np.float32(s)
+        else:
+            raise ValueError(f"reference: post step {step!r}")
+    return v
 
 
 def kernel_specs(mod) -> list[Int8GemmSpec]:

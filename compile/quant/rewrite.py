@@ -22,6 +22,7 @@ parallel kernel instead of two serial scalar loops.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,27 @@ class _Match:
     bias: object | None
     out_shape: list  # [..., n]: n the model's columns, spec.n that rounded up to 16 (padded)
     spec: gemm.Int8GemmSpec
+    # the kernel's last quantize writes the next int8 GEMM's activations already shifted to its
+    # instruction's signedness (zero point + shift); `out` then keeps the model's dtype beside them
+    shift_out: int = 0
+
+
+def _shift_outputs(matches: list, shift_for) -> None:
+    """A GEMM whose post chain ends in a quantize that feeds another int8 GEMM writes that
+    GEMM's activations (s8 -> u8 +128 for VPDPBUSD) itself: clip(round(x/s) + zp + 128, 0, 255)
+    is clip(round(x/s) + zp, -128, 127) + 128, so the separate shift pass over the tensor goes."""
+    import dataclasses
+
+    feeds = {mt.act: mt for mt in matches}  # (vars hash by identity)
+    for mt in matches:
+        last = mt.spec.post[-1] if mt.spec.post else None
+        if last is None or last[0] != "q" or mt.out not in feeds:
+            continue
+        shift = shift_for(last[3])
+        if shift:
+            dtype = "uint8" if shift > 0 else "int8"
+            mt.spec = dataclasses.replace(mt.spec, post=mt.spec.post[:-1] + (("q", last[1], last[2] + shift, dtype),))
+            mt.shift_out = shift
 
 
 @dataclass
@@ -92,10 +114,10 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func, isa: str = "vnni"):
+    def __init__(self, func, isa: str = "vnni", post: bool = True):
         from tvm import relax
 
-        self.isa = isa
+        self.isa, self.post = isa, post
         self.values, self.users = {}, {}  # var -> value; var -> the binding vars that read it
         for block in func.body.blocks:
             for b in block.bindings:
@@ -176,6 +198,56 @@ class _Finder:
             out.append(_Range(x, mx, v, minmax.MinMaxSpec(cols=_static(shape[-1]), rows=_static(rows))))
         return out
 
+    def qparams(self, value) -> tuple[float, int, str] | None:
+        """(scale, zero point, int dtype) of a per-tensor relax.quantize/dequantize with constant
+        parameters, else None."""
+        if len(value.args) != 3:
+            return None
+        s, zp = self.const(value.args[1]), self.const(value.args[2])
+        if s is None or zp is None or s.size != 1 or zp.size != 1 or s.dtype != np.float32:
+            return None
+        dtype = str(value.attrs.out_dtype) if _call(value, "relax.quantize") else _dtype(value.args[0])
+        scale = float(s.reshape(()))
+        # (the model is untrusted: a scale the kernel's spec refuses leaves the step as written)
+        if dtype not in ("int8", "uint8") or str(zp.dtype) != dtype or not (math.isfinite(scale) and scale > 0):
+            return None
+        return scale, int(zp.reshape(())), dtype
+
+    def post_chain(self, out, n: int):
+        """(out, steps, bias) of what follows the scaled GEMM in a QDQ model: QuantizeLinear/
+        DequantizeLinear pairs, the bias add between them, gelu/relu, and a last QuantizeLinear
+        (the next GEMM's int8 input), each step the previous one's only user; gemm.POST_STEPS."""
+        steps, bias = [], None
+        while True:
+            user = self.only_user(out)
+            uv = self.values.get(user)
+            if uv is None or not _same_shape(uv, self.values[out]):
+                break
+            if _call(uv, "relax.quantize") and uv.args[0].same_as(out) and (qp := self.qparams(uv)) is not None:
+                dq = self.only_user(user)
+                dv = self.values.get(dq)
+                if dv is not None and _call(dv, "relax.dequantize") and _dtype(dv) == "float32" \
+                        and self.qparams(dv) == qp:
+                    out = dq
+                    steps.append(("qdq", *qp))
+                    continue
+                out = user
+                steps.append(("q", *qp))
+                break
+            kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
+            if kind is not None:
+                out = user
+                steps.append((kind,))
+                continue
+            if bias is None and _call(uv, "relax.add"):
+                b = uv.args[1] if uv.args[0].same_as(out) else uv.args[0]
+                if _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
+                    out, bias = user, b
+                    steps.append(("bias",))
+                    continue
+            break
+        return out, tuple(steps), bias
+
     def match(self, var, value) -> _Match | None:
         if not _call(value, "relax.matmul") or _dtype(value) != "int32" or len(value.args) != 2:
             return None
@@ -215,16 +287,20 @@ class _Finder:
             kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
             if kind is not None and _same_shape(uv, self.values[out]):
                 out, activation = user, kind
+        post = ()
+        if self.post and scale is not None and bias is None and activation == "none":
+            out, post, bias = self.post_chain(out, n)
         spec = gemm.Int8GemmSpec(k=k, n=gemm.padded(n), m=m_static, scale=scale_kind, bias=bias is not None,
-                                 rowcorr=wz[1] != 0, activation=activation, isa=self.isa)
+                                 rowcorr=wz[1] != 0, activation=activation, isa=self.isa, post=post)
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
-def int8_gemm(isa: str = "vnni", target=None, database=None):
+def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
-    (compile/quant/tiles.py), else the defaults."""
+    (compile/quant/tiles.py), else the defaults; post False: no QDQ chain in the epilogue
+    (the int8-qdq-epilogue ablation)."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
@@ -238,6 +314,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None):
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
+            self.shifted: dict = {}  # a GEMM's out var -> (its activations for the next GEMM, shift)
             self.funcs: dict = {}
             self.applied: list[str] = []
 
@@ -253,12 +330,15 @@ def int8_gemm(isa: str = "vnni", target=None, database=None):
 
         def emit_call(self, mt: _Match):
             bb, sp = self.builder_, mt.spec
-            act = self.visit_expr(mt.act)
+            pre = self.shifted.get(mt.act)  # the GEMM before wrote these activations shifted
+            act = pre[0] if pre is not None else self.visit_expr(mt.act)
             m = 1
             for d in _shape(act)[:-1]:
                 m = m * d
             a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([m, sp.k])))
             zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
+            if pre is not None:
+                zp = bb.emit(relax.op.add(zp, relax.const(pre[1], "int32")))
             shift = shift_for(_dtype(act))
             if shift:
                 # (a + c) - (zp + c) = a - zp: s8 -> u8 for VPDPBUSD (c = 128), u8 -> s8 for SDOT
@@ -285,6 +365,13 @@ def int8_gemm(isa: str = "vnni", target=None, database=None):
             if pad:
                 y = bb.emit(relax.op.strided_slice(y, axes=[1], begin=[0], end=[n]))
             self.applied.append(sp.describe())
+            if mt.shift_out:
+                # the next GEMM reads the shifted tensor; the model's own (unshifted) one is left
+                # for any other reader (and dropped as unused when there is none)
+                u = bb.emit(relax.op.reshape(y, relax.ShapeExpr(mt.out_shape)))
+                self.shifted[mt.out] = (u, mt.shift_out)
+                return relax.op.astype(relax.op.subtract(relax.op.astype(u, "int32"),
+                                                         relax.const(mt.shift_out, "int32")), _dtype(mt.out))
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
         def emit_range(self, r: _Range, var):
@@ -314,10 +401,11 @@ def int8_gemm(isa: str = "vnni", target=None, database=None):
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            f = _Finder(func, isa)
+            f = _Finder(func, isa, post)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 continue
+            _shift_outputs(matches, shift_for)
             m.plan = {mt.out: mt for mt in matches}
             # The activations' range for their dynamic quantization, next to the int8 GEMMs.
             for r in f.ranges():
