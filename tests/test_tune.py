@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,11 +52,33 @@ def _summary(db: Path, model: Path) -> dict:
     return json.loads((db / "summaries" / f"{model.stem}.json").read_text())
 
 
-def test_tune_resume_apply_verify(ffn, tmp_path):
-    db = tmp_path / "db"
-    r = _tune(ffn, db, "--trials-per-task", 4, "--json", tmp_path / "s.json", cwd=tmp_path)
+@dataclass(frozen=True)
+class Tuned:
+    result: object  # the CliResult of the tune
+    db: Path
+    summary: Path  # its --json
+
+    def copy_db(self, dest: Path) -> Path:
+        """A copy of the tuned database for a test that changes it (a database is one self-contained folder)."""
+        shutil.copytree(self.db, dest)
+        return dest
+
+
+@pytest.fixture(scope="module")
+def tuned(ffn, tmp_path_factory) -> Tuned:
+    """One CLI tune of the FFN (4 trials per task, with the whole-model A/B), shared by the tests
+    that check it, resume it, apply it and reuse it from another model: each tune process costs
+    a TVM import, the isolation child, the worker pools and every search round."""
+    d = tmp_path_factory.mktemp("tuned")
+    r = _tune(ffn, d / "db", "--trials-per-task", 4, "--json", d / "s.json", cwd=d)
+    return Tuned(r, d / "db", d / "s.json")
+
+
+def test_tune_resume_apply_verify(ffn, tuned, tmp_path):
+    r = tuned.result
     assert r.rc == 0, r.text
-    s = json.loads((tmp_path / "s.json").read_text())
+    db = tuned.copy_db(tmp_path / "db")
+    s = json.loads(tuned.summary.read_text())
     assert len(s["tasks"]) == 2 and all(t["trials_new"] == 4 and t["status"] == "new" for t in s["tasks"])
     assert all(t["best_us"] and t["gflops"] > 0 for t in s["tasks"])
     assert s["seeded"] == 2  # every workload got its default-schedule record, outside the budget
@@ -76,9 +100,9 @@ def test_tune_resume_apply_verify(ffn, tmp_path):
     # Resume: the same job spends nothing; a raised budget spends only the difference.
     r = _tune(ffn, db, "--trials-per-task", 4, "--no-measure", cwd=tmp_path)
     assert r.rc == 0 and "spent 0 new trials, reused 8" in r.out, r.text
-    r = _tune(ffn, db, "--trials-per-task", 6, "--no-measure", cwd=tmp_path)
-    assert r.rc == 0 and "spent 4 new trials, reused 8" in r.out, r.text
-    assert all(t["trials_new"] == 2 and t["status"] == "extended" for t in _summary(db, ffn)["tasks"])
+    r = _tune(ffn, db, "--trials-per-task", 5, "--no-measure", cwd=tmp_path)
+    assert r.rc == 0 and "spent 2 new trials, reused 8" in r.out, r.text
+    assert all(t["trials_new"] == 1 and t["status"] == "extended" for t in _summary(db, ffn)["tasks"])
     assert _summary(db, ffn)["seeded"] == 0
 
     # Applying: compile records the database hash; verify passes on the tuned build.
@@ -92,13 +116,13 @@ def test_tune_resume_apply_verify(ffn, tmp_path):
     assert r.rc == 0 and "tuning records applied" in r.out and "tvm vs ort" in r.out, r.text
 
 
-def test_database_shared_across_models(ffn, tmp_path):
+def test_database_shared_across_models(tuned, tmp_path):
     """A second model with the same FFN workloads reuses them instead of tuning again."""
-    db = tmp_path / "db"
-    assert _tune(ffn, db, "--trials-per-task", 2, "--no-measure", cwd=tmp_path).rc == 0
+    assert tuned.result.rc == 0, tuned.result.text
+    db = tuned.copy_db(tmp_path / "db")
     other = export(FFNSpec(d_model=64, d_ff=128, seed=9), tmp_path / "other.onnx").model_path
-    r = _tune(other, db, "--trials-per-task", 2, "--no-measure", cwd=tmp_path)
-    assert r.rc == 0 and "spent 0 new trials" in r.out, r.text
+    r = _tune(other, db, "--trials-per-task", 4, "--no-measure", cwd=tmp_path)
+    assert r.rc == 0 and "spent 0 new trials, reused 8" in r.out, r.text
 
 
 def test_budget_semantics():

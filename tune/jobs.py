@@ -35,6 +35,7 @@ from blockforge.targets.toolchain import cpu_id
 
 from .database import DeviceDB
 from .int8_tiles import LEDGER_KEY as INT8_TILES
+from .intrinsics import import_tensor_intrinsics
 from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
@@ -415,6 +416,7 @@ def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
 
     opts = job.opts
     k = min(opts.round_trials, job.budget - job.before[w] - job.new[w])
+    import_tensor_intrinsics()  # TuneContext imports them; this way costs a quarter (intrinsics.py)
     job.n_round += 1
     rnd = job.db.begin_round(job.id, job.n_round)
     strategy = ms.search_strategy.EvolutionarySearch(population_size=opts.population)

@@ -24,6 +24,9 @@ SHAPE = {"batch": 1, "seq": 8}
 # default 512 samples and scores that many candidates every 1-trial round). Measured: one tune
 # of this FFN, 4 trials per task in 1-trial rounds: 96 s of CPU with 32, 165 s with 512.
 POPULATION = 32
+# Two trials per task in 1-trial rounds: after each fault (a kill, a full disk) the job still has
+# later rounds of both tasks to resume, and every round is a search (seconds each).
+TRIALS_PER_TASK = 2
 KILL_POINTS = [
     ("while importing, before any record", lambda db: (db / ".lock.owner").exists(), 0.3),
     ("just after a merge", lambda db: _records(db) >= 1, 0.0),
@@ -42,7 +45,7 @@ def test_sigkill_at_several_points(tmp_path):
     model = export(FFNSpec(d_model=32, d_ff=64), tmp_path / "f.onnx").model_path
     db = tmp_path / "db"
     cmd = [*map(str, BLOCKFORGE), "tune", str(model), "--target", "host", "--shape", "batch=1,seq=8", "--db", str(db),
-           "--no-progress", "--no-measure", "--trials-per-task", "4", "--round-trials", "1",
+           "--no-progress", "--no-measure", "--trials-per-task", str(TRIALS_PER_TASK), "--round-trials", "1",
            "--population", str(POPULATION)]
     env = {**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")}
     kept: list[str] = []
@@ -91,9 +94,10 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
         return real(files, hold)
 
     monkeypatch.setattr(tuning_db, "atomic_write_group", flaky)
+    opts = TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=TRIALS_PER_TASK,
+                       round_trials=1, measure=False, progress=False, population=POPULATION)
     with pytest.raises(BlockforgeError, match="No space left on device.*intact"):
-        tune(TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
-                         measure=False, progress=False, population=POPULATION))
+        tune(opts)
     before = (db / RECORDS).read_text().splitlines()
     assert len(before) >= 2
     load_database(db)
@@ -102,8 +106,7 @@ def test_disk_full_keeps_database(tmp_path, monkeypatch):
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
-    s = tune(TuneOptions(model=model, target="host", shape=SHAPE, tuning_db=db, trials_per_task=4, round_trials=1,
-                         measure=False, progress=False, population=POPULATION))
+    s = tune(opts)
     after = (db / RECORDS).read_text().splitlines()
     assert after[: len(before)] == before and s.trials_new > 0
     # In-process, ONNX Runtime (loaded by earlier tests) may drop its telemetry session file
