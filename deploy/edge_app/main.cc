@@ -710,13 +710,12 @@ void CheckMaskLength(const edge::Manifest& m, const edge::Pairing& p, const std:
 // The decode step's own entry (manifest 'step', compile/decode/entries.py): the function a
 // call runs whose input binding the step's dim to 1 has that length, else main.
 struct Entries {
-  ffi::Function main_fn;
-  ffi::Optional<ffi::Function> step_fn;
+  ffi::Function main_fn, step_fn;  // (Optional's operator* returns a copy: a reference to it would dangle)
   size_t step_input = 0;
   int step_axis = -1;  // -1: no step entry
 
   const ffi::Function& For(const std::vector<ffi::Tensor>& args) const {
-    if (step_axis >= 0 && args[step_input].GetDLTensorPtr()->shape[step_axis] == 1) return *step_fn;
+    if (step_axis >= 0 && args[step_input].GetDLTensorPtr()->shape[step_axis] == 1) return step_fn;
     return main_fn;
   }
 };
@@ -859,11 +858,12 @@ int Run(int argc, char** argv) {
     if (!fn) Fail(module + " has no function 'main'");
     entries.main_fn = *fn;
     if (manifest.has_step) {  // checked by ParseManifest: "decode", a symbolic dim of the inputs
-      entries.step_fn = vm->GetFunction(manifest.step_function, false);
-      if (!entries.step_fn) {
+      ffi::Optional<ffi::Function> step = vm->GetFunction(manifest.step_function, false);
+      if (!step) {
         Refuse(o.artifact + ": manifest.json's 'step' names function '" + manifest.step_function + "', which " +
                module + " does not have; refusing to run it");
       }
+      entries.step_fn = *step;
       for (size_t i = 0; i < in_sigs.size() && entries.step_axis < 0; ++i) {
         for (size_t k = 0; k < in_sigs[i].dims.size(); ++k) {
           if (in_sigs[i].fixed[k] == edge::TensorSig::kSymbol && in_sigs[i].dims[k] == manifest.step_dim) {
