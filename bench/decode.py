@@ -191,15 +191,18 @@ class LoopArtifact(Contender):
         self.mod = mod  # compile.artifact.runtime.LoadedModule
 
     def make_runner(self, model, inputs, threads):
-        return _EntryRunner(self.mod, inputs)
+        return EntryRunner(self.mod, inputs)
 
 
-class _EntryRunner(Runner):
-    def __init__(self, mod, inputs: dict):
+class EntryRunner(Runner):
+    """One function of a loaded artifact (LoadedModule) on fixed inputs; entry None: the one
+    its run() would call on them."""
+
+    def __init__(self, mod, inputs: dict, entry: str | None = None):
         import tvm
 
         self.mod, self.inputs = mod, inputs
-        self.entry = mod.entry({k: np.shape(v) for k, v in inputs.items()})
+        self.entry = entry or mod.entry({k: np.shape(v) for k, v in inputs.items()})
         self.fn = mod.vm[self.entry]
         self.args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[s.name]), mod.device) for s in mod.inputs]
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import blockforge
+from blockforge.bench.decode import EntryRunner
 
 
 def _feeds(session, seed: int) -> dict:
@@ -39,28 +40,6 @@ def _feeds(session, seed: int) -> dict:
     if "attention_mask" in feeds:
         feeds["attention_mask"] = np.ones_like(feeds["attention_mask"])
     return feeds
-
-
-class _Entry:
-    """One function of the loaded loop artifact, called on fixed inputs (as TvmRunner)."""
-
-    def __init__(self, mod, name: str, feeds: dict):
-        import tvm
-
-        self.mod, self.name, self.feeds = mod, name, feeds
-        self.fn = mod.vm[name]
-        self.args = [tvm.runtime.tensor(np.ascontiguousarray(feeds[s.name]), mod.device) for s in mod.inputs]
-
-    def __call__(self) -> None:
-        self.fn(*self.args, *self.mod.params)
-
-    def outputs(self) -> list[np.ndarray]:
-        from blockforge.compile.artifact.runtime import run_vm
-        from blockforge.graph.model_io import TensorSig
-
-        outs = [TensorSig(o["name"], tuple(o["shape"]), o["dtype"]) for o in self.mod.manifest["outputs"]]
-        return list(run_vm(self.mod.vm, self.mod.device, self.mod.inputs, outs, self.feeds, self.mod.params,
-                           entry=self.name).values())
 
 
 def _static(model: Path, shape: dict, feeds: dict):
@@ -95,8 +74,8 @@ def decode_point(model: Path, mod, past: int, repeat: int, threads: int) -> dict
     feeds = _feeds(session, seed=past)
     runners = {"ort": _ort(model, session, feeds, threads)}
     want = runners["ort"].outputs()
-    runners["loop main"] = _Entry(mod, "main", feeds)
-    runners["loop step"] = _Entry(mod, "decode", feeds)
+    runners["loop main"] = EntryRunner(mod, feeds, "main")
+    runners["loop step"] = EntryRunner(mod, feeds, "decode")
     runners["static P"] = _static(model, shape, feeds)
     _check(runners, want)
     samples = measure_interleaved(runners, repeat, warmup=2)
@@ -113,8 +92,8 @@ def loop_vs_bare(model: Path, mod, past: int, rounds: int = 3, steps: int = 20) 
 
     layout = cache_layout(onnx.load(str(model), load_external_data=False))
     start = _feeds(open_model(model, "host", shapes(layout, past, 1), prepare=False), seed=1)
-    bare = _Entry(mod, "decode", _feeds(open_model(model, "host", shapes(layout, past + steps // 2, 1),
-                                                   prepare=False), seed=2))
+    bare = EntryRunner(mod, _feeds(open_model(model, "host", shapes(layout, past + steps // 2, 1),
+                                                   prepare=False), seed=2), "decode")
     loop_ms, bare_ms = [], []
     for _ in range(rounds):
         res = decode(mod, start, DecodeOptions(steps=steps + 1))
@@ -142,7 +121,7 @@ def prefill_point(model: Path, mod, seq: int, repeat: int, threads: int) -> dict
     feeds = _feeds(session, seed=seq)
     runners = {"ort": _ort(model, session, feeds, threads)}
     want = runners["ort"].outputs()
-    runners["loop main"] = _Entry(mod, "main", feeds)
+    runners["loop main"] = EntryRunner(mod, feeds, "main")
     runners["static"] = _static(model, shape, feeds)
     _check(runners, want)
     samples = measure_interleaved(runners, repeat, warmup=1)
