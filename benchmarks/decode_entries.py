@@ -158,7 +158,8 @@ def main() -> int:
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
             print(f"  loop step / loop main {ms['loop step'] / ms['loop main']:.3f}x; loop step / static P "
                   f"{ms['loop step'] / ms['static P']:.3f}x; loop step / ORT {ms['loop step'] / ms['ort']:.3f}x; "
-                  f"loop main / ORT {ms['loop main'] / ms['ort']:.3f}x; static P / ORT {ms['static P'] / ms['ort']:.3f}x",
+                  f"loop main / ORT {ms['loop main'] / ms['ort']:.3f}x; "
+                  f"static P / ORT {ms['static P'] / ms['ort']:.3f}x",
                   flush=True)
             load = os.getloadavg()[0]
             loop, bare = loop_vs_bare(a.model, mod, past)
@@ -168,7 +169,8 @@ def main() -> int:
             load = os.getloadavg()[0]
             ms = prefill_point(a.model, mod, a.prompt, max(5, a.repeat // 4), threads)
             print(f"prefill seq={a.prompt} (load {load:.1f}): " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-                  + f"; loop main / static {ms['loop main'] / ms['static']:.3f}x, / ORT {ms['loop main'] / ms['ort']:.3f}x",
+                  + f"; loop main / static {ms['loop main'] / ms['static']:.3f}x, "
+                  f"/ ORT {ms['loop main'] / ms['ort']:.3f}x",
                   flush=True)
     return 0
 

@@ -299,7 +299,9 @@ inline void Step(const json::Value& st, Manifest& m) {
   }
   bool found = false;
   for (const TensorSig& s : m.inputs) {
-    for (size_t k = 0; k < s.dims.size(); ++k) found = found || (s.fixed[k] == TensorSig::kSymbol && s.dims[k] == dim->str);
+    for (size_t k = 0; k < s.dims.size(); ++k) {
+      if (s.fixed[k] == TensorSig::kSymbol && s.dims[k] == dim->str) found = true;
+    }
   }
   if (!found) Bad("'step' dim '" + json::Printable(dim->str) + "' is not a symbolic dim of the inputs");
   m.has_step = true;
