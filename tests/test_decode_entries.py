@@ -144,3 +144,16 @@ def test_run_decode_steps_through_the_step_entry(gpt2_artifacts, tmp_path):
     outs = np.load(tmp_path / "last.npz")
     for name, w in last.items():
         np.testing.assert_allclose(outs[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_compile_no_step_entry(tmp_path):
+    """`compile --no-step-entry`: one entry (a shorter build), no 'step' in the manifest; the
+    default says which entry the steps run."""
+    from conftest import run_cli_in_process as cli
+
+    path = FIXTURES / _entry("gpt2_past")["file"]
+    res = cli("compile", str(path), "--target", "host", "--shape", "batch=1", "--no-step-entry", "-o",
+              str(tmp_path / "one"))
+    assert res.rc == 0, res.err
+    assert "step" not in json.loads((tmp_path / "one" / "manifest.json").read_text())
+    assert "decode steps" not in res.out
