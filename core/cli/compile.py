@@ -35,7 +35,7 @@ def run(a) -> int:
     print(f"compiled {a.model} for {res.target.name} -> {res.artifact}/ (module.so {size / 2**20:.1f} MiB, "
           f"phases: {' > '.join(m['phases'])}{', precision ' + m['precision'] if m['precision'] != 'fp32' else ''})")
     if m.get("step"):
-        print(f"decode steps (seq {m['step']['dim']} = 1) run the entry {m['step']['function']}, the prompt main")
+        print(f"decode steps ({m['step']['dim']} = 1) run the entry {m['step']['function']}; the prompt runs main")
     if m.get("tuning"):
         t = m["tuning"]
         kept = [k for k in t["kept_default"] if k not in t["missing"]]
