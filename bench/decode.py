@@ -12,6 +12,7 @@ except tables only gathered from: an embedding reads one row per token) plus eve
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from blockforge.errors import ArgumentError, BlockforgeError
 from blockforge.graph.model_io import TensorSig, load_model, signature
 from blockforge.targets import resolve
 
-from .contenders import CONTENDERS
+from .contenders import CONTENDERS, Contender, Runner
 from .harness import BenchOptions, bench, host_facts
 from .report import ContenderResult
 
@@ -42,6 +43,7 @@ class DecodeOptions:
     prompt: int = 128  # prefill length (0: no prefill row)
     tuning_db: Path | None = None
     stream_mib: int = 64  # each of the triad's three arrays: well past any cache
+    loop: bool = True  # the row of the artifact `run --decode` runs (LoopArtifact), beside the bound builds
 
 
 @dataclass
@@ -176,6 +178,58 @@ def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
     return 12 * n / best / 1e9
 
 
+class LoopArtifact(Contender):
+    """The artifact `run --decode` and the edge app run: one build, past and seq symbolic (what
+    `compile --shape batch=1` writes), each call through the function the loop calls (the step
+    entry at seq 1, main for a prompt: compile/decode/entries.py). Its row sits beside the
+    blockforge build bound at this point's shape."""
+
+    name = "loop artifact"
+    peer = False
+
+    def __init__(self, mod):
+        self.mod = mod  # compile.artifact.runtime.LoadedModule
+
+    def make_runner(self, model, inputs, threads):
+        return EntryRunner(self.mod, inputs)
+
+
+class EntryRunner(Runner):
+    """One function of a loaded artifact (LoadedModule) on fixed inputs; entry None: the one
+    its run() would call on them."""
+
+    def __init__(self, mod, inputs: dict, entry: str | None = None):
+        import tvm
+
+        self.mod, self.inputs = mod, inputs
+        self.entry = entry or mod.entry({k: np.shape(v) for k, v in inputs.items()})
+        self.fn = mod.vm[self.entry]
+        self.args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[s.name]), mod.device) for s in mod.inputs]
+
+    def __call__(self) -> None:
+        self.fn(*self.args, *self.mod.params)
+        self.mod.device.sync()
+
+    def outputs(self) -> list[np.ndarray]:
+        from blockforge.compile.artifact.runtime import run_vm
+
+        outs = [TensorSig(o["name"], tuple(o["shape"]), o["dtype"]) for o in self.mod.manifest["outputs"]]
+        return list(run_vm(self.mod.vm, self.mod.device, self.mod.inputs, outs, self.inputs, self.mod.params,
+                           entry=self.entry).values())
+
+
+def _loop_artifact(opts: DecodeOptions, model: onnx.ModelProto, tmp: Path):
+    """Compiled as a user compiles a decoder for `run --decode`: only the batch dims bound."""
+    from blockforge.compile import CompileOptions, compile_model
+    from blockforge.compile.artifact.runtime import load_artifact
+
+    batch = {i.type.tensor_type.shape.dim[0].dim_param: 1 for i in model.graph.input
+             if i.name in ("input_ids", "attention_mask") and i.type.tensor_type.shape.dim[0].dim_param}
+    res = compile_model(CompileOptions(model=opts.model, target=opts.target, shape=batch, output=tmp / "loop",
+                                       tuning_db=opts.tuning_db, use_tuning="tuned" in opts.against))
+    return load_artifact(res.artifact)
+
+
 def bench_decode(opts: DecodeOptions) -> DecodeReport:
     if any(p < 1 for p in opts.pasts) or not opts.pasts or opts.prompt < 0:
         raise ArgumentError("{pasts} needs lengths >= 1 and {prompt} >= 0", "pasts", "prompt")
@@ -192,16 +246,24 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
     bandwidth = [triad_bandwidth(target, opts.stream_mib)]
     plan = [("decode", p, 1) for p in opts.pasts] + ([("prefill", 0, opts.prompt)] if opts.prompt else [])
     points, notes, threads = [], [], 1
-    for phase, past, seq in plan:
-        rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
-                                 warmup=opts.warmup, shape=shapes(cache, past, seq), tuning_db=opts.tuning_db,
-                                 gemm_n=256))  # the SGEMM ceiling is not this report's roofline
-        threads = rep.threads
-        notes += [f"{phase} P={past}: {n}" for n in rep.notes]
-        cached = sum(int(np.prod((1, s.dims[1], past, s.dims[3]))) * np.dtype(s.dtype).itemsize for s in cache.past)
-        points.append(DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, 0.0))
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
+        loop = [LoopArtifact(_loop_artifact(opts, model, Path(tmp)))] if opts.loop and \
+            {"untuned", "tuned"} & set(opts.against) else []
+        for phase, past, seq in plan:
+            point, threads = _point(opts, cache, wbytes, phase, past, seq, loop, notes)
+            points.append(point)
     bandwidth.append(triad_bandwidth(target, opts.stream_mib))
     bw = max(bandwidth)
     for p in points:
         p.roofline_ms = p.bytes_read / (bw * 1e9) * 1e3
     return DecodeReport(str(opts.model), target.name, threads, wbytes, bw, points, notes, host_facts())
+
+
+def _point(opts: DecodeOptions, cache: _Cache, wbytes: int, phase: str, past: int, seq: int, loop: list,
+           notes: list) -> tuple[DecodePoint, int]:
+    rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
+                             warmup=opts.warmup, shape=shapes(cache, past, seq), tuning_db=opts.tuning_db,
+                             gemm_n=256, extra=tuple(loop)))  # the SGEMM ceiling is not this report's roofline
+    notes += [f"{phase} P={past}: {n}" for n in rep.notes]
+    cached = sum(int(np.prod((1, s.dims[1], past, s.dims[3]))) * np.dtype(s.dtype).itemsize for s in cache.past)
+    return DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, 0.0), rep.threads

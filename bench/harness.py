@@ -56,6 +56,7 @@ class BenchOptions:
     profile: bool = False
     gemm_n: int = 2048
     precision: str = "fp32"  # targets.precision: blockforge's builds; OpenVINO gets the matching hint
+    extra: tuple = ()  # contenders outside the registry, after its rows (bench --decode's loop artifact)
 
 
 def sgemm_ceiling(n: int = 2048, repeat: int = 5, clock=time.perf_counter) -> float:
@@ -231,8 +232,8 @@ def bench(opts: BenchOptions) -> BenchReport:
     ref = _reference(bm, inputs, precision)
     runners = {}
     with native_output_to_log():
-        for name in [c for c in CONTENDERS if c in opts.against]:  # registry order: peers first
-            c = REGISTRY[name]
+        for c in [REGISTRY[n] for n in CONTENDERS if n in opts.against] + list(opts.extra):  # peers first
+            name = c.name
             if not c.available():
                 bm.notes.append(skip_note(name, f"not installed ({c.install})"))
                 continue

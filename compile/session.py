@@ -117,12 +117,15 @@ class Session:
         self._relax.clear()
 
     def build(self, *, database=None, dump_ir: Path | None = None, default_schedules: bool = True,
-              without=frozenset(), lift_weights: bool = False) -> BuildResult:
+              without=frozenset(), lift_weights: bool = False, transform=None) -> BuildResult:
+        """transform: applied to the imported module before the build (a function of it: the
+        import itself is kept for later builds), e.g. compile.decode.entries.add_step_entry."""
         if dump_ir:  # the ONNX-level phase: what TVM imported, and what prepare did
             atomic_write_bytes(dump_ir / "00-prepare.onnx", self.prepared_with_weights().SerializeToString())
             atomic_write_json(dump_ir / "00-prepare.json", self.prepare_report.to_dict())
         with native_output_to_log():
-            res = build(self.relax(int8="int8-gemm" not in without), self.target, database=database, dump_ir=dump_ir,
+            mod = self.relax(int8="int8-gemm" not in without)
+            res = build(mod if transform is None else transform(mod), self.target, database=database, dump_ir=dump_ir,
                         default_schedules=default_schedules, without=without, precision=self.precision.name,
                         lift_weights=lift_weights)
         res.phases.insert(0, "prepare")

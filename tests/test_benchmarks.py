@@ -304,9 +304,17 @@ def test_int8_whole(tmp_path):
     assert "blockforge: max |out - ORT|" in out and "| ort |" in out and "blockforge / best peer:" in out, out
 
 
+def test_decode_entries(tmp_path):
+    out = _run("decode_entries.py", "--model", REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx", "--past", 3,
+               "--prompt", 4, "--repeat", 3, cwd=tmp_path)
+    assert "P=3" in out and "loop step / loop main" in out and "run --decode loop from P=3" in out, out
+    assert "prefill seq=4" in out, out
+
+
 SMOKED = {"decode_key_rows.py", "norms.py", "int8_whole.py", "int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
+SMOKED |= {"decode_entries.py"}  # decode (issue #21): test_decode_entries above
 
 
 def test_every_benchmark_script_has_a_smoke_run():

@@ -131,6 +131,8 @@ def test_hf_export_prompt_and_steps_one_artifact(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     want, _ = ort_greedy_hf(path, entry, prompt, 8)
     assert len(set(want)) > 1 and f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout
+    # the prompt through main, the 7 steps through the step entry (compile/decode/entries.py)
+    assert "calls: main 1, decode 7" in res.stdout, res.stdout
     # A prompt mask one longer than past + seq: dynamo ties its length to nothing the module
     # checks, so the app refuses it before the first call (before: it ran).
     res = _app(pkg, _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 5), np.int64), **pasts),
@@ -139,3 +141,40 @@ def test_hf_export_prompt_and_steps_one_artifact(tmp_path):
     assert res.returncode == 2 and len(errs) == 1, res.stdout + res.stderr
     assert "attention_mask has length 5" in errs[0] and "past + seq = 0 + 4 = 4" in errs[0], errs
     assert "tokens[0]" not in res.stdout and "prompt:" not in res.stdout
+
+
+def test_step_entry_in_the_manifest(block_pkg, tmp_path):
+    """An older artifact (no 'step': every call through main) gives the same tokens; a 'step'
+    the module does not have is refused before the first call, in the Python loader's words."""
+    import json
+
+    from test_decoders import FIXTURES, SYMBOLIC_ENTRIES, batch_dims, ort_greedy_hf
+
+    entry = next(e for e in SYMBOLIC_ENTRIES if e["model"] == "gpt2_past")
+    path = FIXTURES / entry["file"]
+    pkg = _package(tmp_path, path, ",".join(f"{k}={v}" for k, v in batch_dims(path).items()))
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["step"] == {"function": "decode", "dim": "seq"}
+    prompt = np.array([[3, 14, 15, 9]], np.int64)
+    empty = np.zeros((1, entry["past"]["kv_heads"], 0, entry["past"]["head_dim"]), np.float32)
+    pasts = {f"past_key_values.{i}.{w}": empty for i in range(entry["past"]["layers"]) for w in ("key", "value")}
+    inputs = _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 4), np.int64), **pasts)
+    want, _ = ort_greedy_hf(path, entry, prompt, 5)
+    res = _app(pkg, inputs, "--decode", "5")
+    assert res.returncode == 0 and "calls: main 1, decode 4" in res.stdout, res.stdout + res.stderr
+    assert f"tokens[0]: {' '.join(map(str, want))}" in res.stdout, res.stdout
+    (pkg / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "step"}))
+    res = _app(pkg, inputs, "--decode", "5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"tokens[0]: {' '.join(map(str, want))}" in res.stdout and "calls:" not in res.stdout, res.stdout
+    # a one-entry artifact (the block, seq bound) whose manifest claims a step entry
+    claims = tmp_path / "claims"
+    shutil.copytree(block_pkg, claims, symlinks=True)
+    m = json.loads((claims / "manifest.json").read_text())
+    (claims / "manifest.json").write_text(json.dumps(dict(m, step={"function": "decode", "dim": "past"})))
+    x = np.zeros((1, 1, D), np.float32)
+    e = np.zeros((1, H, 0, D // H), np.float32)
+    res = _app(claims, _npys(tmp_path, x=x, past_key=e, past_value=e), "--decode", "2")
+    errs = [ln for ln in res.stderr.splitlines() if ln.startswith("edge_app: error:")]
+    assert res.returncode == 2 and len(errs) == 1, res.stdout + res.stderr
+    assert "manifest.json's 'step' names function 'decode', which module.so does not have" in errs[0], errs

@@ -25,6 +25,10 @@ with the same rules and limits, by the C++ edge app (deploy/edge_app/manifest.h,
   the one before it (no overlap) and inside `bytes`. The loaders then check that the file has
   exactly `bytes` (compile/artifact/weights.py; the edge app's main.cc).
 
+- `step` (optional; compile writes it for a decoder with symbolic seq): {function, dim},
+  `function` "decode" (nothing else), `dim` a symbolic dim of the inputs
+  (compile/decode/entries.py): a call binding `dim` to 1 runs `decode`, every other `main`.
+
 tests/robustness/manifest_cases.json holds one table of hostile manifests that both
 loaders must refuse with the same words; a fuzz test compares the two readers' verdicts
 on mutated manifests.
@@ -265,6 +269,24 @@ def check_manifest(m) -> None:
                         "bin/NAME or lib/NAME", "bin/ or lib/ file name")
     if "weights" in m:
         _weights(m)
+    if "step" in m:
+        _step(m)
+
+
+def _step(m: dict) -> None:
+    """'step' (compile/decode/entries.py): {function, dim}, in the C++ reader's order
+    (manifest.h, Step). The only function a loader may be sent to is STEP_ENTRY."""
+    from blockforge.compile.decode.entries import STEP_ENTRY
+
+    st = m["step"]
+    if not (isinstance(st, dict) and set(st) == {"function", "dim"} and isinstance(st["function"], str)
+            and isinstance(st["dim"], str)):
+        raise _Refused("'step' must be an object with exactly 'function' and 'dim' (strings)")
+    if st["function"] != STEP_ENTRY:
+        raise _Refused(f"'step' function '{_printable(st['function'])}' is not {STEP_ENTRY} (the only step entry "
+                       "a loader calls)")
+    if not any(st["dim"] in s["shape"] for s in m["inputs"]):
+        raise _Refused(f"'step' dim '{_printable(st['dim'])}' is not a symbolic dim of the inputs")
 
 
 def _is_count(v, limit: int) -> bool:

@@ -49,24 +49,33 @@ class LoadedModule:
 
         return pairing_of(self.inputs, _sigs(self.manifest["outputs"]))
 
+    def entry(self, shapes: dict[str, tuple]) -> str:
+        """The function a call on arrays of these shapes runs: the decode step's own entry where
+        the manifest records one and the shapes are its (seq 1: compile/decode/entries.py), else main."""
+        from blockforge.compile.decode import entries
+
+        return entries.STEP_ENTRY if entries.uses_step(self.inputs, entries.step_dim(self.manifest), shapes) else "main"
+
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_inputs(self.inputs, inputs, "inputs")
         from blockforge.compile.decode.inputs import check_mask_length
 
-        check_mask_length(self.inputs, self.pairing, {k: np.shape(v) for k, v in inputs.items()})
-        return run_vm(self.vm, self.device, self.inputs, _sigs(self.manifest["outputs"]), inputs, self.weights)
+        shapes = {k: np.shape(v) for k, v in inputs.items()}
+        check_mask_length(self.inputs, self.pairing, shapes)
+        return run_vm(self.vm, self.device, self.inputs, _sigs(self.manifest["outputs"]), inputs, self.weights,
+                      entry=self.entry(shapes))
 
 
 def run_vm(vm, device, in_sigs: list[TensorSig], out_sigs: list[TensorSig], inputs: dict,
-           params: list = ()) -> dict[str, np.ndarray]:
-    """Call the VM's main on `inputs` (then `params`: an artifact's weights); outputs are
+           params: list = (), entry: str = "main") -> dict[str, np.ndarray]:
+    """Call the VM's `entry` (main) on `inputs` (then `params`: an artifact's weights); outputs are
     checked against the declared signature (count, dtype, rank, static and symbolic dims): a
     mismatch is an error, not a result."""
     import tvm
 
     args = [tvm.runtime.tensor(_contiguous(inputs[s.name]), device) for s in in_sigs]
     try:
-        out = vm["main"](*args, *params)
+        out = vm[entry](*args, *params)
     except Exception as e:
         raise BlockforgeError(f"compiled module failed to run: {error_line(e, last=True)}") from None
     if len(out_sigs) == 1:
@@ -204,6 +213,10 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
             raise BlockforgeError(f"{artifact}: cannot load {module}: {error_line(e, last=True)}") from None
     # (the copy is unlinked once loaded: the mapping stays)
     vm = relax.VirtualMachine(lib, dev)
+    step = (manifest.get("step") or {}).get("function")
+    if step is not None and not vm.module.implements_function(step):  # a manifest naming what is not there
+        raise BlockforgeError(f"{artifact}: manifest.json's 'step' names function {step!r}, which {module} does "
+                              "not have; refusing to run it")
     return LoadedModule(artifact, manifest, vm, dev, weights)
 
 

@@ -30,6 +30,7 @@ from blockforge.targets.toolchain import nvcc
 
 from blockforge.compile.artifact import manifest as manifest_io
 from blockforge.compile.artifact import weights as weights_io
+from blockforge.compile.decode import entries as decode_entries
 from blockforge.compile.decode import pairing as decode_pairing
 from blockforge.compile.records.reader import open_for_apply
 from blockforge.compile.session import open_model
@@ -45,6 +46,7 @@ class CompileOptions:
     tuning_db: Path | None = None  # None: the device's default database, if any
     use_tuning: bool = True
     precision: str = "fp32"  # targets.precision: what the GEMMs compute in
+    step_entry: bool = True  # a decoder with symbolic seq: also `decode`, main at seq 1 (compile/decode/entries.py)
     force: bool = False  # replace an existing output that is not a blockforge artifact (fsutil.check_outputs)
 
 
@@ -174,8 +176,11 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     target, ins, outs = session.target, session.inputs, session.outputs
     manifest_io.check_signature([s.to_dict() for s in ins], [s.to_dict() for s in outs], str(opts.model))
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
+    step = decode_entries.token_dim([s.to_dict() for s in ins], [s.to_dict() for s in outs]) \
+        if opts.step_entry else None
     res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None,
-                        lift_weights=True)
+                        lift_weights=True,
+                        transform=None if step is None else lambda m: decode_entries.add_step_entry(m, step))
     session.forget_imports()  # res.weights holds what the executable needs; the rest of the Relax module goes
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
@@ -223,6 +228,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
         decode = decode_pairing.record(manifest["inputs"], manifest["outputs"])
         if decode:  # present output -> past input of the next step (compile/decode/pairing.py)
             manifest["decode"] = decode
+        if step is not None:  # the decode step's own entry function (compile/decode/entries.py)
+            manifest[decode_entries.KEY] = decode_entries.step_record(step)
         data = json_bytes(manifest)
         manifest_io.parse_manifest(data, f"{dest}/{manifest_io.NAME}")  # what the loaders will check, whole
         atomic_write_bytes(tmp / manifest_io.NAME, data)

@@ -18,6 +18,7 @@ import numpy as np
 from blockforge.errors import ArgumentError, BlockforgeError, error_line
 from blockforge.graph.model_io import MAX_BOUND_DIM, TensorSig, check_inputs
 
+from blockforge.compile.decode import entries
 from blockforge.compile.decode.inputs import check_mask_length
 from blockforge.compile.decode.pairing import DecodePairing, pairing_for_run
 
@@ -41,10 +42,11 @@ class StepRecord:
     ms: float  # the whole step: the call and the loop's bookkeeping
     call_ms: float  # the compiled module's call alone
     token: tuple[int, ...] | None  # the argmax per batch row (language models)
+    entry: str = "main"  # the function called: main, or the decode step's entry (compile/decode/entries.py)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "past": self.past, "seq": self.seq, "ms": self.ms, "call_ms": self.call_ms,
-                "token": list(self.token) if self.token is not None else None}
+                "token": list(self.token) if self.token is not None else None, "entry": self.entry}
 
 
 @dataclass
@@ -145,13 +147,16 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
     first = pairing.pairs[0]
     result = DecodeResult(pairing)
     main = mod.vm["main"]
+    step_at = entries.step_axis(in_sigs, entries.step_dim(mod.manifest))  # seq 1: the decode step's own entry
+    step_fn = mod.vm[entries.STEP_ENTRY] if step_at is not None else None
     on_cpu = dev.dlpack_device_type() == 1  # kDLCPU
     for step in range(opts.steps):
         past_len = int(args[first.past].shape[first.axis])
         seq = int(np.shape(host[feed.input_ids])[1]) if feed else None
+        fn = step_fn if step_at is not None and int(args[step_at[0]].shape[step_at[1]]) == 1 else main
         t0 = time.perf_counter()
         try:
-            out = main(*(args[s.name] for s in in_sigs), *mod.params)
+            out = fn(*(args[s.name] for s in in_sigs), *mod.params)
             if not on_cpu:  # the call may return before the kernels end
                 dev.sync()
         except Exception as e:
@@ -179,7 +184,8 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
                 raise ArgumentError(f"{{steps}} {opts.steps} would grow the cache to {final} positions, past the "
                                     f"limit of {MAX_BOUND_DIM} for a symbolic dim", "steps")
         rec = StepRecord(step, past_len, seq, (t2 - t0) * 1e3, (t1 - t0) * 1e3,
-                         tuple(int(t) for t in tok) if tok is not None else None)
+                         tuple(int(t) for t in tok) if tok is not None else None,
+                         entries.STEP_ENTRY if fn is step_fn else "main")
         result.steps.append(rec)
         if on_step:
             on_step(rec)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 # tensor is one more argument per call and one entry in the manifest.
 LIFT_MIN_BYTES = 1024
 ENTRY = "main"
+STEP_ENTRY = "decode"  # = compile.decode.entries.STEP_ENTRY (passes import nothing from compile.decode)
 
 
 @dataclass
@@ -35,9 +36,19 @@ def _nbytes(t) -> int:
     return n * t.dtype.itemsize
 
 
-def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES):
+def _content_key(const) -> tuple:
+    import hashlib
+
+    t = const.value
+    return (str(t.dtype), tuple(int(d) for d in t.shape), hashlib.blake2b(t.numpy().tobytes()).digest())
+
+
+def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES, entries: tuple[str, ...] = (ENTRY, STEP_ENTRY)):
     """A module pass: the constants of `main` of at least min_bytes become its trailing
-    parameters w0, w1, ... (first use first), appended to `out` as LiftedWeight."""
+    parameters w0, w1, ... (first use first), appended to `out` as LiftedWeight. Further entries
+    present (`decode`, compile/decode/entries.py: main specialised at seq 1) take the same
+    parameter list: their constants are main's by content (each function's passes made their
+    own prepacked copy), one more parameter of every entry where none is."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -50,33 +61,48 @@ def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES):
 
         def visit_generic_const_(self, const):
             lifted = self.params.get(const.__chandle__())
-            return const if lifted is None else lifted[1]
+            return const if lifted is None else lifted
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeLiftWeights")
     def lift(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        if ENTRY not in [gv.name_hint for gv in mod.get_global_vars()]:
+        names = [gv.name_hint for gv in mod.get_global_vars()]
+        funcs = [e for e in entries if e in names and isinstance(mod[e], relax.Function)]
+        if ENTRY not in funcs:
             return mod
-        func = mod[ENTRY]
-        if not isinstance(func, relax.Function):
-            return mod
-        # the constant's node -> (constant, parameter): one parameter however often it is used. Keyed
-        # by the node's address: each visit may hand out a new Python wrapper of the same node.
-        params: dict = {}
+        # every entry's constant node -> its index in `lifted`: one parameter however often it is
+        # used. Keyed by the node's address: each visit may hand out a new Python wrapper of the
+        # same node. Content keys only when a second entry exists (main alone: as before).
+        lifted: list = []
+        uses: dict[str, dict] = {}
+        by_content: dict | None = {} if len(funcs) > 1 else None
+        for name in funcs:
+            found: dict = {}
 
-        def visit(e):
-            if isinstance(e, tvm.ir.expr.GenericConst) and e.__chandle__() not in params \
-                    and _nbytes(e.value) >= min_bytes:
-                params[e.__chandle__()] = (e, relax.Var(f"w{len(params)}", e.ty))
+            def visit(e, found=found, first=name == ENTRY):
+                if not isinstance(e, tvm.ir.expr.GenericConst) or e.__chandle__() in found \
+                        or _nbytes(e.value) < min_bytes:
+                    return
+                key = _content_key(e) if by_content is not None else None
+                at = None if first or key is None else by_content.get(key)
+                if at is None:
+                    at = len(lifted)
+                    lifted.append(e)
+                    if key is not None:
+                        by_content.setdefault(key, at)
+                found[e.__chandle__()] = at
 
-        relax.analysis.post_order_visit(func.body, visit)
-        if not params:
+            relax.analysis.post_order_visit(mod[name].body, visit)
+            uses[name] = found
+        if not lifted:
             return mod
-        body = _Lift(mod, params).visit_expr(func.body)
-        new = relax.Function([*func.params, *(v for _, v in params.values())], body, func.ret_ty, func.is_pure, func.attrs,
-                             func.span)
-        out.extend(LiftedWeight(str(v.name), c.value) for c, v in params.values())
+        out.extend(LiftedWeight(f"w{i}", c.value) for i, c in enumerate(lifted))
         mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-        mod[ENTRY] = new
+        for name in funcs:
+            func = mod[name]
+            params = [relax.Var(f"w{i}", c.ty) for i, c in enumerate(lifted)]  # each function its own vars
+            body = _Lift(mod, {h: params[i] for h, i in uses[name].items()}).visit_expr(func.body)
+            mod[name] = relax.Function([*func.params, *params], body, func.ret_ty, func.is_pure, func.attrs,
+                                       func.span)
         return mod
 
     return lift

@@ -707,20 +707,36 @@ void CheckMaskLength(const edge::Manifest& m, const edge::Pairing& p, const std:
          std::to_string(first.axis) + ", " + p.tokens.input_ids + " axis 1)");
 }
 
-int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p, const ffi::Function& main_fn,
+// The decode step's own entry (manifest 'step', compile/decode/entries.py): the function a
+// call runs whose input binding the step's dim to 1 has that length, else main.
+struct Entries {
+  ffi::Function main_fn, step_fn;  // (Optional's operator* returns a copy: a reference to it would dangle)
+  size_t step_input = 0;
+  int step_axis = -1;  // -1: no step entry
+
+  const ffi::Function& For(const std::vector<ffi::Tensor>& args) const {
+    if (step_axis >= 0 && args[step_input].GetDLTensorPtr()->shape[step_axis] == 1) return step_fn;
+    return main_fn;
+  }
+};
+
+int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p, const Entries& entries,
                std::vector<ffi::Tensor> args, DLDevice cpu) {
   const edge::CachePair& first = p.pairs[0];
   CheckMaskLength(m, p, args);
   std::vector<double> step_ms, call_ms;
   std::vector<std::vector<int64_t>> tokens;
   std::vector<ffi::Tensor> outs;
+  int main_calls = 0, step_calls = 0;
   for (int step = 0; step < o.decode; ++step) {
     const int64_t past = args[first.in_index].GetDLTensorPtr()->shape[first.axis];
     std::vector<ffi::AnyView> views(args.begin(), args.end());
     ffi::Any rv;
+    const ffi::Function& fn = entries.For(args);
+    ++(&fn == &entries.main_fn ? main_calls : step_calls);
     auto t0 = std::chrono::steady_clock::now();
     try {
-      main_fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &rv);
+      fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &rv);
     } catch (const ffi::Error& e) {
       Fail("main failed (step " + std::to_string(step) + "): " + e.kind() + ": " + LastLine(e.message()));
     }
@@ -770,6 +786,7 @@ int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p
     std::printf("%d steps after the prompt: %.3f ms/token (module call %.3f ms; prompt %.3f ms)\n", o.decode - 1,
                 s / (o.decode - 1), c / (o.decode - 1), step_ms[0]);
   }
+  if (entries.step_axis >= 0) std::printf("calls: main %d, %s %d\n", main_calls, m.step_function.c_str(), step_calls);
   if (!tokens.empty()) {
     for (size_t r = 0; r < tokens[0].size(); ++r) {
       std::string row;
@@ -827,7 +844,7 @@ int Run(int argc, char** argv) {
 
   SetThreadsFromCpus();
   const DLDevice cpu{kDLCPU, 0};
-  ffi::Function main_fn;
+  Entries entries;
   std::vector<ffi::Tensor> args;
   try {
     ffi::Module lib = ffi::Module::LoadFromFile(module_path);
@@ -839,7 +856,24 @@ int Run(int argc, char** argv) {
     (*init)(static_cast<int>(kDLCPU), 0, kPooledAllocator);
     ffi::Optional<ffi::Function> fn = vm->GetFunction("main", false);
     if (!fn) Fail(module + " has no function 'main'");
-    main_fn = *fn;
+    entries.main_fn = *fn;
+    if (manifest.has_step) {  // checked by ParseManifest: "decode", a symbolic dim of the inputs
+      ffi::Optional<ffi::Function> step = vm->GetFunction(manifest.step_function, false);
+      if (!step) {
+        Refuse(o.artifact + ": manifest.json's 'step' names function '" + manifest.step_function + "', which " +
+               module + " does not have; refusing to run it");
+      }
+      entries.step_fn = *step;
+      for (size_t i = 0; i < in_sigs.size() && entries.step_axis < 0; ++i) {
+        for (size_t k = 0; k < in_sigs[i].dims.size(); ++k) {
+          if (in_sigs[i].fixed[k] == edge::TensorSig::kSymbol && in_sigs[i].dims[k] == manifest.step_dim) {
+            entries.step_input = i;
+            entries.step_axis = static_cast<int>(k);
+            break;
+          }
+        }
+      }
+    }
     for (size_t i = 0; i < in_sigs.size(); ++i) {
       const edge::NpyArray& a = host_inputs[i];
       ffi::Tensor t = ffi::Tensor::FromNDAlloc(AlignedCPUAlloc(), ffi::Shape(a.shape),
@@ -853,7 +887,8 @@ int Run(int argc, char** argv) {
     Fail("cannot load " + module + ": " + e.kind() + ": " + LastLine(e.message()));
   }
 
-  if (o.decode) return DecodeLoop(o, manifest, pairing, main_fn, std::move(args), cpu);
+  if (o.decode) return DecodeLoop(o, manifest, pairing, entries, std::move(args), cpu);
+  const ffi::Function& main_fn = entries.For(args);
   std::vector<ffi::AnyView> views(args.begin(), args.end());
   ffi::Any rv;
   std::vector<double> ms;

@@ -74,6 +74,10 @@ struct Manifest {
   // 'decode', as written: checked only by a decode loop (decode.h), as in the Python loader.
   bool has_decode = false;
   json::Value decode;
+  // 'step' (compile/decode/entries.py): a call binding `step_dim` to 1 runs `step_function`
+  // (always "decode": main at seq 1), every other call main.
+  bool has_step = false;
+  std::string step_function, step_dim;
   // 'weights' (compile/artifact/weights.py): the file, its size, the tensors in parameter order.
   bool has_weights = false;
   std::string weights_file;
@@ -283,6 +287,28 @@ inline void Weights(const json::Value& w, Manifest& m) {
   }
 }
 
+// 'step', in the Python reader's order (manifest.py, _step).
+inline void Step(const json::Value& st, Manifest& m) {
+  const json::Value* fn = st.get("function");
+  const json::Value* dim = st.get("dim");
+  if (!st.is_object() || st.object.size() != 2 || !fn || !fn->is_string() || !dim || !dim->is_string()) {
+    Bad("'step' must be an object with exactly 'function' and 'dim' (strings)");
+  }
+  if (fn->str != "decode") {
+    Bad("'step' function '" + json::Printable(fn->str) + "' is not decode (the only step entry a loader calls)");
+  }
+  bool found = false;
+  for (const TensorSig& s : m.inputs) {
+    for (size_t k = 0; k < s.dims.size(); ++k) {
+      if (s.fixed[k] == TensorSig::kSymbol && s.dims[k] == dim->str) found = true;
+    }
+  }
+  if (!found) Bad("'step' dim '" + json::Printable(dim->str) + "' is not a symbolic dim of the inputs");
+  m.has_step = true;
+  m.step_function = fn->str;
+  m.step_dim = dim->str;
+}
+
 }  // namespace manifest_detail
 
 // Parses and type-checks manifest.json's bytes (already size-bounded by the caller).
@@ -339,6 +365,7 @@ inline Manifest ParseManifest(const std::string& text) {
     m.has_package_files = true;
   }
   if (const json::Value* w = root.get("weights")) manifest_detail::Weights(*w, m);
+  if (const json::Value* st = root.get("step")) manifest_detail::Step(*st, m);
   if (const json::Value* d = root.get("decode")) {
     m.has_decode = true;
     m.decode = *d;
