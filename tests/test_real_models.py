@@ -44,9 +44,10 @@ EAGER = {"bert", "distilbert", "roberta", "gpt2", "vit", "swin", "whisper", "wav
 # transformers' default attention (SDPA), opset 18; BLOOM's default is eager (ALiBi)
 SDPA = {"bert_sdpa", "gpt2_sdpa", "vit_sdpa", "llama_sdpa", "qwen2_sdpa", "opt_sdpa", "gemma_sdpa"}
 # Not fused, each with the reason its log line gives (compile/attention/ find_attention):
-# BLOOM computes its scores per (batch*head) with ALiBi added there, and reshapes them to
-# (batch, head) around the mask and softmax: two bias adds and a reshape the kernel does not take.
-UNFUSED = {"bloom": "its probabilities are reshaped before P V"}
+# BLOOM computes its scores per (batch*head) with ALiBi added there (baddbmm: beta * alibi +
+# alpha * Q K^T), and reshapes them to (batch, head) around the mask and softmax: the matcher
+# reads through the (batch*head) reshapes (T5's form) and stops at the ALiBi add under the mask add.
+UNFUSED = {"bloom": "an add before softmax whose scores side is not Q K^T"}
 
 
 def test_corpus_index():
