@@ -225,6 +225,7 @@ def bench(opts: BenchOptions) -> BenchReport:
     bm = BenchModel(session, bind_dims(session.model, session.dims, strict=False), spec, dict(session.dims),
                     opts.tuning_db)
     precision = model_precision(session.model)
+    kind = tolerance_kind(session.model)  # the tolerance rows every contender's outputs are held to
     if precision != "float":
         bm.notes.append(f"precision {precision}: every contender runs the same quantized file; checked against "
                         "ONNX Runtime on it (blockforge at the int8 parity row: elementwise up to one encoder block's "
@@ -240,7 +241,7 @@ def bench(opts: BenchOptions) -> BenchReport:
             try:
                 runner = c.make_runner(bm, inputs, threads)
                 # at bf16 every contender is held to the bf16 row (ORT, in fp32, passes it)
-                why = _check(name, runner, ref, session.outputs, tolerance_kind(session.model), precision, c.peer,
+                why = _check(name, runner, ref, session.outputs, kind, precision, c.peer,
                              opts.precision)
             except Unavailable as e:
                 why = str(e)
