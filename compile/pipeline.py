@@ -227,6 +227,13 @@ def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Ca
     def passes() -> list:
         from tvm.s_tir import dlight as dl
 
+        if target.is_gpu:
+            # dlight's GPU Matmul imports tvm.s_tir.tensor_intrin on first apply: ~250 TVMScript
+            # parses, each calling inspect.stack(); the shallow import took a 64-wide FFN's Metal
+            # build from >600 s (loaded machine; 134 s in the clean-clone CI) to (see intrinsics.py).
+            from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
+
+            import_tensor_intrinsics()
         return [dl.ApplyDefaultSchedule(*default_rules(target, without, int8))]
     return passes
 

@@ -1,7 +1,9 @@
 """GPU code generators on a CPU-only machine: CUDA builds carry sm_XX device code; OpenCL,
 Metal and WebGPU builds carry kernel source. On a GPU (marker `gpu`) CUDA builds run and match ORT."""
 
+import inspect
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -61,13 +63,22 @@ def test_cuda_build_carries_device_code(models, tmp_path, kind, preset, arch):
 
 
 @pytest.mark.parametrize("preset, marker", [("opencl", "__kernel"), ("metal", "kernel void"), ("webgpu", "@compute")])
-def test_build_only_codegens_emit_source(models, tmp_path, preset, marker):
+def test_build_only_codegens_emit_source(models, tmp_path, preset, marker, monkeypatch):
+    # dlight's MetalMatmul imports all of TVM's tensor intrinsics (~250 TVMScript parses): the
+    # schedule phase imports them first with a shallow inspect.stack (compile/schedule/intrinsics.py),
+    # so no full stack is walked (the full walks made this build 134 s of a clean-clone CI run).
+    fresh = "tvm.s_tir.tensor_intrin" not in sys.modules
+    full_stacks = []
+    real_stack = inspect.stack
+    monkeypatch.setattr(inspect, "stack", lambda *a, **k: full_stacks.append(1) or real_stack(*a, **k))
     res = compile_model(CompileOptions(model=models["ffn"], target=preset, shape={"batch": 1, "seq": 16},
                                        output=tmp_path / "art"))
     ext = {"opencl": "cl", "metal": "metal", "webgpu": "wgsl"}[preset]
     src = (tmp_path / "art" / f"kernels.{ext}").read_text()
     assert marker in src, src[:400]
     assert res.target.run_problem() and "build-only" in res.target.run_problem()
+    if fresh:
+        assert not full_stacks, f"{len(full_stacks)} inspect.stack() calls: the intrinsics imported the slow way"
 
 
 @pytest.mark.skipif(bool(_no_nvcc()), reason=f"CUDA builds need nvcc: {_no_nvcc()}")

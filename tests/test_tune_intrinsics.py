@@ -1,4 +1,4 @@
-"""tune.intrinsics: TVM's tensor intrinsics imported with a shallow inspect.stack(), which
+"""compile.schedule.intrinsics: TVM's tensor intrinsics imported with a shallow inspect.stack(), which
 TVM's TVMScript parser cannot tell from the real one (the same frames, the same source lines
 where it reads them), so every PrimFunc parses the same."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from blockforge.tune.intrinsics import shallow_stack, shallow_stacks
+from blockforge.compile.schedule.intrinsics import shallow_stack, shallow_stacks
 
 
 def _both():
@@ -101,7 +101,7 @@ def test_tensor_intrinsics_register_without_inspect_stack():
         calls = []
         real = inspect.stack
         inspect.stack = lambda *a, **k: calls.append(1) or real(*a, **k)
-        from blockforge.tune.intrinsics import import_tensor_intrinsics
+        from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
         import_tensor_intrinsics()
         assert inspect.stack is not real  # restored to what it was: the counting wrapper
         from tvm.s_tir import TensorIntrin

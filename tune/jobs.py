@@ -35,7 +35,7 @@ from blockforge.targets.toolchain import cpu_id
 
 from .database import DeviceDB
 from .int8_tiles import LEDGER_KEY as INT8_TILES
-from .intrinsics import import_tensor_intrinsics
+from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
 from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
