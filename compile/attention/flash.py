@@ -224,7 +224,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
     query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
     key_tail=False: a static ragged Skv's last key tile is a whole one (ablation attention-key-tail).
-    exp2=False: the softmax's exps by fast_exp, not fast_exp2 (ablation attention-exp2)."""
+    exp2=False: the softmax's exps by fast_exp, not fast_exp2 (ablation attention-exp2). Measured
+    at Whisper-base's attention (S = 1500, 8 heads, d 64, q/v/out (b, s, h, d); AMD EPYC family
+    26, one thread CPU time, interleaved, benchmarks/attention_qtile.py --ab-exp2): fast_exp2 /
+    fast_exp 0.993 (24.92 / 25.09 ms, 40 samples, load 6.6-7.1, numpy SGEMM 216-219 GFLOP/s a
+    core), 0.971-0.995 in four shorter runs: the exps are ~10% of the kernel (identity in their
+    place: 0.90x), its two products ~83% (21.0 ms at the core's measured 220 GFLOP/s FMA peak)."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
