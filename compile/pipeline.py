@@ -47,6 +47,8 @@ ABLATIONS = {
                        "197: 4 tiles of 50) (left out: the recorded or default tile)",
     "attention-key-tail": "the fused attention kernel's last key tile at a static Skv no key tile divides only the "
                           "remainder's vectors wide (ViT's 197: 16 keys) (left out: a whole 64-key tile, 59 dropped)",
+    "attention-exp2": "the fused attention kernel's softmax exps as 2^t of t = (s - m) log2 e (flash.fast_exp2: 7 "
+                      "multiply/FMA operations a vector) (left out: flash.fast_exp's Cody-Waite polynomial, 10)",
     "ragged-n": "the CPU matmul rule for an N no panel width divides (ViT's 197 tokens)",
     "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
@@ -118,7 +120,8 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
-                               key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without)]
+                               key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without,
+                               exp2="attention-exp2" not in without)]
     return passes
 
 

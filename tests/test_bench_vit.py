@@ -37,3 +37,11 @@ def test_whole_ab(tmp_path):
     out = _run(REPO / "benchmarks/whole_ab.py", REPO / "tests/fixtures/models/vit_sdpa_dynamo_op18.onnx",
                "--dims", "s33=1", "--ab", "row-tiles", "--repeat", "2", tmp_path=tmp_path)
     assert "new / without row-tiles:" in out and "best peer" in out, out
+
+
+def test_attention_qtile_exp2(tmp_path):
+    """--ab-exp2 (ablation attention-exp2) at Whisper's model layout, (b, s, h, d), scale 1."""
+    out = _run(REPO / "benchmarks/attention_qtile.py", "--sq", "45", "--heads", "2", "--layout", "bshd", "--scale", "1",
+               "--tiles", "64x64", "--ab-exp2", "--repeat", "2", "--cpu-time", tmp_path=tmp_path,
+               env={"TVM_NUM_THREADS": "1"})
+    assert "fast_exp'" in out and "balanced" in out, out

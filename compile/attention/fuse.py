@@ -23,10 +23,11 @@ def _reshape(bb, x, shape):
 class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
-    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True):
+    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True, exp2: bool = True):
         from blockforge.compile.schedule.base import vector_lanes
 
         self.bb, self.target, self.database, self.balance, self.key_tail = bb, target, database, balance, key_tail
+        self.exp2 = exp2
         self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
@@ -38,7 +39,8 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes, self.balance, self.key_tail), f"fused_attention_{len(self.funcs)}")
+            fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2)
+            self.funcs[key] = add_kernel(self.bb, fn, f"fused_attention_{len(self.funcs)}")
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 
@@ -66,10 +68,12 @@ class _Rewrite:
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 
 
-def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True):
+def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,
+                   exp2: bool = True):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
     balance=False: query tiles as recorded or default (ablation `attention-qtile`);
     key_tail=False: whole last key tiles (ablation `attention-key-tail`);
+    exp2=False: the softmax's exps by fast_exp, not fast_exp2 (ablation `attention-exp2`);
     key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
     import tvm
     from tvm import relax
@@ -80,7 +84,7 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail)
+            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, exp2)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)
