@@ -154,6 +154,15 @@ def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool, qdq_sp
     for name, sp in specs.items():
         calls[name], errs[name] = _kernel_call(sp)
         ops[name] = 2 * sp.m * sp.k * sp.n
+    # the FFN's kernels on the 6 x 4 tile before the stack-sized default (the int8-stack-tiles ablation)
+    legacy = {}
+    for sp in ffn_specs:
+        t = gemm.default_tiles(sp, stack=False)
+        if t != gemm.default_tiles(sp):
+            key = f"FFN {sp.describe()} at {t.describe()} (int8-stack-tiles off)"
+            legacy[key] = sp
+            calls[key], errs[key] = _kernel_call(sp, t)
+            ops[key] = 2 * sp.m * sp.k * sp.n
     af = np.random.default_rng(0).standard_normal((m, k)).astype(np.float32)
     calls["blockforge fp32 GEMM"], ops["blockforge fp32 GEMM"] = _fp32_gemm(af, np.ones((k, n), np.float32)), 2 * m * k * n
     calls["VNNI probe"], ops["VNNI probe"] = _vnni_probe(threads)
@@ -174,7 +183,7 @@ def _gemm(shape, repeat: int, ffn_specs: list, threads: int, tiles: bool, qdq_sp
           + (f"; VNNI peak {threads} x {VNNI_OPS_PER_CYCLE} ops/cycle x {mhz / 1e3:.2f} GHz (/proc/cpuinfo) = "
              f"{peak:.0f} GOP/s (probe / peak {probe / peak:.2f}: above 1 the cores boost past that clock, below "
              f"they are shared)" if peak else ""))
-    for name in specs:
+    for name in [*specs, *legacy]:
         print(f"  int8 {name} (max err vs numpy {errs[name]:.1e}): {med[name]:.3f} ms = {rate[name]:.0f} GOP/s = "
               f"{rate[name] / ceiling:.2f}x the SGEMM ceiling, {100 * rate[name] / probe:.0f}% of the VNNI probe"
               + (f", {100 * rate[name] / peak:.0f}% of the nominal-clock VNNI peak" if peak else ""))
@@ -279,6 +288,8 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
              peer: lambda: ort.run(None, inputs), "blockforge fp32": ours_fp32}
     if mode == "static":  # the requantize/gelu chain between the GEMMs as a second kernel (A/B)
         calls["blockforge int8 (int8-qdq-epilogue off)"], _ = tvm_call(sq, {"int8-qdq-epilogue"})
+    # the untuned kernels on the 6 x 4 tile (1536 B of accumulators: a workspace per row tile)
+    calls["blockforge int8 (int8-stack-tiles off)"], _ = tvm_call(sq, {"int8-stack-tiles"})
     peers = [peer]
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint

@@ -58,6 +58,9 @@ ABLATIONS = {
     "int8-qdq-epilogue": "a QDQ model's requantize / bias / gelu chain after an int8 GEMM computed in the "
                          "kernel's epilogue, writing the next GEMM's int8 input (compile/quant/gemm.py POST_STEPS; "
                          "left out: the GEMM writes float32 and a second kernel re-quantizes it)",
+    "int8-stack-tiles": "the untuned int8 VNNI GEMM's micro-tile sized so its accumulators (5 x 3 vectors, 960 B) "
+                        "are a stack alloca (compile/quant/gemm.py STACK_BYTES; left out: the 6 x 4 tile, 1536 B, "
+                        "a workspace alloc/free per row tile)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
@@ -133,14 +136,14 @@ def target_int8_isa(target: ResolvedTarget) -> str | None:
     return isa.name if isa is not None else None
 
 
-def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True) -> Callable[[], list]:
+def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True, stack: bool = True) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.quant.rewrite import int8_gemm
 
         # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would
         # no longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
         # The database: tuned tiles per kernel (compile/quant/tiles.py).
-        return [int8_gemm(isa, target.tvm_target(), database, post=post)]
+        return [int8_gemm(isa, target.tvm_target(), database, post=post, stack=stack)]
     return passes
 
 
@@ -342,7 +345,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fuse-attention", _fuse_attention(target, database, without)))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
-        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without)))
+        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without,
+                                                 "int8-stack-tiles" not in without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm))
     if cpu and default_schedules and "conv-gemm" not in without and conv:

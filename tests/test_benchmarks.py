@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import re
 import sys
 from pathlib import Path
 
@@ -135,7 +136,9 @@ def test_int8_gemm(tmp_path):
     out = _run("int8_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
     # the kernels the dynamic and the QDQ FFN run (two specs each, QDQ's with its requantize chain
     # in the epilogue) beside the bare one, none interleaved with numpy
-    assert "no AVX-512 VNNI" in out or (out.count("x the SGEMM ceiling") == 7 and "VNNI probe" in out
+    # (+ the dynamic FFN's two at the 6 x 4 tile, the int8-stack-tiles ablation)
+    assert "no AVX-512 VNNI" in out or (out.count("x the SGEMM ceiling") == 9 and "VNNI probe" in out
+                                        and out.count("(int8-stack-tiles off)") == 4
                                         and "int8 FFN 8x64x128 scale=scalar +bias +gelu" in out
                                         and "int8 QDQ FFN 8x64x128 scale=column +bias >qdq(int8) >bias >qdq(int8) "
                                             ">gelu >q(uint8)" in out
@@ -146,7 +149,7 @@ def test_int8_gemm(tmp_path):
 def test_int8_gemm_one_thread_tiles(tmp_path):
     out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--threads", 1, "--gemm-only", "--tiles", "--seq", 12,
                cwd=tmp_path)
-    assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and out.count("time / default 6x64 tiles") == 4
+    assert "no AVX-512 VNNI" in out or ("1 thread(s), CPU time" in out and len(re.findall(r"time / default \d+x\d+ tiles", out)) == 4
                                         and "int8 FFN 12x64x128" in out and "blockforge int8 (after)" not in out), out
 
 

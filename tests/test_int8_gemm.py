@@ -37,19 +37,58 @@ def test_vnni_is_read_from_the_target_not_the_build_machine():
                                        "mcpu": "skylake-avx512", "mattr": ["+avx512vnni"]}))
 
 
-@pytest.mark.parametrize("m", [192, 200, None])  # whole 6-row tiles, a ragged last tile, symbolic
+@pytest.mark.parametrize("m", [196, 200, None])  # whole 7-row tiles (N = 128: 2 panels), a ragged last tile, symbolic
 def test_kernel_is_tensorized_and_the_ragged_tile_guarded(m):
-    f = gemm.kernel(gemm.Int8GemmSpec(k=256, n=128, m=m, scale="scalar", bias=True))
+    spec = gemm.Int8GemmSpec(k=256, n=128, m=m, scale="scalar", bias=True)
+    f = gemm.kernel(spec)
     text = f.script()
     assert text.count("llvm.x86.avx512.vpdpbusd.512") == 1, "the update is not on the VNNI intrinsic"
     assert "T.parallel" in text and "T.vectorized" in text
-    ragged = m is None or m % gemm.MR
+    assert gemm.default_tiles(spec).mr == 7
+    ragged = m is None or m % 7
     # Past M the accumulator re-reads row M-1 (clamped) and the write-back is guarded.
     assert ("T.min(v_i_o" in text) == bool(ragged), text
     assert ("T.where" in text) == bool(ragged), text
     # and it builds (cross, no VNNI needed here) into code that uses the instruction
     lib = tvm.compile(tvm.IRModule({"main": f}), target=ZNVER4)
     assert "vpdpbusd" in lib.mod.inspect_source("asm")
+
+
+def _workspace_allocs(f) -> int:
+    """TVMBackendAllocWorkspace calls in the compiled kernel (each one in the parallel body runs
+    once per row tile, with a FreeWorkspace beside it)."""
+    return tvm.compile(tvm.IRModule({"main": f}), target=ZNVER4).mod.inspect_source("ll").count(
+        "load ptr, ptr @__TVMBackendAllocWorkspace")
+
+
+def test_tile_loop_calls_no_workspace_allocator():
+    """The intrinsic's A broadcast is one expression, not a 1-element local buffer (LowerTVMBuiltin
+    gave that one a workspace alloc/free pair per row tile: 128x768x3072 +gelu at 6x64, one
+    thread, 1.02 -> 0.90 ms); an accumulator tile under 1 KiB (kMaxStackAlloca) is on the stack."""
+    spec = gemm.Int8GemmSpec(k=256, n=192, m=120, scale="scalar", bias=True, activation="gelu")
+    assert _workspace_allocs(gemm.kernel(spec, gemm.Int8Tiles(5, 3))) == 0  # 15 x 64 B accumulators
+    assert _workspace_allocs(gemm.kernel(spec, gemm.Int8Tiles(6, 4))) == 1  # 1536 B: the accumulator only
+    # the untuned tiles are the stack-sized ones (3 panels, else 2: 7 rows); the ablation's are 6 x 4
+    assert gemm.default_tiles(spec) == gemm.Int8Tiles(5, 3) and _workspace_allocs(gemm.kernel(spec)) == 0
+    two = gemm.Int8GemmSpec(k=256, n=128, m=None)
+    assert gemm.default_tiles(two) == gemm.Int8Tiles(7, 2, "panels") and _workspace_allocs(gemm.kernel(two)) == 0
+    assert gemm.default_tiles(spec, stack=False) == gemm.Int8Tiles(6, 4)
+
+
+def test_stack_tiles_ablation_builds_the_6x4_tile(quantized_ffn):
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+
+    _need_vnni_host()
+    s = open_model(quantized_ffn, "host", {"batch": 1, "seq": 16})
+
+    def tiles(without):
+        mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm", without=without)
+        return sorted(str(f.attrs[gemm.TILES_ATTR]) for _, f in mod.functions_items()
+                      if isinstance(f, tvm.tirx.PrimFunc) and gemm.is_kernel(f))
+
+    assert tiles(frozenset()) == ["7x32 tiles"] * 2  # N = 128 and 64: 2 panels, 7 rows
+    assert tiles(frozenset({"int8-stack-tiles"})) == ["6x64 tiles"] * 2
 
 
 def test_small_static_kernels_run_on_one_thread():

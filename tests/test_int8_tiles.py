@@ -17,6 +17,11 @@ from blockforge.compile.quant import gemm, tiles  # noqa: E402
 from test_int8_gemm import ZNVER4, _need_vnni_host, quantized_ffn  # noqa: E402,F401  (fixture)
 
 
+# The untuned tile of the quantized_ffn fixture's two kernels (d_model 64, d_ff 128: N = 128 and
+# 64, 2 panels of 16 columns divide both, so 7 rows: accumulators under gemm.STACK_BYTES).
+DEFAULT = "7x32 tiles"
+
+
 def test_candidates_fit_the_registers_and_the_spec():
     static, symbolic = gemm.Int8GemmSpec(k=64, n=96, m=40), gemm.Int8GemmSpec(k=64, n=96)
     for spec in (static, symbolic):
@@ -130,16 +135,16 @@ def test_tune_ab_keeps_the_default_unless_a_candidate_beats_it(tmp_path, quantiz
                                                                challenger_wins):
     """The challenger at `ratio` x the default's time: it must win by the A/B margin (2%)."""
     _need_vnni_host()
-    secs = {"6x64 tiles": 2e-5, "4x64 panels": 2e-5 * ratio}
+    secs = {DEFAULT: 2e-5, "4x64 panels": 2e-5 * ratio}
     s, db, lines = _tune(tmp_path, quantized_ffn, monkeypatch, secs)
     entries = [e for e in db.ledger().values() if "int8_tiles" in e]
     assert len(entries) == 2 and all(set(e["int8_tiles"]) == set(secs) for e in entries)
     assert all(e["in_model"]["cpu-a"]["prefer_default"] is (not challenger_wins) for e in entries)
     assert len(lines) == 2
-    want = ["4x64 panels" if challenger_wins else "6x64 tiles"] * 2
+    want = ["4x64 panels" if challenger_wins else DEFAULT] * 2
     assert _applied_tiles(s, db.path, "cpu-a") == want
     # another CPU never judged these records: its builds keep the defaults
-    assert _applied_tiles(s, db.path, "cpu-b") == ["6x64 tiles"] * 2
+    assert _applied_tiles(s, db.path, "cpu-b") == [DEFAULT] * 2
 
 
 def test_tune_times_real_candidates(tmp_path, quantized_ffn, monkeypatch):
@@ -150,7 +155,7 @@ def test_tune_times_real_candidates(tmp_path, quantized_ffn, monkeypatch):
                                      for e in entries)
     # whatever won here, the build takes a candidate of each kernel, exactly as the verdict says
     got = _applied_tiles(s, db.path, "cpu-a")
-    assert len(got) == 2 and set(got) <= {"6x64 tiles", "4x64 panels"}
+    assert len(got) == 2 and set(got) <= {DEFAULT, "4x64 panels"}
 
 
 def test_whole_model_ab_that_loses_keeps_the_default_tiles_too(tmp_path, quantized_ffn, monkeypatch):
@@ -161,7 +166,7 @@ def test_whole_model_ab_that_loses_keeps_the_default_tiles_too(tmp_path, quantiz
 
     from blockforge.tune import jobs
 
-    s, db, _ = _tune(tmp_path, quantized_ffn, monkeypatch, {"6x64 tiles": 2e-5, "4x64 panels": 1e-5})
+    s, db, _ = _tune(tmp_path, quantized_ffn, monkeypatch, {DEFAULT: 2e-5, "4x64 panels": 1e-5})
     assert _applied_tiles(s, db.path, "cpu-a") == ["4x64 panels"] * 2
     monkeypatch.setattr(jobs, "cpu_id", lambda: "cpu-a")
     monkeypatch.setattr(jobs, "measure_latency_ms", lambda *a, **k: 1.0)
@@ -170,4 +175,4 @@ def test_whole_model_ab_that_loses_keeps_the_default_tiles_too(tmp_path, quantiz
     summary = SimpleNamespace()
     jobs._measure_model(SimpleNamespace(session=s, db=db, tasks=[], workloads=[]), summary, naive=False)
     assert len(summary.kept_default) == 2 and all(n.startswith("int8_gemm (") for n in summary.kept_default)
-    assert _applied_tiles(s, db.path, "cpu-a") == ["6x64 tiles"] * 2
+    assert _applied_tiles(s, db.path, "cpu-a") == [DEFAULT] * 2

@@ -14,7 +14,8 @@ on SDOT u8 activations become s8 by -128 alike.
 
 Weights are prepacked (N/16, K/4, 16, 4): for each group of 4 k, 16 columns' 4 bytes are
 the 64 contiguous bytes one VPDPBUSD reads. The micro-kernel keeps MR rows x NV vectors of
-16 int32 in zmm registers (6 x 4 = 24 of 32) and broadcasts 4 bytes of A per row and k-group:
+16 int32 in zmm registers (5 x 3 = 15 of 32: a tile under STACK_BYTES, so the accumulator is a
+stack alloca LLVM keeps in registers) and broadcasts 4 bytes of A per row and k-group:
 
     for (column panel jo, row tile io) in parallel:     # symbolic M: panels parallel, rows
         acc[MR][NV*16] = 0                              #   serial with a guarded tail
@@ -36,6 +37,16 @@ from blockforge.compile.quant.isa import ISAS
 
 MR = ISAS["vnni"].mr  # rows per micro-tile (VNNI's; each ISA has its own)
 NV = ISAS["vnni"].nv  # 16-lane int32 vectors per row of the micro-tile
+# TVM's LowerTVMBuiltin puts a constant-size buffer below this many bytes on the stack
+# (runtime::kMaxStackAlloca) and serves a larger one with TVMBackendAllocWorkspace/FreeWorkspace,
+# inside the parallel body: once per row tile. The default tiles' accumulators stay under it
+# (5 x 3 vectors = 960 B; 7 x 2 = 896 B where 3 panels do not divide N). Measured, one thread
+# CPU time, interleaved (load 5-8; the tile with its A-broadcast fix, compile/quant/intrin.py):
+#   512x768x3072 +gelu   6x64 4.01 ms | 5x48 3.41 (0.85) | 4x48 3.43 | 7x32 3.46
+#   512x3072x768 +bias   6x64 3.57 ms | 5x48 3.04 (0.85) | 4x48 3.13 | 7x32 3.16
+STACK_BYTES = 1024
+# The tile before the stack-sized default (1536 B of accumulators): the int8-stack-tiles ablation.
+LEGACY_TILE = (6, 4)
 # Below this many multiply-adds (static M) the kernel runs on one thread: waking the pool
 # cost more than the work (16x64x128: 0.026-0.05 ms parallel on the loaded machine; the
 # whole d_model 64 FFN took 0.034 ms on int8 vs 0.020 ms on TVM's int32 loops).
@@ -61,9 +72,10 @@ _QRANGE = {"int8": (-128, 127), "uint8": (0, 255)}
 SPLITS = ("tiles", "panels")
 ZMM = 32  # vector registers the micro-tile must fit: MR*NV accumulators, NV weights, 1 broadcast
 # (rows, vectors) per micro-tile that tune times (tune/int8_tiles.py); each fits ZMM registers.
-# K is not blocked: one panel (K x 16*NV bytes: 48 KiB at K=768, NV=4) streams from L2 per
+# K is not blocked: one panel (K x 16*NV bytes: 36 KiB at K=768, NV=3) streams from L2 per
 # row tile and a row tile of A (MR x K bytes) stays in L1.
-MICRO_TILES = ((6, 4), (4, 4), (5, 4), (4, 6), (6, 3), (8, 3), (9, 3), (8, 2), (12, 2), (14, 2))
+MICRO_TILES = ((6, 4), (4, 4), (5, 4), (4, 6), (5, 3), (4, 3), (6, 3), (8, 3), (9, 3), (7, 2), (8, 2), (12, 2),
+               (14, 2))
 
 
 @dataclass(frozen=True)
@@ -149,12 +161,20 @@ class Int8Tiles:
         return f"{self.mr}x{self.nv * 16} {self.split}"
 
 
-def default_tiles(spec: "Int8GemmSpec") -> Int8Tiles:
+def default_tiles(spec: "Int8GemmSpec", stack: bool = True) -> Int8Tiles:
+    """The untuned kernel's tiles; stack False: the 6 x 4 tile before the stack-sized default
+    (LEGACY_TILE, VNNI only: the int8-stack-tiles ablation)."""
     isa = ISAS[spec.isa]
+    if stack or spec.isa != "vnni":
+        nv = _nv(spec.n, isa.nv)
+        # fewer panels than the ISA's (N/16 not a multiple of 3): more rows, still under STACK_BYTES
+        mr = isa.mr if nv == isa.nv else min(7, (STACK_BYTES - 1) // (nv * isa.lanes * 4))
+    else:
+        mr, nv = LEGACY_TILE[0], _nv(spec.n, LEGACY_TILE[1])
     # A static M below the tile's rows (a decode step's M = 1) gets a tile of M rows: the
     # full tile re-reads row M-1 into MR - M dead rows (6x the VPDPBUSDs at M = 1).
-    mr = isa.mr if spec.m is None else min(isa.mr, spec.m)
-    return Int8Tiles(mr, _nv(spec.n, isa.nv), "panels" if spec.m is None else "tiles")
+    mr = mr if spec.m is None else min(mr, spec.m)
+    return Int8Tiles(mr, nv, "panels" if spec.m is None else "tiles")
 
 
 def tile_candidates(spec: "Int8GemmSpec") -> list[Int8Tiles]:
@@ -313,6 +333,8 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
     # under the parallel loop, it lives in registers once the loops are unrolled.
     sch.reverse_compute_at(ep, io, preserve_unit_loops=True)
     *_, ei, ej = sch.get_loops(ep)
+    # (unrolling these two loops, so the accumulator could be read from registers, measured
+    # 1.03-1.08x slower at 5x48, one thread: 128/512x768x3072 +gelu, 128x3072x768)
     _, ejv = sch.split(ej, [None, 16])
     sch.vectorize(ejv)
     if tiles.split == "panels":

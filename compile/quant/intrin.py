@@ -45,10 +45,14 @@ def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
         with T.sblock("root"):
             T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
             T.writes(C[0:lanes])
-            a4 = T.reinterpret(A.vload([0], f"{a_dtype}x4"), dtype="int32")
+            # A's 4 bytes as one int32, broadcast, in one expression: bound to a name first
+            # (a4 = ...), TVMScript makes it a 1-element "local" buffer, which LowerTVMBuiltin
+            # serves with a TVMBackendAllocWorkspace/FreeWorkspace pair per parallel iteration
+            # (each row tile of the GEMM: two calls beside ~4600 cycles of VPDPBUSDs).
             C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
                 T.llvm_lookup_intrinsic_id(llvm_intrinsic), C.vload([0], dtype=c),
-                T.reinterpret(T.broadcast(a4, lanes), dtype=v), B.vload([0, 0], dtype=v), dtype=c)
+                T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], f"{a_dtype}x4"), dtype="int32"), lanes), dtype=v),
+                B.vload([0, 0], dtype=v), dtype=c)
 
     return desc, impl
 

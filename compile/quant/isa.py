@@ -7,7 +7,7 @@ target's features (its mcpu/mattr, never the build machine).
 
 | isa  | instruction            | A x W        | lanes | tile (rows x 16-col panels) | accumulators     |
 |------|------------------------|--------------|-------|-----------------------------|------------------|
-| vnni | VPDPBUSD zmm (x86)     | u8 x s8      | 16    | 6 x 4                       | 24 of 32 zmm     |
+| vnni | VPDPBUSD zmm (x86)     | u8 x s8      | 16    | 5 x 3 (under 1 KiB: stack)  | 15 of 32 zmm     |
 | sdot | SDOT v.4s (aarch64)    | s8 x s8      | 4     | 5 x 1 (4 SDOTs per panel)   | 20 of 32 q regs  |
 """
 
@@ -38,7 +38,11 @@ class Int8Isa:
 
 
 ISAS: dict[str, Int8Isa] = {
-    "vnni": Int8Isa("vnni", "uint8", 16, 6, 4, intrin.vnni_16x4, intrin.has_vnni),
+    # 5 rows x 3 panels: the largest tile whose accumulators (15 x 64 B) stay under TVM's 1 KiB
+    # stack limit (compile/quant/gemm.py STACK_BYTES); the 6 x 4 before it (24 zmm, 1536 B) got a
+    # workspace alloc/free per row tile: 0.85x its time at 512x768x3072 +gelu and 512x3072x768,
+    # one thread (benchmarks/int8_gemm.py --tiles; gemm.py's MICRO_TILES comment).
+    "vnni": Int8Isa("vnni", "uint8", 16, 5, 3, intrin.vnni_16x4, intrin.has_vnni),
     # 5 rows x 16 columns = 20 accumulators + 4 weight registers + the row broadcasts. LLVM 22's
     # inner loop for K=256, N=128 (tests/test_sdot_gemm.py counts it): 6 x 1 spilled 3-4
     # accumulators to the stack per k-step, 5 x 1 none (39 instructions, 20 SDOTs), 3 x 2 and
