@@ -57,6 +57,8 @@ ABLATIONS = {
                          "kernel's epilogue, writing the next GEMM's int8 input (compile/quant/gemm.py POST_STEPS; "
                          "left out: the GEMM writes float32 and a second kernel re-quantizes it)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
+    "bf16-attention": "--precision bf16's fused attention with Q K^T and P V on VDPBF16PS, softmax and sums float32 "
+                      "(compile/attention/flash.py; left out: the float32 attention kernel)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
     "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
@@ -111,14 +113,16 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
     return passes
 
 
-def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = frozenset()) -> Callable[[], list]:
+def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = frozenset(),
+                    bf16: bool = False) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.attention.fuse import fuse_attention
 
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
-                               key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without)]
+                               key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without,
+                               bf16=bf16)]
     return passes
 
 
@@ -329,7 +333,10 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
-        out.append(Phase("fuse-attention", _fuse_attention(target, database, without)))
+        # --precision bf16: the attention products on VDPBF16PS too (resolve_precision has
+        # checked the target has AVX512_BF16)
+        bf16 = precision == "bf16" and "bf16-attention" not in without
+        out.append(Phase("fuse-attention", _fuse_attention(target, database, without, bf16)))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without)))

@@ -186,12 +186,28 @@ def tail_width(skv: int, kt: int, vk: int) -> int:
     return min(kt, -(-(skv % kt) // vk) * vk)
 
 
+def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:
+    """Whether the kernel can run Q K^T and P V on VDPBF16PS (`--precision bf16`, AVX-512:
+    16 float32 lanes): float32 tensors, K^T (not key rows), an even d, whole vectors of
+    d_v, key tiles of whole 32-key blocks (a P V pair is keys j and j + 16 of a block)."""
+    return lanes == 16 and spec.dtype == "float32" and spec.k not in KEY_ROWS and spec.d % 2 == 0 \
+        and spec.dv % 16 == 0 and kt % 32 == 0
+
+
 def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True,
-           key_tail: bool = True):
+           key_tail: bool = True, bf16: bool = False):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
     query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
-    key_tail=False: a static ragged Skv's last key tile is a whole one (ablation attention-key-tail)."""
+    key_tail=False: a static ragged Skv's last key tile is a whole one (ablation attention-key-tail).
+
+    bf16 (`--precision bf16` on a target with AVX512_BF16; bf16_pairs must hold, else the
+    kernel stays float32): the two products on VDPBF16PS, float32 softmax and sums. Q, K^T,
+    V and P are rounded to bf16 pairs in the kernel, as the bf16 GEMM rounds its A: per
+    job Q's rows as pairs (d, d + d/2), per key tile K^T's rows as the same pairs and V's
+    keys as pairs (j, j + 16) of each 32-key block, P's likewise after the exp; a product
+    sums over its pairs in any order, so every pair is two whole vectors' lanes, no
+    shuffle. A partial key tile (a symbolic or ragged Skv's last) stays float32."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -244,6 +260,19 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     static_q_exact = spec.sq is not None and spec.sq % qt == 0
     static_k_exact = spec.skv is not None and spec.skv % kt == 0
     fill = f32(spec.fill if spec.fill is not None else 0.0)
+    pairs = bf16 and bf16_pairs(spec, kt, lanes)
+    if pairs:
+        from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16, pack_pair
+
+        hd = spec.d // 2
+
+        def ramp(base):
+            return tirx.Ramp(base, i64(1), lanes)
+
+        def dot_pairs(r, ii, c, a, bload):
+            """r[ii, c-th vector] += the bf16 pair products of a (one pair, broadcast) and bload."""
+            at_r = [ii, ramp(c * i64(lanes))]
+            T.buffer_store(r, dpbf16(tirx.BufferLoad(r, at_r), tirx.Broadcast(a, lanes), bload), at_r)
 
     with IRBuilder() as ib:
         with T.prim_func():
@@ -255,8 +284,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
             M = T.arg("keep", T.buffer(mask_shape(spec.keep), "bool")) if spec.keep else None
             O = T.arg("out", T.buffer(shape(spec.o, Sq, Dv), spec.dtype))
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
-                         KERNEL_ATTR + ".tiles": f"{qt}x{kt}"})
-            with T.parallel(i64(0), B * H * n_q) as p:
+                         KERNEL_ATTR + ".tiles": f"{qt}x{kt}", **({KERNEL_ATTR + ".bf16": True} if pairs else {})})
+            # bf16: the LLVM function the products call, linked into the module (as the bf16 GEMM's)
+            with T.parallel(i64(0), B * H * n_q, annotations={IMPORT_PRAGMA: LLVM_IR} if pairs else None) as p:
                 b = p // (H * n_q)
                 h = p // n_q % H
                 hk = h // i64(group) if group > 1 else h  # the key/value head
@@ -270,6 +300,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                 mnew = T.alloc_buffer((qtp,), "float32", scope="local")  # the new max, then the exp shift
                 part = T.alloc_buffer((vk,), "float32", scope="local")
                 pmax = T.alloc_buffer((qt, vk), "float32", scope="local")  # per-row partial maxima
+                if pairs:  # bf16 pairs (int32 each): Q's rows, one key tile's K^T, V and P
+                    qp = T.alloc_buffer((qt, hd), "int32", scope="local")
+                    kp = T.alloc_buffer((hd, kt), "int32", scope="local")
+                    vp = T.alloc_buffer((kt // 2, spec.dv), "int32", scope="local")
+                    pp = T.alloc_buffer((qt, kt // 2), "int32", scope="local")
                 with T.serial(i64(0), i64(qtp)) as i:
                     T.buffer_store(m, neg_inf, [i])
                     T.buffer_store(mnew, neg_inf, [i])  # padding rows: defined values, never read back
@@ -291,6 +326,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     None; skip: its first keys were visited by the previous tile and are
                     dropped here)."""
                     kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
+                    tp = pairs and valid is None and not skip and kw % 32 == 0  # this tile on VDPBF16PS
+                    if tp:  # K^T's rows d and d + d/2 as pairs, once per key tile
+                        with T.serial(i64(0), i64(hd)) as e:
+                            with T.vectorized(i64(0), i64(kw)) as j:
+                                T.buffer_store(kp, pack_pair(K[tuple(kt_at(b, hk, e, k0 + j))],
+                                                             K[tuple(kt_at(b, hk, e + i64(hd), k0 + j))]), [e, j])
                     # scores: MR rows x KT keys in registers, reduced over d
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
                         r = T.alloc_buffer((mr_s, kw), "float32", scope="local")
@@ -313,6 +354,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                             kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                             T.buffer_store(dot, dot[e] + qv * kv, [e])
                                     T.buffer_store(r, halve(dot, lambda a, c: a + c, vd), [ii, j])
+                        elif tp:
+                          with T.serial(i64(0), i64(hd)) as e:
+                            with T.unroll(i64(0), i64(mr_s)) as ii:
+                                a = T.Bind(qp[io * i64(mr_s) + ii, e])
+                                with T.unroll(i64(0), i64(kw // vk)) as c:
+                                    dot_pairs(r, ii, c, a, tirx.BufferLoad(kp, [e, ramp(c * i64(vk))]))
                         else:
                           with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
@@ -372,6 +419,19 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 T.buffer_store(s, e, [i, c * i64(vk) + j])
                                 T.buffer_store(part, part[j] + e, [j])
                         T.buffer_store(el, el[i] * alpha[i] + halve(part, lambda a, c: a + c), [i])
+                    if tp:  # V's keys j and j + 16 of each 32-key block as pairs, and P's alike
+                        with T.serial(i64(0), i64(kw // 32)) as c:
+                            with T.serial(i64(0), i64(16)) as jl:
+                                with T.vectorized(i64(0), Dv) as d:
+                                    j = k0 + c * i64(32) + jl
+                                    T.buffer_store(vp, pack_pair(V[tuple(at(spec.v, b, hk, j, d))],
+                                                                 V[tuple(at(spec.v, b, hk, j + i64(16), d))]),
+                                                   [c * i64(16) + jl, d])
+                        with T.serial(i64(0), i64(qt)) as i:
+                            with T.serial(i64(0), i64(kw // 32)) as c:
+                                with T.vectorized(i64(0), i64(16)) as jl:
+                                    j = c * i64(32) + jl
+                                    T.buffer_store(pp, pack_pair(s[i, j], s[i, j + i64(16)]), [i, c * i64(16) + jl])
                     # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
@@ -379,7 +439,14 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 row = io * i64(mr_o) + ii
                                 T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
-                        with T.serial(i64(skip), i64(kw) if valid is None else valid) as j:
+                        if tp:
+                          with T.serial(i64(0), i64(kw // 2)) as j2:
+                            with T.unroll(i64(0), i64(mr_o)) as ii:
+                                a = T.Bind(pp[io * i64(mr_o) + ii, j2])
+                                with T.unroll(i64(0), i64(spec.dv // lanes)) as c:
+                                    dot_pairs(r, ii, c, a, tirx.BufferLoad(vp, [j2, ramp(c * i64(lanes))]))
+                        else:
+                         with T.serial(i64(skip), i64(kw) if valid is None else valid) as j:
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
                                 with T.vectorized(i64(0), Dv) as d:
@@ -389,6 +456,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 T.buffer_store(acc, r[ii, d], [io * i64(mr_o) + ii, d])
 
+                if pairs:  # Q's rows as pairs (d, d + d/2), once per job
+                    with T.serial(i64(0), i64(qt)) as i:
+                        with T.vectorized(i64(0), i64(hd)) as e:
+                            T.buffer_store(qp, pack_pair(Q[tuple(at(spec.q, b, h, qrow(i), e))],
+                                                         Q[tuple(at(spec.q, b, h, qrow(i), e + i64(hd)))]), [i, e])
                 n_full = Skv // i64(kt)
                 if spec.causal:  # tiles right of this query tile's diagonal are all dropped
                     n_full = tirx.min(n_full, (q0 + i64(qt + kt - 1)) // i64(kt))

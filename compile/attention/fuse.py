@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, default_tiles, kernel
+from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, bf16_pairs, default_tiles, kernel
 from blockforge.compile.attention.match import Heads, Match, find_attention, static_int, static_shape
 from blockforge.compile.attention.tiles import tile_record
 from blockforge.compile.passes.kernels import add_kernel
@@ -23,10 +23,11 @@ def _reshape(bb, x, shape):
 class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
-    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True):
+    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True, bf16: bool = False):
         from blockforge.compile.schedule.base import vector_lanes
 
         self.bb, self.target, self.database, self.balance, self.key_tail = bb, target, database, balance, key_tail
+        self.bf16 = bf16
         self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
@@ -38,8 +39,10 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes, self.balance, self.key_tail), f"fused_attention_{len(self.funcs)}")
-        self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
+            self.funcs[key] = add_kernel(self.bb, kernel(spec, tiles, self.lanes, self.balance, self.key_tail, self.bf16),
+                                         f"fused_attention_{len(self.funcs)}")
+        bf16 = " bf16" if self.bf16 and bf16_pairs(spec, tiles[1], self.lanes) else ""
+        self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}{bf16}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 
     def single(self, m: Match, visit):
@@ -66,10 +69,13 @@ class _Rewrite:
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 
 
-def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True):
+def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,
+                   bf16: bool = False):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
     balance=False: query tiles as recorded or default (ablation `attention-qtile`);
     key_tail=False: whole last key tiles (ablation `attention-key-tail`);
+    bf16: Q K^T and P V on VDPBF16PS where flash.bf16_pairs allows (`--precision bf16`, a
+    target with AVX512_BF16; ablation `bf16-attention`);
     key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
     import tvm
     from tvm import relax
@@ -80,7 +86,7 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail)
+            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, bf16)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)

@@ -85,13 +85,9 @@ def _nv(n16: int) -> int:
 
 def _round_bits(x):
     """The in-kernel float32 -> bf16 rounding: to_bf16_bits in TIR (vectorizes to integer ops)."""
-    from tvm import tirx
+    from blockforge.compile.bf16.intrin import round_bits
 
-    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
-    b = tirx.reinterpret("uint32", x)
-    r = tirx.shift_right(b + u32(0x7FFF) + tirx.bitwise_and(tirx.shift_right(b, u32(16)), u32(1)), u32(16))
-    nan = tirx.bitwise_and(b, u32(0x7FFFFFFF)) > u32(0x7F800000)
-    return tirx.Select(nan, tirx.bitwise_or(tirx.shift_right(b, u32(16)), u32(0x40)), r).astype("uint16")
+    return round_bits(x).astype("uint16")
 
 
 def compute(spec: Bf16GemmSpec):

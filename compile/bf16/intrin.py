@@ -39,6 +39,36 @@ def widen(x):
     return tirx.reinterpret("float32", tirx.shift_left(x.astype("uint32"), tirx.const(16, "uint32")))
 
 
+def round_bits(x):
+    """float32 -> its bf16 bits in the low half of a uint32, round to nearest even (as
+    gemm.to_bf16_bits: NaN stays a quiet NaN); integer ops only, so it vectorizes."""
+    from tvm import tirx
+
+    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    b = tirx.reinterpret("uint32", x)
+    r = tirx.shift_right(b + u32(0x7FFF) + tirx.bitwise_and(tirx.shift_right(b, u32(16)), u32(1)), u32(16))
+    nan = tirx.bitwise_and(b, u32(0x7FFFFFFF)) > u32(0x7F800000)
+    return tirx.Select(nan, tirx.bitwise_or(tirx.shift_right(b, u32(16)), u32(0x40)), r)
+
+
+def pack_pair(lo, hi):
+    """Two float32 values as one int32 holding their bf16 pair (lo in the low half): the
+    element pair one VDPBF16PS lane multiplies. Vertical integer ops on two vectors (no
+    shuffle), so the pairs' partners are whatever two rows or vectors the caller picks."""
+    from tvm import tirx
+
+    return tirx.reinterpret("int32", tirx.bitwise_or(
+        round_bits(lo), tirx.shift_left(round_bits(hi), tirx.const(16, "uint32"))))
+
+
+def dpbf16(c, a, b):
+    """c (float32x16) + the pair products of a and b (int32x16 each, bf16 pairs): the call
+    LLVM_IR's function makes VDPBF16PS; the kernel must import LLVM_IR (IMPORT_PRAGMA)."""
+    from tvm import tirx
+
+    return tirx.call_pure_extern("float32x16", LLVM_FUNC, c, a, b)
+
+
 def _funcs():
     from tvm.script import tirx as T
 
