@@ -122,15 +122,18 @@ def test_phase_uses_it_only_at_bf16_and_its_ablation(tmp_path):
 
     model = export(MHASpec(d_model=128, heads=2), tmp_path / "mha.onnx").model_path
 
-    def flags(precision, without=frozenset()):
-        s = open_model(model, ZNVER4, {"batch": 1, "seq": 64}, precision=precision)
+    def flags(precision, without=frozenset(), seq=64):
+        s = open_model(model, ZNVER4, {"batch": 1, "seq": seq}, precision=precision)
         mod, _ = run_phases(s.relax(), s.target, stop_after="fuse-attention", precision=precision, without=without)
-        return [bool(f.attrs.get(BF16, False)) for _, f in mod.functions_items()
-                if isinstance(f, tirx.PrimFunc) and attention.is_kernel(f)]
+        return [(bool(f.attrs.get(BF16, False)), str(f.attrs[attention.KERNEL_ATTR + ".tiles"]))
+                for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and attention.is_kernel(f)]
 
-    assert flags("bf16") == [True]
-    assert flags("bf16", frozenset({"bf16-attention"})) == [False]
-    assert flags("fp32") == [False]
+    # bf16: key tiles of 8 vectors where Skv holds one (flash.bf16_tiles), else of 4 (a key
+    # tile wider than Skv would be one partial, float32 tile); the query tile Sq's when shorter
+    assert flags("bf16") == [(True, "64x64")]
+    assert flags("bf16", seq=256) == [(True, "128x128")]
+    assert flags("bf16", frozenset({"bf16-attention"})) == [(False, "64x64")]
+    assert flags("fp32") == [(False, "64x64")]
 
 
 def test_cli_verify_bf16_mha_against_ort(workdir):

@@ -186,6 +186,20 @@ def tail_width(skv: int, kt: int, vk: int) -> int:
     return min(kt, -(-(skv % kt) // vk) * vk)
 
 
+# bf16 (`--precision bf16`): (128, 8 vectors). Measured (BERT-base, 12 heads, kernel alone, 1
+# thread CPU time, interleaved, load 7, benchmarks/bf16_gemm.py's machine) at seq 128 / 512,
+# x the bf16 kernel at 64x64: 128x128 0.86/0.89, 64x128 1.02/0.96, 128x256 -/0.91, 256x128
+# 0.94/0.86, 96x128 2.17/1.62 (a 4-row micro-kernel of 96 rows); float32 64x64 was 1.13/1.33
+# (the bf16 products at 64x64 0.89x/0.75x of it, at 128x128 0.70x/0.65x): the packing of
+# K^T and V per key tile is shared by twice the query rows. Tuning records time the float32
+# kernel, so at bf16 these tiles are used instead of them. A static key length below 128 gets
+# the widest key tile of 4 or 2 vectors it holds: a key tile wider than Skv is one partial
+# tile, and partial tiles stay float32.
+def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int]:
+    kt = next((w * lanes for w in (8, 4, 2) if skv is None or w * lanes <= skv), 8 * lanes)
+    return (128, kt)
+
+
 def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:
     """Whether the kernel can run Q K^T and P V on VDPBF16PS (`--precision bf16`, AVX-512:
     16 float32 lanes): float32 tensors, K^T (not key rows), an even d, whole vectors of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, bf16_pairs, default_tiles, kernel
+from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, bf16_pairs, bf16_tiles, default_tiles, kernel
 from blockforge.compile.attention.match import Heads, Match, find_attention, static_int, static_shape
 from blockforge.compile.attention.tiles import tile_record
 from blockforge.compile.passes.kernels import add_kernel
@@ -35,7 +35,10 @@ class _Rewrite:
     def call(self, spec: AttentionSpec, args: list, out_shape: list):
         from tvm import relax
 
-        tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
+        if self.bf16 and bf16_pairs(spec, bf16_tiles(self.lanes, spec.skv)[1], self.lanes):
+            tiles = bf16_tiles(self.lanes, spec.skv)  # records time the float32 kernel (flash.bf16_tiles)
+        else:
+            tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
