@@ -55,6 +55,7 @@ def test_products_are_vdpbf16ps_in_the_assembly():
 @pytest.mark.parametrize("kw, lanes, tiles", [
     (dict(k="bhsd", sq=1), 16, (64, 64)),  # key rows (a decode step)
     (dict(d=63, dv=64), 16, (64, 64)),  # odd d: no (d, d + d/2) pairs
+    (dict(d=48, dv=64), 16, (64, 64)),  # d/2 not whole vectors
     (dict(dv=40), 16, (64, 64)),  # d_v not whole vectors
     (dict(), 16, (64, 48)),  # key tiles not whole 32-key blocks
     (dict(), 8, (64, 32)),  # AVX2: no VDPBF16PS

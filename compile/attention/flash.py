@@ -202,9 +202,10 @@ def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int]:
 
 def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:
     """Whether the kernel can run Q K^T and P V on VDPBF16PS (`--precision bf16`, AVX-512:
-    16 float32 lanes): float32 tensors, K^T (not key rows), an even d, whole vectors of
-    d_v, key tiles of whole 32-key blocks (a P V pair is keys j and j + 16 of a block)."""
-    return lanes == 16 and spec.dtype == "float32" and spec.k not in KEY_ROWS and spec.d % 2 == 0 \
+    16 float32 lanes): float32 tensors, K^T (not key rows), d of whole vector pairs (a Q K^T
+    pair is d and d + d/2), whole vectors of d_v, key tiles of whole 32-key blocks (a P V
+    pair is keys j and j + 16 of a block)."""
+    return lanes == 16 and spec.dtype == "float32" and spec.k not in KEY_ROWS and spec.d % (2 * lanes) == 0 \
         and spec.dv % 16 == 0 and kt % 32 == 0
 
 
@@ -276,7 +277,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     fill = f32(spec.fill if spec.fill is not None else 0.0)
     pairs = bf16 and bf16_pairs(spec, kt, lanes)
     if pairs:
-        from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16, pack_pair
+        from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16, pack_pairs16
 
         hd = spec.d // 2
 
@@ -343,9 +344,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     tp = pairs and valid is None and not skip and kw % 32 == 0  # this tile on VDPBF16PS
                     if tp:  # K^T's rows d and d + d/2 as pairs, once per key tile
                         with T.serial(i64(0), i64(hd)) as e:
-                            with T.vectorized(i64(0), i64(kw)) as j:
-                                T.buffer_store(kp, pack_pair(K[tuple(kt_at(b, hk, e, k0 + j))],
-                                                             K[tuple(kt_at(b, hk, e + i64(hd), k0 + j))]), [e, j])
+                            with T.unroll(i64(0), i64(kw // lanes)) as c:
+                                j = ramp(k0 + c * i64(lanes))
+                                T.buffer_store(kp, pack_pairs16(K[tuple(kt_at(b, hk, e, j))],
+                                                                K[tuple(kt_at(b, hk, e + i64(hd), j))]),
+                                               [e, ramp(c * i64(lanes))])
                     # scores: MR rows x KT keys in registers, reduced over d
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
                         r = T.alloc_buffer((mr_s, kw), "float32", scope="local")
@@ -436,16 +439,16 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     if tp:  # V's keys j and j + 16 of each 32-key block as pairs, and P's alike
                         with T.serial(i64(0), i64(kw // 32)) as c:
                             with T.serial(i64(0), i64(16)) as jl:
-                                with T.vectorized(i64(0), Dv) as d:
-                                    j = k0 + c * i64(32) + jl
-                                    T.buffer_store(vp, pack_pair(V[tuple(at(spec.v, b, hk, j, d))],
-                                                                 V[tuple(at(spec.v, b, hk, j + i64(16), d))]),
+                                with T.unroll(i64(0), i64(spec.dv // lanes)) as dd:
+                                    j, d = k0 + c * i64(32) + jl, ramp(dd * i64(lanes))
+                                    T.buffer_store(vp, pack_pairs16(V[tuple(at(spec.v, b, hk, j, d))],
+                                                                    V[tuple(at(spec.v, b, hk, j + i64(16), d))]),
                                                    [c * i64(16) + jl, d])
                         with T.serial(i64(0), i64(qt)) as i:
-                            with T.serial(i64(0), i64(kw // 32)) as c:
-                                with T.vectorized(i64(0), i64(16)) as jl:
-                                    j = c * i64(32) + jl
-                                    T.buffer_store(pp, pack_pair(s[i, j], s[i, j + i64(16)]), [i, c * i64(16) + jl])
+                            with T.unroll(i64(0), i64(kw // 32)) as c:
+                                j = c * i64(32)
+                                T.buffer_store(pp, pack_pairs16(s[i, ramp(j)], s[i, ramp(j + i64(16))]),
+                                               [i, ramp(c * i64(16))])
                     # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
@@ -472,9 +475,10 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
 
                 if pairs:  # Q's rows as pairs (d, d + d/2), once per job
                     with T.serial(i64(0), i64(qt)) as i:
-                        with T.vectorized(i64(0), i64(hd)) as e:
-                            T.buffer_store(qp, pack_pair(Q[tuple(at(spec.q, b, h, qrow(i), e))],
-                                                         Q[tuple(at(spec.q, b, h, qrow(i), e + i64(hd)))]), [i, e])
+                        with T.unroll(i64(0), i64(hd // lanes)) as c:
+                            e = ramp(c * i64(lanes))
+                            T.buffer_store(qp, pack_pairs16(Q[tuple(at(spec.q, b, h, qrow(i), e))],
+                                                            Q[tuple(at(spec.q, b, h, qrow(i), e + i64(hd)))]), [i, e])
                 n_full = Skv // i64(kt)
                 if spec.causal:  # tiles right of this query tile's diagonal are all dropped
                     n_full = tirx.min(n_full, (q0 + i64(qt + kt - 1)) // i64(kt))

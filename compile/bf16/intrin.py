@@ -17,6 +17,7 @@ from __future__ import annotations
 
 DPBF16_16X2 = "blockforge_dpbf16ps_16x2"
 LLVM_FUNC = "blockforge_dpbf16ps"
+PACK_FUNC = "blockforge_pack_bf16"  # two float32x16 -> 16 bf16 pairs (VCVTNEPS2BF16 twice)
 # Linked once per kernel (linkonce_odr: the copies of several kernels merge).
 LLVM_IR = f"""
 define linkonce_odr <16 x float> @{LLVM_FUNC}(<16 x float> %c, <16 x i32> %a, <16 x i32> %b) #0 {{
@@ -26,6 +27,17 @@ define linkonce_odr <16 x float> @{LLVM_FUNC}(<16 x float> %c, <16 x i32> %a, <1
   ret <16 x float> %r
 }}
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define linkonce_odr <16 x i32> @{PACK_FUNC}(<16 x float> %lo, <16 x float> %hi) #0 {{
+  %l = fptrunc <16 x float> %lo to <16 x bfloat>
+  %h = fptrunc <16 x float> %hi to <16 x bfloat>
+  %li = bitcast <16 x bfloat> %l to <16 x i16>
+  %hi16 = bitcast <16 x bfloat> %h to <16 x i16>
+  %lw = zext <16 x i16> %li to <16 x i32>
+  %hw = zext <16 x i16> %hi16 to <16 x i32>
+  %hs = shl <16 x i32> %hw, splat (i32 16)
+  %r = or <16 x i32> %lw, %hs
+  ret <16 x i32> %r
+}}
 attributes #0 = {{ alwaysinline nounwind readnone }}
 """
 IMPORT_PRAGMA = "pragma_import_llvm"
@@ -51,14 +63,16 @@ def round_bits(x):
     return tirx.Select(nan, tirx.bitwise_or(tirx.shift_right(b, u32(16)), u32(0x40)), r)
 
 
-def pack_pair(lo, hi):
-    """Two float32 values as one int32 holding their bf16 pair (lo in the low half): the
-    element pair one VDPBF16PS lane multiplies. Vertical integer ops on two vectors (no
-    shuffle), so the pairs' partners are whatever two rows or vectors the caller picks."""
+def pack_pairs16(lo, hi):
+    """Two float32x16 vectors as 16 int32 lanes each holding a bf16 pair (lo's in the low
+    half): the element pairs VDPBF16PS multiplies, from vertical lanes of two vectors (no
+    shuffle), so the pairs' partners are whatever two rows or vectors the caller picks. On
+    VCVTNEPS2BF16 (LLVM_IR's PACK_FUNC: fptrunc to bfloat): round to nearest even as
+    round_bits, a NaN stays a NaN (its payload may differ), denormals may be flushed, which
+    VDPBF16PS reads as 0 all the same. The kernel must import LLVM_IR (IMPORT_PRAGMA)."""
     from tvm import tirx
 
-    return tirx.reinterpret("int32", tirx.bitwise_or(
-        round_bits(lo), tirx.shift_left(round_bits(hi), tirx.const(16, "uint32"))))
+    return tirx.call_pure_extern("int32x16", PACK_FUNC, lo, hi)
 
 
 def dpbf16(c, a, b):
