@@ -11,8 +11,8 @@ OpenVINO's bf16, interleaved in one process:
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-`--ab NAME` adds the bf16 build without the ablation NAME (compile/pipeline.py ABLATIONS, e.g.
-bf16-attention) as one more contender of the same run.
+`--ab NAME[,NAME]` adds the bf16 build without each ablation NAME (compile/pipeline.py ABLATIONS,
+e.g. bf16-attention, bf16-row-fit) as one more contender of the same run.
 
     flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--blocks ffn,mha,block] [--seq N] [--threads 1] [--ab NAME] [--smoke]
 """
@@ -112,7 +112,7 @@ def _gemm(shape, repeat: int) -> None:
           f"bf16 = {rate['bf16'] / ceiling:.2f}x the SGEMM ceiling in this run (hardware target ~2x)")
 
 
-def _ffn(spec, seq: int, repeat: int, tmp: Path, ab: str | None = None) -> None:
+def _ffn(spec, seq: int, repeat: int, tmp: Path, ab: tuple[str, ...] = ()) -> None:
     """One block (an FFN, MHA or encoder block spec) at bf16 and fp32 against the peers."""
     import tvm
     from tvm import relax
@@ -133,8 +133,8 @@ def _ffn(spec, seq: int, repeat: int, tmp: Path, ab: str | None = None) -> None:
     ort = ort_runner.session(s32.model, threads=THREADS)
     ref = np.asarray(next(iter(ort_runner.run(ort, inputs).values())), np.float64)
     calls = {"blockforge bf16": bf16, "blockforge fp32": fp32, "ORT fp32": lambda: ort.run(None, inputs)}
-    if ab:
-        calls[f"blockforge bf16 ({ab} off)"], _ = tvm_call(s16, frozenset({ab}))
+    for name in ab:
+        calls[f"blockforge bf16 ({name} off)"], _ = tvm_call(s16, frozenset({name}))
     errors = {k: _rel_l2(f().numpy(), ref) for k, f in calls.items() if k.startswith("blockforge")}
     ov = REGISTRY["openvino"]
     if ov.available():
@@ -164,12 +164,13 @@ def main() -> int:
                     "timed in the process's CPU time (ratios that hold on a shared machine)")
     ap.add_argument("--blocks", default="ffn", help="comma list of ffn, mha, block (default ffn)")
     ap.add_argument("--seq", type=int, default=None, help="the blocks' rows (default 128; smoke 8)")
-    ap.add_argument("--ab", default=None, help="one more contender: the bf16 build without this ablation")
+    ap.add_argument("--ab", default="", help="comma list: one more contender each, the bf16 build without that ablation")
     a = ap.parse_args()
     blocks = a.blocks.split(",")
     from blockforge.compile.pipeline import ABLATIONS
 
-    if a.ab is not None and a.ab not in ABLATIONS:
+    ab = tuple(x for x in a.ab.split(",") if x)
+    if set(ab) - set(ABLATIONS):
         ap.error(f"--ab: choose from {', '.join(sorted(ABLATIONS))}")
     if set(blocks) - {"ffn", *BLOCKS}:
         ap.error(f"--blocks: choose from ffn, {', '.join(BLOCKS)}")
@@ -186,7 +187,7 @@ def main() -> int:
     _gemm(cfg["gemm"], a.repeat)
     for b in blocks:
         spec = cfg["ffn"] if b == "ffn" else BLOCKS[b][1 if a.smoke else 0]
-        _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tempfile.mkdtemp()), a.ab)
+        _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tempfile.mkdtemp()), ab)
     return 0
 
 

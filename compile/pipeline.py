@@ -57,6 +57,8 @@ ABLATIONS = {
                          "kernel's epilogue, writing the next GEMM's int8 input (compile/quant/gemm.py POST_STEPS; "
                          "left out: the GEMM writes float32 and a second kernel re-quantizes it)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
+    "bf16-row-fit": "a bf16 GEMM whose static M is a multiple of 4 but not of 6 (BERT's 128, 512) in 4-row x "
+                    "6-vector micro-tiles (left out: 6 x 4, the last row tile partly clamped rows)",
     "bf16-attention": "--precision bf16's fused attention with Q K^T and P V on VDPBF16PS, softmax and sums float32 "
                       "(compile/attention/flash.py; left out: the float32 attention kernel)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
@@ -145,11 +147,13 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True) ->
     return passes
 
 
-def _bf16_gemm() -> list:
-    from blockforge.compile.bf16.rewrite import bf16_gemm
+def _bf16_gemm(without: frozenset[str]) -> Callable[[], list]:
+    def passes() -> list:
+        from blockforge.compile.bf16.rewrite import bf16_gemm
 
-    # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
-    return [bf16_gemm()]
+        # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
+        return [bf16_gemm(row_fit="bf16-row-fit" not in without)]
+    return passes
 
 
 def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None) -> Callable[[], list]:
@@ -341,7 +345,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
-        out.append(Phase("bf16-gemm", _bf16_gemm))
+        out.append(Phase("bf16-gemm", _bf16_gemm(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
         out.append(Phase("conv-gemm", _conv_gemm(target, without)))
     out.append(Phase("optimize", _optimize(without, target if cpu and default_schedules else None)))

@@ -37,15 +37,16 @@ def _bert(**kw):
 
 
 def test_products_are_vdpbf16ps_in_the_assembly():
-    """Cross-built for znver4: Q K^T and P V on the instruction, the imported function
-    inlined (no call left); bf16=False has none."""
+    """Cross-built for znver4: Q K^T and P V on the instruction, the pairs packed on
+    VCVTNEPS2BF16, the imported functions inlined (no call left); bf16=False has none."""
     spec = _bert()
     f = attention.kernel(spec, (64, 64), 16, bf16=True)
     assert f.attrs[BF16]
     asm = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target(ZNVER4)).mod.inspect_source("asm")
     # per d pair: 4 rows x 4 key vectors; per key pair: 4 rows x 4 d vectors (both unrolled)
     assert asm.count("vdpbf16ps") >= 32, asm.count("vdpbf16ps")
-    assert not [ln for ln in asm.splitlines() if "call" in ln and "dpbf16" in ln]
+    assert not [ln for ln in asm.splitlines() if "call" in ln and ("dpbf16" in ln or "pack_bf16" in ln)]
+    assert asm.count("vcvtneps2bf16") >= 4  # the pair packs: Q, K^T, V, P (two halves each)
     fp32 = attention.kernel(spec, (64, 64), 16)
     assert BF16 not in fp32.attrs
     asm32 = tvm.compile(tvm.IRModule({"main": fp32}), target=tvm.target.Target(ZNVER4)).mod.inspect_source("asm")

@@ -10,7 +10,9 @@ TVM's LLVM codegen. So bf16 values travel through TIR as their bits (uint16 stor
 lanes holding bf16 pairs) and the call goes to a 3-line LLVM IR function that bitcasts them,
 linked into the module by the `pragma_import_llvm` attribute (TVM's codegen links it, LLVM
 inlines it: the kernel's loop holds the bare instruction; tests/test_bf16_gemm.py checks the
-assembly).
+assembly). The same IR holds the bf16 pair pack (VCVTNEPS2BF16 on two float32x16) and the
+helpers the fused attention kernel calls them through (pack_pairs16, dpbf16: `--precision
+bf16`'s Q K^T and P V, compile/attention/flash.py).
 """
 
 from __future__ import annotations
