@@ -115,6 +115,13 @@ def test_kernel_within_the_bf16_row_and_really_rounded(sq, skv, kw, tiles):
     assert _rel(outs[True], rounded) < 0.6 * rel, (_rel(outs[True], rounded), rel)
 
 
+def test_bf16_tiles_fit_the_key_length():
+    from blockforge.compile.attention.flash import bf16_tiles
+
+    assert [bf16_tiles(16, skv) for skv in (None, 512, 128, 100, 64, 40, 31)] == \
+        [(128, 128), (128, 128), (128, 128), (128, 64), (128, 64), (128, 32), None]
+
+
 def test_phase_uses_it_only_at_bf16_and_its_ablation(tmp_path):
     from tvm import tirx
 

@@ -194,10 +194,10 @@ def tail_width(skv: int, kt: int, vk: int) -> int:
 # K^T and V per key tile is shared by twice the query rows. Tuning records time the float32
 # kernel, so at bf16 these tiles are used instead of them. A static key length below 128 gets
 # the widest key tile of 4 or 2 vectors it holds: a key tile wider than Skv is one partial
-# tile, and partial tiles stay float32.
-def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int]:
-    kt = next((w * lanes for w in (8, 4, 2) if skv is None or w * lanes <= skv), 8 * lanes)
-    return (128, kt)
+# tile, and partial tiles stay float32; below 2 vectors, None (the float32 kernel's tiles).
+def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int] | None:
+    kt = next((w * lanes for w in (8, 4, 2) if skv is None or w * lanes <= skv), None)
+    return None if kt is None else (128, kt)
 
 
 def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:

@@ -35,8 +35,9 @@ class _Rewrite:
     def call(self, spec: AttentionSpec, args: list, out_shape: list):
         from tvm import relax
 
-        if self.bf16 and bf16_pairs(spec, bf16_tiles(self.lanes, spec.skv)[1], self.lanes):
-            tiles = bf16_tiles(self.lanes, spec.skv)  # records time the float32 kernel (flash.bf16_tiles)
+        bt = bf16_tiles(self.lanes, spec.skv) if self.bf16 else None
+        if bt is not None and bf16_pairs(spec, bt[1], self.lanes):
+            tiles = bt  # records time the float32 kernel (flash.bf16_tiles)
         else:
             tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
