@@ -11,7 +11,10 @@ OpenVINO's bf16, interleaved in one process:
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--blocks ffn,mha,block] [--seq N] [--threads 1] [--smoke]
+`--ab NAME[,NAME]` adds the bf16 build without each ablation NAME (compile/pipeline.py ABLATIONS,
+e.g. bf16-attention, bf16-row-fit) as one more contender of the same run.
+
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/bf16_gemm.py [--repeat 20] [--blocks ffn,mha,block] [--seq N] [--threads 1] [--ab NAME] [--smoke]
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def _gemm(shape, repeat: int) -> None:
           f"bf16 = {rate['bf16'] / ceiling:.2f}x the SGEMM ceiling in this run (hardware target ~2x)")
 
 
-def _ffn(spec, seq: int, repeat: int, tmp: Path) -> None:
+def _ffn(spec, seq: int, repeat: int, tmp: Path, ab: tuple[str, ...] = ()) -> None:
     """One block (an FFN, MHA or encoder block spec) at bf16 and fp32 against the peers."""
     import tvm
     from tvm import relax
@@ -119,8 +122,8 @@ def _ffn(spec, seq: int, repeat: int, tmp: Path) -> None:
     s16, s32 = open_model(model, "host", dims, precision="bf16"), open_model(model, "host", dims)
     inputs = random_inputs(s32.inputs, dims, seed=0)
 
-    def tvm_call(session):
-        res = session.build()
+    def tvm_call(session, without=frozenset()):
+        res = session.build(without=without)
         vm = relax.VirtualMachine(res.executable, tvm.cpu())
         args = [tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]
         return (lambda: vm["main"](*args)), res
@@ -130,7 +133,9 @@ def _ffn(spec, seq: int, repeat: int, tmp: Path) -> None:
     ort = ort_runner.session(s32.model, threads=THREADS)
     ref = np.asarray(next(iter(ort_runner.run(ort, inputs).values())), np.float64)
     calls = {"blockforge bf16": bf16, "blockforge fp32": fp32, "ORT fp32": lambda: ort.run(None, inputs)}
-    errors = {"blockforge bf16": _rel_l2(bf16().numpy(), ref), "blockforge fp32": _rel_l2(fp32().numpy(), ref)}
+    for name in ab:
+        calls[f"blockforge bf16 ({name} off)"], _ = tvm_call(s16, frozenset({name}))
+    errors = {k: _rel_l2(f().numpy(), ref) for k, f in calls.items() if k.startswith("blockforge")}
     ov = REGISTRY["openvino"]
     if ov.available():
         bm = BenchModel(session=s32, onnx=s32.model, spec=None, dims=dims)
@@ -159,8 +164,14 @@ def main() -> int:
                     "timed in the process's CPU time (ratios that hold on a shared machine)")
     ap.add_argument("--blocks", default="ffn", help="comma list of ffn, mha, block (default ffn)")
     ap.add_argument("--seq", type=int, default=None, help="the blocks' rows (default 128; smoke 8)")
+    ap.add_argument("--ab", default="", help="comma list: one more contender each, the bf16 build without that ablation")
     a = ap.parse_args()
     blocks = a.blocks.split(",")
+    from blockforge.compile.pipeline import ABLATIONS
+
+    ab = tuple(x for x in a.ab.split(",") if x)
+    if set(ab) - set(ABLATIONS):
+        ap.error(f"--ab: choose from {', '.join(sorted(ABLATIONS))}")
     if set(blocks) - {"ffn", *BLOCKS}:
         ap.error(f"--blocks: choose from ffn, {', '.join(BLOCKS)}")
     configure(redirect_native_output=False)
@@ -176,7 +187,7 @@ def main() -> int:
     _gemm(cfg["gemm"], a.repeat)
     for b in blocks:
         spec = cfg["ffn"] if b == "ffn" else BLOCKS[b][1 if a.smoke else 0]
-        _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tempfile.mkdtemp()))
+        _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tempfile.mkdtemp()), ab)
     return 0
 
 

@@ -62,6 +62,10 @@ ABLATIONS = {
                         "are a stack alloca (compile/quant/gemm.py STACK_BYTES; left out: the 6 x 4 tile, 1536 B, "
                         "a workspace alloc/free per row tile)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
+    "bf16-row-fit": "a bf16 GEMM whose static M is a multiple of 4 but not of 6 (BERT's 128, 512) in 4-row x "
+                    "6-vector micro-tiles (left out: 6 x 4, the last row tile partly clamped rows)",
+    "bf16-attention": "--precision bf16's fused attention with Q K^T and P V on VDPBF16PS, softmax and sums float32 "
+                      "(compile/attention/flash.py; left out: the float32 attention kernel)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
     "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
@@ -116,7 +120,8 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
     return passes
 
 
-def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = frozenset()) -> Callable[[], list]:
+def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = frozenset(),
+                    bf16: bool = False) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.attention.fuse import fuse_attention
 
@@ -124,7 +129,7 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
                                key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without,
-                               exp2="attention-exp2" not in without)]
+                               exp2="attention-exp2" not in without, bf16=bf16)]
     return passes
 
 
@@ -147,11 +152,13 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True, st
     return passes
 
 
-def _bf16_gemm() -> list:
-    from blockforge.compile.bf16.rewrite import bf16_gemm
+def _bf16_gemm(without: frozenset[str]) -> Callable[[], list]:
+    def passes() -> list:
+        from blockforge.compile.bf16.rewrite import bf16_gemm
 
-    # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
-    return [bf16_gemm()]
+        # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
+        return [bf16_gemm(row_fit="bf16-row-fit" not in without)]
+    return passes
 
 
 def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None) -> Callable[[], list]:
@@ -342,13 +349,16 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
     if cpu and default_schedules and fuse:
-        out.append(Phase("fuse-attention", _fuse_attention(target, database, without)))
+        # --precision bf16: the attention products on VDPBF16PS too (resolve_precision has
+        # checked the target has AVX512_BF16)
+        bf16 = precision == "bf16" and "bf16-attention" not in without
+        out.append(Phase("fuse-attention", _fuse_attention(target, database, without, bf16)))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without,
                                                  "int8-stack-tiles" not in without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
-        out.append(Phase("bf16-gemm", _bf16_gemm))
+        out.append(Phase("bf16-gemm", _bf16_gemm(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
         out.append(Phase("conv-gemm", _conv_gemm(target, without)))
     out.append(Phase("optimize", _optimize(without, target if cpu and default_schedules else None)))

@@ -159,8 +159,10 @@ def test_compile_memory(tmp_path):
 
 
 def test_bf16_gemm(tmp_path):
-    out = _run("bf16_gemm.py", "--smoke", "--repeat", 1, "--blocks", "ffn,mha,block", cwd=tmp_path)
+    out = _run("bf16_gemm.py", "--smoke", "--repeat", 1, "--blocks", "ffn,mha,block", "--ab", "bf16-attention",
+               cwd=tmp_path)
     assert "no AVX512_BF16" in out or ("x the SGEMM ceiling" in out and out.count("blockforge bf16:") == 3
+                                       and out.count("blockforge bf16 (bf16-attention off):") == 3
                                        and all(f"{b} d_model 64" in out for b in ("FFN", "MHA", "BLOCK"))), out
 
 

@@ -80,7 +80,8 @@ def _run(spec, a, w, bias, lib=None):
     return out.numpy(), lib
 
 
-@pytest.mark.parametrize("m,k,n", [(12, 64, 64), (7, 33, 20), (13, 96, 48)])  # K odd, N % 16, M % 6 ragged
+# K odd, N % 16, M % 6 ragged; M % 4 with N % 96: 4 x 6 micro-tiles (row_fit), K odd there too
+@pytest.mark.parametrize("m,k,n", [(12, 64, 64), (7, 33, 20), (13, 96, 48), (8, 64, 96), (20, 33, 192)])
 def test_kernel_matches_the_bf16_emulation_and_fp32_within_the_bf16_row(m, k, n):
     _need_bf16_host()
     rng = np.random.default_rng(k)
@@ -94,6 +95,38 @@ def test_kernel_matches_the_bf16_emulation_and_fp32_within_the_bf16_row(m, k, n)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
     rel = _fp32_rel_l2(got, a, w, bias)
     assert 1e-4 < rel < output_tolerance("float32", "ffn", "bf16").rel_l2, rel  # really rounded, within the row
+
+
+def test_row_fit_tiles_static_rows_in_whole_4_row_tiles():
+    """M = 128 (BERT's seq): 32 tiles of 4 rows x 6 vectors, not 22 of 6 (132 rows, 4 of them
+    clamped re-reads); the rounded A has M rows exactly. Off (ablation bf16-row-fit), or where
+    6 rows divide M, 4 x 6 does not fit N, or M is symbolic: 6 x 4 as before."""
+    sp = gemm.Bf16GemmSpec(k=768, n=3072, m=128, bias=True, activation="gelu")
+    assert [gemm.Bf16GemmSpec(k=768, n=n, m=m, row_fit=fit).tile() for m, n, fit in
+            [(128, 3072, True), (512, 768, True), (128, 3072, False), (120, 768, True), (128, 800, True),
+             (None, 768, True)]] == [(4, 6), (4, 6), (6, 4), (6, 4), (6, 2), (6, 4)]
+    f = gemm.kernel(sp)
+    shapes = {b.name: [int(d) for d in b.shape] for b in f.body.block.alloc_buffers}
+    assert shapes["a_bf16"] == [128, 768], shapes
+    off = gemm.kernel(gemm.Bf16GemmSpec(k=768, n=3072, m=128, bias=True, activation="gelu", row_fit=False))
+    assert {b.name: [int(d) for d in b.shape] for b in off.body.block.alloc_buffers}["a_bf16"] == [132, 768]
+    assert json.loads(sp.to_json()) == {"k": 768, "n": 3072, "m": 128, "bias": True, "activation": "gelu"}
+    asm = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target(ZNVER4)).mod.inspect_source("asm")
+    assert asm.count("vdpbf16ps") >= 24
+
+
+def test_row_fit_ablation_reaches_the_kernels(tmp_path):
+    from blockforge.compile import open_model
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.graph import FFNSpec, export
+
+    model = export(FFNSpec(d_model=96, d_ff=192), tmp_path / "ffn.onnx").model_path
+    s = open_model(model, ZNVER4, {"batch": 1, "seq": 128}, precision="bf16")
+    tiles = {}
+    for without in (frozenset(), frozenset({"bf16-row-fit"})):
+        mod, _ = run_phases(s.relax(), s.target, stop_after="bf16-gemm", precision="bf16", without=without)
+        tiles[bool(without)] = sorted({sp.tile() for sp in gemm.kernel_specs(mod)})
+    assert tiles == {False: [(4, 6)], True: [(6, 2), (6, 4)]}, tiles  # N 96: 6 x 2 vectors before
 
 
 def test_symbolic_m_on_ragged_rows():

@@ -218,8 +218,31 @@ def tail_width(skv: int, kt: int, vk: int) -> int:
     return min(kt, -(-(skv % kt) // vk) * vk)
 
 
+# bf16 (`--precision bf16`): (128, 8 vectors). Measured (BERT-base, 12 heads, kernel alone, 1
+# thread CPU time, interleaved, load 7, benchmarks/bf16_gemm.py's machine) at seq 128 / 512,
+# x the bf16 kernel at 64x64: 128x128 0.86/0.89, 64x128 1.02/0.96, 128x256 -/0.91, 256x128
+# 0.94/0.86, 96x128 2.17/1.62 (a 4-row micro-kernel of 96 rows); float32 64x64 was 1.13/1.33
+# (the bf16 products at 64x64 0.89x/0.75x of it, at 128x128 0.70x/0.65x): the packing of
+# K^T and V per key tile is shared by twice the query rows. Tuning records time the float32
+# kernel, so at bf16 these tiles are used instead of them. A static key length below 128 gets
+# the widest key tile of 4 or 2 vectors it holds: a key tile wider than Skv is one partial
+# tile, and partial tiles stay float32; below 2 vectors, None (the float32 kernel's tiles).
+def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int] | None:
+    kt = next((w * lanes for w in (8, 4, 2) if skv is None or w * lanes <= skv), None)
+    return None if kt is None else (128, kt)
+
+
+def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:
+    """Whether the kernel can run Q K^T and P V on VDPBF16PS (`--precision bf16`, AVX-512:
+    16 float32 lanes): float32 tensors, K^T (not key rows), d of whole vector pairs (a Q K^T
+    pair is d and d + d/2), whole vectors of d_v, key tiles of whole 32-key blocks (a P V
+    pair is keys j and j + 16 of a block)."""
+    return lanes == 16 and spec.dtype == "float32" and spec.k not in KEY_ROWS and spec.d % (2 * lanes) == 0 \
+        and spec.dv % 16 == 0 and kt % 32 == 0
+
+
 def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True,
-           key_tail: bool = True, exp2: bool = True):
+           key_tail: bool = True, exp2: bool = True, bf16: bool = False):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
     query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
@@ -229,7 +252,14 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     26, one thread CPU time, interleaved, benchmarks/attention_qtile.py --ab-exp2): fast_exp2 /
     fast_exp 0.993 (24.92 / 25.09 ms, 40 samples, load 6.6-7.1, numpy SGEMM 216-219 GFLOP/s a
     core), 0.971-0.995 in four shorter runs: the exps are ~10% of the kernel (identity in their
-    place: 0.90x), its two products ~83% (21.0 ms at the core's measured 220 GFLOP/s FMA peak)."""
+    place: 0.90x), its two products ~83% (21.0 ms at the core's measured 220 GFLOP/s FMA peak).
+    bf16 (`--precision bf16` on a target with AVX512_BF16; bf16_pairs must hold, else the
+    kernel stays float32): the two products on VDPBF16PS, float32 softmax and sums. Q, K^T,
+    V and P are rounded to bf16 pairs in the kernel, as the bf16 GEMM rounds its A: per
+    job Q's rows as pairs (d, d + d/2), per key tile K^T's rows as the same pairs and V's
+    keys as pairs (j, j + 16) of each 32-key block, P's likewise after the exp; a product
+    sums over its pairs in any order, so every pair is two whole vectors' lanes, no
+    shuffle. A partial key tile (a symbolic or ragged Skv's last) stays float32."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -286,6 +316,19 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     static_q_exact = spec.sq is not None and spec.sq % qt == 0
     static_k_exact = spec.skv is not None and spec.skv % kt == 0
     fill = f32(spec.fill if spec.fill is not None else 0.0)
+    pairs = bf16 and bf16_pairs(spec, kt, lanes)
+    if pairs:
+        from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16, pack_pairs16
+
+        hd = spec.d // 2
+
+        def ramp(base):
+            return tirx.Ramp(base, i64(1), lanes)
+
+        def dot_pairs(r, ii, c, a, bload):
+            """r[ii, c-th vector] += the bf16 pair products of a (one pair, broadcast) and bload."""
+            at_r = [ii, ramp(c * i64(lanes))]
+            T.buffer_store(r, dpbf16(tirx.BufferLoad(r, at_r), tirx.Broadcast(a, lanes), bload), at_r)
 
     with IRBuilder() as ib:
         with T.prim_func():
@@ -297,8 +340,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
             M = T.arg("keep", T.buffer(mask_shape(spec.keep), "bool")) if spec.keep else None
             O = T.arg("out", T.buffer(shape(spec.o, Sq, Dv), spec.dtype))
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
-                         KERNEL_ATTR + ".tiles": f"{qt}x{kt}"})
-            with T.parallel(i64(0), B * H * n_q) as p:
+                         KERNEL_ATTR + ".tiles": f"{qt}x{kt}", **({KERNEL_ATTR + ".bf16": True} if pairs else {})})
+            # bf16: the LLVM function the products call, linked into the module (as the bf16 GEMM's)
+            with T.parallel(i64(0), B * H * n_q, annotations={IMPORT_PRAGMA: LLVM_IR} if pairs else None) as p:
                 b = p // (H * n_q)
                 h = p // n_q % H
                 hk = h // i64(group) if group > 1 else h  # the key/value head
@@ -312,6 +356,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                 mnew = T.alloc_buffer((qtp,), "float32", scope="local")  # the new max, then the exp shift
                 part = T.alloc_buffer((vk,), "float32", scope="local")
                 pmax = T.alloc_buffer((qt, vk), "float32", scope="local")  # per-row partial maxima
+                if pairs:  # bf16 pairs (int32 each): Q's rows, one key tile's K^T, V and P
+                    qp = T.alloc_buffer((qt, hd), "int32", scope="local")
+                    kp = T.alloc_buffer((hd, kt), "int32", scope="local")
+                    vp = T.alloc_buffer((kt // 2, spec.dv), "int32", scope="local")
+                    pp = T.alloc_buffer((qt, kt // 2), "int32", scope="local")
                 with T.serial(i64(0), i64(qtp)) as i:
                     T.buffer_store(m, neg_inf, [i])
                     T.buffer_store(mnew, neg_inf, [i])  # padding rows: defined values, never read back
@@ -333,6 +382,14 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     None; skip: its first keys were visited by the previous tile and are
                     dropped here)."""
                     kidx = (lambda j: k0 + j) if valid is None else (lambda j: tirx.min(k0 + j, Skv - i64(1)))
+                    tp = pairs and valid is None and not skip and kw % 32 == 0  # this tile on VDPBF16PS
+                    if tp:  # K^T's rows d and d + d/2 as pairs, once per key tile
+                        with T.serial(i64(0), i64(hd)) as e:
+                            with T.unroll(i64(0), i64(kw // lanes)) as c:
+                                j = ramp(k0 + c * i64(lanes))
+                                T.buffer_store(kp, pack_pairs16(K[tuple(kt_at(b, hk, e, j))],
+                                                                K[tuple(kt_at(b, hk, e + i64(hd), j))]),
+                                               [e, ramp(c * i64(lanes))])
                     # scores: MR rows x KT keys in registers, reduced over d
                     with T.serial(i64(0), i64(qt // mr_s)) as io:
                         r = T.alloc_buffer((mr_s, kw), "float32", scope="local")
@@ -355,6 +412,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                             kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
                                             T.buffer_store(dot, dot[e] + qv * kv, [e])
                                     T.buffer_store(r, halve(dot, lambda a, c: a + c, vd), [ii, j])
+                        elif tp:
+                          with T.serial(i64(0), i64(hd)) as e:
+                            with T.unroll(i64(0), i64(mr_s)) as ii:
+                                a = T.Bind(qp[io * i64(mr_s) + ii, e])
+                                with T.unroll(i64(0), i64(kw // vk)) as c:
+                                    dot_pairs(r, ii, c, a, tirx.BufferLoad(kp, [e, ramp(c * i64(vk))]))
                         else:
                           with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
@@ -414,6 +477,19 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 T.buffer_store(s, e, [i, c * i64(vk) + j])
                                 T.buffer_store(part, part[j] + e, [j])
                         T.buffer_store(el, el[i] * alpha[i] + halve(part, lambda a, c: a + c), [i])
+                    if tp:  # V's keys j and j + 16 of each 32-key block as pairs, and P's alike
+                        with T.serial(i64(0), i64(kw // 32)) as c:
+                            with T.serial(i64(0), i64(16)) as jl:
+                                with T.unroll(i64(0), i64(spec.dv // lanes)) as dd:
+                                    j, d = k0 + c * i64(32) + jl, ramp(dd * i64(lanes))
+                                    T.buffer_store(vp, pack_pairs16(V[tuple(at(spec.v, b, hk, j, d))],
+                                                                    V[tuple(at(spec.v, b, hk, j + i64(16), d))]),
+                                                   [c * i64(16) + jl, d])
+                        with T.serial(i64(0), i64(qt)) as i:
+                            with T.unroll(i64(0), i64(kw // 32)) as c:
+                                j = c * i64(32)
+                                T.buffer_store(pp, pack_pairs16(s[i, ramp(j)], s[i, ramp(j + i64(16))]),
+                                               [i, ramp(c * i64(16))])
                     # acc = acc * alpha + P V: MR rows x Dv in registers, reduced over the keys
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
@@ -421,7 +497,14 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 row = io * i64(mr_o) + ii
                                 T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
-                        with T.serial(i64(skip), i64(kw) if valid is None else valid) as j:
+                        if tp:
+                          with T.serial(i64(0), i64(kw // 2)) as j2:
+                            with T.unroll(i64(0), i64(mr_o)) as ii:
+                                a = T.Bind(pp[io * i64(mr_o) + ii, j2])
+                                with T.unroll(i64(0), i64(spec.dv // lanes)) as c:
+                                    dot_pairs(r, ii, c, a, tirx.BufferLoad(vp, [j2, ramp(c * i64(lanes))]))
+                        else:
+                         with T.serial(i64(skip), i64(kw) if valid is None else valid) as j:
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
                                 with T.vectorized(i64(0), Dv) as d:
@@ -431,6 +514,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             with T.vectorized(i64(0), Dv) as d:
                                 T.buffer_store(acc, r[ii, d], [io * i64(mr_o) + ii, d])
 
+                if pairs:  # Q's rows as pairs (d, d + d/2), once per job
+                    with T.serial(i64(0), i64(qt)) as i:
+                        with T.unroll(i64(0), i64(hd // lanes)) as c:
+                            e = ramp(c * i64(lanes))
+                            T.buffer_store(qp, pack_pairs16(Q[tuple(at(spec.q, b, h, qrow(i), e))],
+                                                            Q[tuple(at(spec.q, b, h, qrow(i), e + i64(hd)))]), [i, e])
                 n_full = Skv // i64(kt)
                 if spec.causal:  # tiles right of this query tile's diagonal are all dropped
                     n_full = tirx.min(n_full, (q0 + i64(qt + kt - 1)) // i64(kt))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, default_tiles, kernel
+from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, bf16_pairs, bf16_tiles, default_tiles, kernel
 from blockforge.compile.attention.match import Heads, Match, find_attention, static_int, static_shape
 from blockforge.compile.attention.tiles import tile_record
 from blockforge.compile.passes.kernels import add_kernel
@@ -23,11 +23,12 @@ def _reshape(bb, x, shape):
 class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
-    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True, exp2: bool = True):
+    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True, exp2: bool = True,
+                 bf16: bool = False):
         from blockforge.compile.schedule.base import vector_lanes
 
         self.bb, self.target, self.database, self.balance, self.key_tail = bb, target, database, balance, key_tail
-        self.exp2 = exp2
+        self.exp2, self.bf16 = exp2, bf16
         self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
@@ -35,13 +36,18 @@ class _Rewrite:
     def call(self, spec: AttentionSpec, args: list, out_shape: list):
         from tvm import relax
 
-        tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
+        bt = bf16_tiles(self.lanes, spec.skv) if self.bf16 else None
+        if bt is not None and bf16_pairs(spec, bt[1], self.lanes):
+            tiles = bt  # records time the float32 kernel (flash.bf16_tiles)
+        else:
+            tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2)
+            fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2, bf16=self.bf16)
             self.funcs[key] = add_kernel(self.bb, fn, f"fused_attention_{len(self.funcs)}")
-        self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}")
+        bf16 = " bf16" if self.bf16 and bf16_pairs(spec, tiles[1], self.lanes) else ""
+        self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}{bf16}")
         return relax.call_tir(self.funcs[key], args, out_ty=relax.TensorType(out_shape, spec.dtype))
 
     def single(self, m: Match, visit):
@@ -69,11 +75,13 @@ class _Rewrite:
 
 
 def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,
-                   exp2: bool = True):
+                   exp2: bool = True, bf16: bool = False):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
     balance=False: query tiles as recorded or default (ablation `attention-qtile`);
     key_tail=False: whole last key tiles (ablation `attention-key-tail`);
     exp2=False: the softmax's exps by fast_exp, not fast_exp2 (ablation `attention-exp2`);
+    bf16: Q K^T and P V on VDPBF16PS where flash.bf16_pairs allows (`--precision bf16`, a
+    target with AVX512_BF16; ablation `bf16-attention`);
     key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
     import tvm
     from tvm import relax
@@ -84,7 +92,7 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, exp2)
+            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, exp2, bf16)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)

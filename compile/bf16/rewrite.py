@@ -5,15 +5,16 @@ onto the bf16 kernel (compile/bf16/gemm.py).
 
 becomes one call of the kernel on x (rounded to bf16 in the kernel) and W converted to bf16
 and prepacked now, with the bias and the activation (when each step has that one user) in
-its write-back. What stays float32, by design: matmuls of two activations (the attention
-products QK^T and PV: no constant to convert ahead, and the fused attention kernel's), and
-every elementwise, softmax, LayerNorm and residual step: only the GEMMs change precision.
+its write-back. What stays float32 here: matmuls of two activations (no constant to convert
+ahead; the attention products QK^T and PV go on VDPBF16PS inside the fused attention kernel
+at bf16 instead: compile/attention/flash.py, ablation bf16-attention), and every elementwise,
+softmax, LayerNorm and residual step: only the products change precision.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -114,8 +115,9 @@ class _Finder:
         return out, _Match(x, wt, bias, [*shape[:-1], n], spec)
 
 
-def bf16_gemm():
-    """The `bf16-gemm` pass (CPU targets with AVX512_BF16, `--precision bf16`)."""
+def bf16_gemm(row_fit: bool = True):
+    """The `bf16-gemm` pass (CPU targets with AVX512_BF16, `--precision bf16`). row_fit=False:
+    every kernel in 6 x 4 micro-tiles (ablation bf16-row-fit; gemm.Bf16GemmSpec.tile)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -161,6 +163,8 @@ def bf16_gemm():
                 continue
             f = _Finder(func)
             r.plan = dict(m for v, val in f.values.items() if (m := f.match(v, val)) is not None)
+            if not row_fit:
+                r.plan = {v: replace(mt, spec=replace(mt.spec, row_fit=False)) for v, mt in r.plan.items()}
             if r.plan:
                 r.builder_.update_func(gv, relax.analysis.remove_all_unused(r.visit_expr(func)))
         for line in r.applied:
