@@ -147,8 +147,8 @@ def cache_copy(model: Path, mod, past: int, runs: int = 30) -> dict:
         mod.vm.set_instrument(None)
     pasts = [a for s, a in zip(mod.inputs, run.args) if s.name.startswith("past")]
     # each copy reads P + 1 rows (the past, the new row) and writes P + 1
-    moved = sum(2 * math.prod(a.shape) * np.dtype(str(a.dtype)).itemsize * (past + 1) / past for a in pasts)
-    return {"kernels": copy[0][0], "mb": moved / 1e6, "copy_ms": float(np.median([c[1] for c in copy])) * 1e3,
+    moved = sum(2 * math.prod(a.shape) // past * (past + 1) * np.dtype(str(a.dtype)).itemsize for a in pasts)
+    return {"kernels": copy[0][0], "bytes": moved, "copy_ms": float(np.median([c[1] for c in copy])) * 1e3,
             "step_ms": float(np.median(per_run)) * 1e3, "clock": clock.__name__}
 
 
@@ -200,7 +200,8 @@ def main() -> int:
             if a.cache_copy:
                 c = cache_copy(a.model, mod, past)
                 print(f"P={past} (load {load:.1f}, TVM threads {os.environ.get('TVM_NUM_THREADS')}, {c['clock']}): "
-                      f"{c['kernels']} cache copies per step move {c['mb']:.1f} MB in {c['copy_ms']:.2f} ms of a "
+                      f"{c['kernels']} cache copies per step move {c['bytes'] / 1e6:.1f} MB ({c['bytes']} B) in "
+                      f"{c['copy_ms']:.2f} ms of a "
                       f"{c['step_ms']:.2f} ms instrumented step ({100 * c['copy_ms'] / c['step_ms']:.0f}%)", flush=True)
                 continue
             ms = decode_point(a.model, mod, past, a.repeat, threads)

@@ -69,8 +69,8 @@ def _data_path_kernels(mod, name: str) -> dict[str, int]:
     from tvm import relax, tirx
 
     fn = mod[name]
-    allocated = {b.var for blk in fn.body.blocks for b in blk.bindings
-                 if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", None) == "relax.builtin.alloc_tensor"}
+    allocated = {b.var for blk in fn.body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)
+                 and getattr(b.value.op, "name", None) == "relax.builtin.alloc_tensor"}
 
     def float_input(a) -> bool:  # the call's arguments after lowering: its inputs, then its allocated outputs
         ty = getattr(a, "ty", None)
