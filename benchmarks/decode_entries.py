@@ -22,6 +22,7 @@ ratios mean anything).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -109,6 +110,48 @@ def loop_vs_bare(model: Path, mod, past: int, rounds: int = 3, steps: int = 20) 
     return float(np.median(loop_ms)), float(np.median(bare_ms))
 
 
+def cache_copy(model: Path, mod, past: int, runs: int = 30) -> dict:
+    """The step entry's cache copies at `past`: kernels per step, MB they move (read past and the
+    new row, write present), their ms per step and the whole instrumented step's, medians over
+    `runs` calls. Time by thread CPU time when TVM runs one thread (the calls run on this one)."""
+    import onnx
+
+    from blockforge.bench.decode import cache_layout, shapes
+    from blockforge.compile.session import open_model
+
+    clock = time.thread_time if os.environ.get("TVM_NUM_THREADS") == "1" else time.perf_counter
+    layout = cache_layout(onnx.load(str(model), load_external_data=False))
+    feeds = _feeds(open_model(model, "host", shapes(layout, past, 1), prepare=False), seed=3)
+    run = EntryRunner(mod, feeds, "decode")
+    started, copy, per_run = {}, [], []
+
+    def instrument(func, name, before, ret, *args):
+        if "concatenate" in name:
+            if before:
+                started[name] = clock()
+            else:
+                copy[-1][0] += 1
+                copy[-1][1] += clock() - started.pop(name)
+        return 0
+
+    for _ in range(3):
+        run()
+    mod.vm.set_instrument(instrument)
+    try:
+        for _ in range(runs):
+            copy.append([0, 0.0])
+            t0 = clock()
+            run()
+            per_run.append(clock() - t0)
+    finally:
+        mod.vm.set_instrument(None)
+    pasts = [a for s, a in zip(mod.inputs, run.args) if s.name.startswith("past")]
+    # each copy reads P + 1 rows (the past, the new row) and writes P + 1
+    moved = sum(2 * math.prod(a.shape) // past * (past + 1) * np.dtype(str(a.dtype)).itemsize for a in pasts)
+    return {"kernels": copy[0][0], "bytes": moved, "copy_ms": float(np.median([c[1] for c in copy])) * 1e3,
+            "step_ms": float(np.median(per_run)) * 1e3, "clock": clock.__name__}
+
+
 def prefill_point(model: Path, mod, seq: int, repeat: int, threads: int) -> dict[str, float]:
     import onnx
 
@@ -139,6 +182,7 @@ def main() -> int:
     ap.add_argument("--past", default="128,512")
     ap.add_argument("--prompt", type=int, default=128, help="prefill length (0: none)")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--cache-copy", action="store_true", help="only the step entry's per-step cache copy at each past")
     a = ap.parse_args()
     blockforge.configure(redirect_native_output=True)  # TVM's pool = physical cores, as the CLI sets it
     m = onnx.load(str(a.model), load_external_data=False)
@@ -153,6 +197,13 @@ def main() -> int:
         mod = load_artifact(res.artifact)
         for past in (int(p) for p in a.past.split(",")):
             load = os.getloadavg()[0]
+            if a.cache_copy:
+                c = cache_copy(a.model, mod, past)
+                print(f"P={past} (load {load:.1f}, TVM threads {os.environ.get('TVM_NUM_THREADS')}, {c['clock']}): "
+                      f"{c['kernels']} cache copies per step move {c['bytes'] / 1e6:.1f} MB ({c['bytes']} B) in "
+                      f"{c['copy_ms']:.2f} ms of a "
+                      f"{c['step_ms']:.2f} ms instrumented step ({100 * c['copy_ms'] / c['step_ms']:.0f}%)", flush=True)
+                continue
             ms = decode_point(a.model, mod, past, a.repeat, threads)
             print(f"P={past} (load {load:.1f}, {os.getloadavg()[0]:.1f} after): "
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
@@ -165,7 +216,7 @@ def main() -> int:
             loop, bare = loop_vs_bare(a.model, mod, past)
             print(f"  run --decode loop from P={past}: step {loop:.2f} ms vs bare step entry {bare:.2f} ms = "
                   f"{loop / bare:.3f}x (load {load:.1f})", flush=True)
-        if a.prompt:
+        if a.prompt and not a.cache_copy:
             load = os.getloadavg()[0]
             ms = prefill_point(a.model, mod, a.prompt, max(5, a.repeat // 4), threads)
             print(f"prefill seq={a.prompt} (load {load:.1f}): " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())

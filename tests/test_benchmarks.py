@@ -316,6 +316,14 @@ def test_decode_entries(tmp_path):
     assert "prefill seq=4" in out, out
 
 
+def test_decode_entries_cache_copy(tmp_path):
+    """--cache-copy: the tiny GPT-2's 4 cache copies per step (2 layers x K, V), bytes as counted:
+    each reads P + 1 rows of 4 heads x 8 floats and writes P + 1: 4 x 2 x 4 x 128 B."""
+    out = _run("decode_entries.py", "--model", REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx", "--past", 3,
+               "--cache-copy", cwd=tmp_path)
+    assert "P=3" in out and "4 cache copies per step move 0.0 MB (4096 B)" in out and "prefill" not in out, out
+
+
 SMOKED = {"decode_key_rows.py", "norms.py", "int8_whole.py", "int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py

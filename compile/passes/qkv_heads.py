@@ -102,15 +102,23 @@ class _QKVHeads(PyExprMutator):
         super().__init__(mod)
         self.lanes = lanes
         self.plan: dict = {}  # sink var -> (group, output index)
+        self.hoist: dict = {}  # group id -> the bindings to emit before its kernel (Plan._hoist)
+        self.hoisted: set = set()  # their vars, skipped where the function binds them
         self.emitted: dict = {}  # group id -> the kernel call's tuple var
         self.kernels: dict = {}  # kernel key -> GlobalVar
 
     def visit_var_binding_(self, binding):
+        if binding.var in self.hoisted:  # emitted already, before a kernel that reads it
+            return None
         todo = self.plan.get(binding.var)
         if todo is None:
             return super().visit_var_binding_(binding)
         group, i = todo
         if id(group) not in self.emitted:
+            for b in self.hoist.get(id(group), []):
+                if b.var not in self.hoisted:
+                    super().visit_var_binding_(b)
+                    self.hoisted.add(b.var)
             self.emitted[id(group)] = self.builder_.emit(self._call(group))
         value = relax.TupleGetItem(self.emitted[id(group)], i)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
@@ -273,7 +281,8 @@ class _Plan:
         return _Summary(t.root, list(t.idx.shape), lay, (t.rope.cos, t.rope.sin) if t.rope else None, rotated)
 
     def groups(self) -> list:
-        """(x, [HeadsOut], [(cos, sin)], [out shapes], [sink vars]) per root x worth rewriting."""
+        """(x, [HeadsOut], [(cos, sin)], [out shapes], [sink vars], [vars to bind before the kernel])
+        per root x worth rewriting."""
         traced, root = {}, None
         for v in self.order:
             t = self.trace(v)
@@ -320,12 +329,31 @@ class _Plan:
             if not ok or not (split_root or any(o.rope is not None for o in outs)):
                 continue
             first = min(sinks, key=self.order.get)
-            if len({self.block[v] for v in sinks}) != 1 or any(
-                    isinstance(c, relax.Var) and c in self.order and self.order[c] >= self.order[first]
-                    for p in pairs for c in p):
+            if len({self.block[v] for v in sinks}) != 1:
                 continue
-            out.append((x, outs, pairs, shapes, sinks))
+            hoist = self._hoist([c for p in pairs for c in p], first, traced)
+            if hoist is None:
+                continue
+            out.append((x, outs, pairs, shapes, sinks, hoist))
         return out
+
+    def _hoist(self, tables: list, first, traced) -> list | None:
+        """The bindings a kernel emitted at `first` needs moved before it: the RoPE tables'
+        chains bound after `first`, in order ([] where the tables come first, as in a bound
+        build, whose tables are constants). A step entry (past symbolic) computes them from
+        `past` after layer 0's split, so layer 0 kept its split and RoPE kernels (Llama, Qwen2:
+        tests/test_decode_entries.py). None: a chain that reads x's trace or lies in another
+        block (not moved)."""
+        need, todo = set(), [c for c in tables if isinstance(c, relax.Var) and c in self.order]
+        while todo:
+            v = todo.pop()
+            if v in need or self.order[v] < self.order[first]:
+                continue
+            if v in traced or self.block[v] != self.block[first]:
+                return None
+            need.add(v)
+            todo += [u for u in relax.analysis.free_vars(self.v2v[v]) if u in self.order]
+        return sorted(need, key=self.order.get)
 
 
 def heads_kernel(shape_x: list[int], outs: list[HeadsOut], tables: list[tuple], lanes: int = 16):
@@ -412,12 +440,14 @@ def qkv_heads_pass(lanes: int = 16) -> tvm.transform.Pass:
             groups = _Plan(func).groups()
             if not groups:
                 continue
-            m.plan = {}
+            m.plan, m.hoist, m.hoisted = {}, {}, set()
+            bindings = {b.var: b for blk in func.body.blocks for b in blk.bindings}
             for g in groups:
-                x, outs, pairs, shapes, sinks = g
+                x, outs, pairs, shapes, sinks, hoist = g
                 grp = (x, outs, pairs, shapes)
                 for i, v in enumerate(sinks):
                     m.plan[v] = (grp, i)
+                m.hoist[id(grp)] = [bindings[v] for v in hoist]
             m.builder_.update_func(gv, m.visit_expr(func))
             changed = True
         if not changed:
