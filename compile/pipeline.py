@@ -61,6 +61,8 @@ ABLATIONS = {
     "int8-stack-tiles": "the untuned int8 VNNI GEMM's micro-tile sized so its accumulators (5 x 3 vectors, 960 B) "
                         "are a stack alloca (compile/quant/gemm.py STACK_BYTES; left out: the 6 x 4 tile, 1536 B, "
                         "a workspace alloc/free per row tile)",
+    "stack-allocs": "kernel-local buffers up to 64 KiB (a GEMM's accumulator tile) as stack allocas, not TVM's "
+                    "workspace allocator called per tile (compile/passes/stack_allocs.py; left out: TVM's 1 KiB rule)",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
     "bf16-row-fit": "a bf16 GEMM whose static M is a multiple of 4 but not of 6 (BERT's 128, 512) in 4-row x "
                     "6-vector micro-tiles (left out: 6 x 4, the last row tile partly clamped rows)",
@@ -479,7 +481,12 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
                                     default_schedules=default_schedules, fuse_attention=fuse_attention,
                                     without=without, precision=precision, lift_weights=lift_weights)
     try:
-        ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None)
+        tir = "default"
+        if target.kind == "llvm" and default_schedules and "stack-allocs" not in without:
+            from blockforge.compile.passes.stack_allocs import tir_pipeline
+
+            tir = tir_pipeline()
+        ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None, tir_pipeline=tir)
     except Exception as e:
         raise BlockforgeError(f"TVM build for {target.name} failed: {error_line(e, last=True, limit=400)}") from None
     result.executable = ex

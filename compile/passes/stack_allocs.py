@@ -1,0 +1,91 @@
+"""Kernel-local buffers on the stack, not TVM's workspace allocator.
+
+TVM's LowerTVMBuiltin serves every CPU allocation of 1 KiB or more (runtime::kMaxStackAlloca)
+with a TVMBackendAllocWorkspace / FreeWorkspace pair, placed where the buffer is allocated: for
+a GEMM's accumulator tile (CPUMatmul's 6 x 4 vectors = 1536 B, the bf16 kernel's likewise)
+that is inside the parallel loop over tiles, one call pair per output tile. The int8 kernel
+measured what it costs: 0.87-0.91x per GEMM without it (compile/quant/gemm.py STACK_BYTES,
+where the tile was shrunk under 1 KiB instead). Here every constant-size kernel-local buffer up
+to STACK_LIMIT keeps its allocation as a stack alloca (the `disable_lower_builtin` annotation
+LowerTVMBuiltin reads), which LLVM places in the entry of the function it runs in -- for a
+parallel body, once per task, not per tile. 64 KiB: the largest such buffer in the corpus is
+the fused attention's 64 x 64 score tile (16 KiB) and its packed K^T / V tiles; TVM's pool
+threads run on 8 MiB stacks. Larger buffers and symbolic sizes stay with the allocator.
+
+It runs after TVM's own TIR pipeline and before its host finalization (where LowerTVMBuiltin
+is), as the named TIR pipeline `blockforge-stack` (register_tir_pipeline: TVM's pipeline plus
+this pass, not a copy of its list)."""
+
+from __future__ import annotations
+
+STACK_LIMIT = 64 * 1024  # bytes
+PIPELINE = "blockforge-stack"
+_ANNOTATION = "disable_lower_builtin"  # read by tirx.transform.LowerTVMBuiltin
+
+
+def _constant_bytes(buffer) -> int | None:
+    from tvm import tirx
+
+    n = 1
+    for e in buffer.shape:
+        if not isinstance(e, tirx.IntImm):
+            return None
+        n *= int(e.value)
+    dtype = buffer.dtype
+    return n * ((dtype.bits * dtype.lanes + 7) // 8)
+
+
+def _on_cpu(func) -> bool:
+    target = (func.attrs or {}).get("target") if func.attrs is not None else None
+    return target is not None and target.kind.name in ("llvm", "c")
+
+
+def stack_allocs_pass():
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    def annotate(alloc):
+        size = _constant_bytes(alloc.buffer)
+        if size is None or not 0 < size <= STACK_LIMIT or alloc.buffer.scope() not in ("global", "local"):
+            return alloc
+        ann = dict(alloc.annotations or {})
+        if ann.get(_ANNOTATION):
+            return alloc
+        ann[_ANNOTATION] = tirx.IntImm("bool", 1)  # LowerTVMBuiltin reads it as a Bool
+        return tirx.AllocBuffer(alloc.buffer, annotations=ann, span=alloc.span)
+
+    @tvm.transform.module_pass(opt_level=0, name="BlockforgeStackAllocs")
+    def stack_allocs(mod, _ctx):
+        out = {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc) and _on_cpu(func):
+                new = tvm_ffi.structural_map(func, (tirx.AllocBuffer, annotate))
+                if not new.same_as(func):
+                    out[gv] = new
+        if not out:
+            return mod
+        mod = mod.clone()
+        for gv, func in out.items():
+            mod.update_func(gv, func)
+        return mod
+
+    return stack_allocs
+
+
+_registered = False
+
+
+def tir_pipeline() -> str:
+    """The name of TVM's default TIR pipeline followed by the stack pass (registered on first use)."""
+    global _registered
+    import tvm
+    from tvm import tirx
+
+    if not _registered:
+        def factory():
+            lower, host, device = tirx.get_tir_pipeline("default")
+            return tvm.transform.Sequential([lower, stack_allocs_pass()]), host, device
+        tirx.register_tir_pipeline(PIPELINE, factory)
+        _registered = True
+    return PIPELINE
