@@ -8,9 +8,10 @@ measured what it costs: 0.87-0.91x per GEMM without it (compile/quant/gemm.py ST
 where the tile was shrunk under 1 KiB instead). Here every constant-size kernel-local buffer up
 to STACK_LIMIT keeps its allocation as a stack alloca (the `disable_lower_builtin` annotation
 LowerTVMBuiltin reads), which LLVM places in the entry of the function it runs in -- for a
-parallel body, once per task, not per tile. 64 KiB: the largest such buffer in the corpus is
-the fused attention's 64 x 64 score tile (16 KiB) and its packed K^T / V tiles; TVM's pool
-threads run on 8 MiB stacks. Larger buffers and symbolic sizes stay with the allocator.
+parallel body, once per task, not per tile. 64 KiB: the largest kernel-local buffer of a BERT
+block's build is the fused attention's 64 x 64 score tile (16 KiB); the bf16 attention's 128 x 128
+tile is 64 KiB. Thread stacks are glibc's default (ulimit -s, 8 MiB on this VM), not measured
+for headroom beyond that. Larger buffers and symbolic sizes stay with the allocator.
 
 It runs after TVM's own TIR pipeline and before its host finalization (where LowerTVMBuiltin
 is), as the named TIR pipeline `blockforge-stack` (register_tir_pipeline: TVM's pipeline plus
@@ -36,7 +37,7 @@ def _constant_bytes(buffer) -> int | None:
 
 
 def _on_cpu(func) -> bool:
-    target = (func.attrs or {}).get("target") if func.attrs is not None else None
+    target = func.attrs.get("target") if func.attrs is not None else None
     return target is not None and target.kind.name in ("llvm", "c")
 
 
