@@ -3,8 +3,6 @@ TVMBackendAllocWorkspace / FreeWorkspace pair per output tile (ablation `stack-a
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -14,32 +12,10 @@ from blockforge.compile.pipeline import build  # noqa: E402
 from blockforge.compile.session import open_model  # noqa: E402
 from blockforge.graph import BlockSpec, FFNSpec, export  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
+from llvm_ir import llvm_source, workspace_allocs  # noqa: E402
 
 # A fixed target: the counts do not move with the machine the tests run on.
 FIXED = resolve({"kind": "llvm", "mcpu": "znver4", "mtriple": "x86_64-linux-gnu", "num-cores": 2})
-ALLOC = "@__TVMBackendAllocWorkspace"
-
-
-def _llvm_ir(executable) -> str:
-    mods = [executable.mod, *executable.mod.imports]
-    out = []
-    for m in mods:
-        try:
-            out.append(m.inspect_source("ll"))
-        except Exception:  # noqa: BLE001 - the VM's own module has no LLVM source
-            pass
-    return "\n".join(out)
-
-
-def _allocs_per_function(ll: str) -> dict[str, int]:
-    cur, counts = None, {}
-    for line in ll.splitlines():
-        m = re.match(r'define .*@"?([\w.]+)"?\(', line)
-        if m:
-            cur = m.group(1)
-        elif ALLOC in line and "load ptr" in line:
-            counts[cur] = counts.get(cur, 0) + 1
-    return counts
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +26,8 @@ def block(tmp_path_factory):
 
 def test_gemm_tiles_call_no_workspace_allocator(block):
     s = open_model(block, FIXED, {"batch": 1, "seq": 24})
-    with_pass = _allocs_per_function(_llvm_ir(build(s.relax(), FIXED).executable))
-    without = _allocs_per_function(_llvm_ir(build(s.relax(), FIXED, without={"stack-allocs"}).executable))
+    with_pass = workspace_allocs(llvm_source(build(s.relax(), FIXED).executable))
+    without = workspace_allocs(llvm_source(build(s.relax(), FIXED, without={"stack-allocs"}).executable))
     # TVM's 1 KiB rule: the 6 x 4-vector accumulator tile (1536 B) of each GEMM is a workspace
     # call inside the parallel loop over tiles; with the pass, none is left anywhere.
     assert sum(without.values()) >= 4, without

@@ -26,6 +26,8 @@ from tvm import relax
 
 from blockforge.errors import raise_if_stopped
 
+from blockforge.compile.passes.kernels import replace_functions
+
 F16, F32 = "float16", "float32"
 _DTYPE_ATTRS = ("dtype", "out_dtype")
 
@@ -158,9 +160,4 @@ def float16_as_float32(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             # Not a shape we rewrite: float16 storage with float32 accumulation, as before.
             logging.getLogger("blockforge").warning("float16 function %s kept in float16 (%s)", gv.name_hint, e)
             return relax.transform.ToMixedPrecision(out_dtype=F32)(mod)
-    if not converted:
-        return mod
-    out = mod.clone()
-    for gv, func in converted.items():
-        out.update_func(gv, func)
-    return out
+    return replace_functions(mod, converted)

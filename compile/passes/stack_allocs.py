@@ -19,6 +19,8 @@ this pass, not a copy of its list)."""
 
 from __future__ import annotations
 
+from blockforge.compile.passes.kernels import map_prim_funcs
+
 STACK_LIMIT = 64 * 1024  # bytes
 PIPELINE = "blockforge-stack"
 _ANNOTATION = "disable_lower_builtin"  # read by tirx.transform.LowerTVMBuiltin
@@ -58,18 +60,8 @@ def stack_allocs_pass():
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeStackAllocs")
     def stack_allocs(mod, _ctx):
-        out = {}
-        for gv, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc) and _on_cpu(func):
-                new = tvm_ffi.structural_map(func, (tirx.AllocBuffer, annotate))
-                if not new.same_as(func):
-                    out[gv] = new
-        if not out:
-            return mod
-        mod = mod.clone()
-        for gv, func in out.items():
-            mod.update_func(gv, func)
-        return mod
+        return map_prim_funcs(mod, lambda _gv, func: tvm_ffi.structural_map(func, (tirx.AllocBuffer, annotate)),
+                              where=_on_cpu)
 
     return stack_allocs
 

@@ -17,6 +17,8 @@ import tvm
 
 from blockforge.errors import BlockforgeError
 
+from blockforge.compile.passes.kernels import map_prim_funcs
+
 _SAME_WIDTH_INT = {"float16": "int16", "bfloat16": "int16", "float32": "int32", "float64": "int64"}
 
 
@@ -55,24 +57,19 @@ def ieee_division(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     is marked on the module (an exception raised in a pass reaches the caller as TVM's
     RuntimeError): check_integer_division() after the phase raises it."""
     import tvm.sym
-    from tvm import tirx
 
     analyzer = tvm.sym.Analyzer()
-    out, integer = {}, None
-    for gv, func in mod.functions_items():
-        if isinstance(func, tirx.PrimFunc):
-            found: list = []
-            new = _rewrite(func, analyzer, found)
-            if found and integer is None:
-                integer = gv.name_hint
-            if not new.same_as(func):
-                out[gv] = new
-    if not out and integer is None:
-        return mod
-    mod = mod.clone()  # passes return a new module; the caller may still hold this one
-    for gv, func in out.items():
-        mod.update_func(gv, func)
-    return mod.with_attr(INTEGER_DIVISION_BY_ZERO, integer) if integer else mod
+    integer: list[str] = []
+
+    def rewrite(gv, func):
+        found: list = []
+        new = _rewrite(func, analyzer, found)
+        if found:
+            integer.append(gv.name_hint)
+        return new
+
+    mod = map_prim_funcs(mod, rewrite)
+    return mod.with_attr(INTEGER_DIVISION_BY_ZERO, integer[0]) if integer else mod
 
 
 def check_integer_division(mod) -> None:
