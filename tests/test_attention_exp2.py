@@ -15,7 +15,7 @@ from tvm import te, tirx  # noqa: E402
 from blockforge.compile import attention  # noqa: E402
 from blockforge.compile.attention.flash import EXP2_POLY, LOG2E, fast_exp2  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
-from test_attention_fusion import LANES, TARGET, _innermost_loops, _padding, _reference, _spec  # noqa: E402
+from test_attention_fusion import LANES, TARGET, _innermost_loops, _padding, _reference, _spec, pipeline_kernel_script  # noqa: E402
 
 RUN_TARGET = resolve("host").tvm_target()
 
@@ -99,26 +99,8 @@ def test_kernel_exp2_matches_exp(kw):
 
 def test_pipeline_ablation_reaches_the_kernel():
     """`--without attention-exp2` (benchmarks/whole_ab.py --ab) builds the fast_exp kernel."""
-    from tvm.script import relax as R
-
-    from blockforge.compile.pipeline import run_phases
-
-    @tvm.script.ir_module
-    class Attn:
-        @R.function
-        def main(q: R.Tensor((1, 2, 100, 32), "float32"), kt: R.Tensor((1, 2, 32, 100), "float32"),
-                 v: R.Tensor((1, 2, 100, 32), "float32")):
-            with R.dataflow():
-                s = R.matmul(q, kt)
-                p = R.nn.softmax(s, axis=-1)
-                o = R.matmul(p, v)
-                R.output(o)
-            return o
-
     top = repr(np.float32(EXP2_POLY[-1]).item())[:8]
     found = {}
     for without in (set(), {"attention-exp2"}):
-        mod, _ = run_phases(Attn, resolve("host"), stop_after="fuse-attention", without=without)
-        (text,) = [f.script() for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and attention.is_kernel(f)]
-        found[bool(without)] = top in text
+        found[bool(without)] = top in pipeline_kernel_script(100, 32, without)
     assert found == {False: True, True: False}, found

@@ -45,6 +45,22 @@ def _calls(mod) -> list:
     return out
 
 
+def pipeline_kernel_script(seq: int, d: int, without=frozenset()) -> str:
+    """The fused kernel's TVMScript for softmax(q k^T) v over (1, 2, seq, d), through the pipeline
+    up to fuse-attention with the ablations in `without` (where a kernel ablation must reach)."""
+    bb = relax.BlockBuilder()
+    q, v = (relax.Var(n, relax.TensorType((1, 2, seq, d), "float32")) for n in ("q", "v"))
+    kt = relax.Var("kt", relax.TensorType((1, 2, d, seq), "float32"))
+    with bb.function("main", [q, kt, v]):
+        with bb.dataflow():
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.matmul(q, kt)), axis=-1))
+            o = bb.emit_output(relax.op.matmul(p, v))
+        bb.emit_func_output(o)
+    mod, _ = run_phases(bb.get(), HOST, stop_after="fuse-attention", without=set(without))
+    (text,) = [f.script() for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)]
+    return text
+
+
 def _ops(mod) -> list[str]:
     names = []
     for b in mod["main"].body.blocks:

@@ -15,7 +15,7 @@ tvm = pytest.importorskip("tvm")
 
 from blockforge.compile import attention  # noqa: E402
 from blockforge.compile.attention.flash import tail_width  # noqa: E402
-from test_attention_fusion import LANES, _padding, _run_kernel, _spec  # noqa: E402
+from test_attention_fusion import LANES, _padding, _run_kernel, _spec, pipeline_kernel_script  # noqa: E402
 
 
 @pytest.mark.parametrize("skv, kt, want", [(197, 64, 16), (150, 64, 32), (129, 64, 16), (191, 64, 64),
@@ -71,27 +71,7 @@ def test_inf_rows_zero_kernel_zeroes_only_all_minus_inf_rows():
 def test_pipeline_ablation_reaches_the_kernel():
     """`--without attention-key-tail` (benchmarks/whole_ab.py --ab) builds the whole-tail kernel
     (d 32, so P V's register tiles are not one vector wide too)."""
-    from tvm import tirx
-    from tvm.script import relax as R
-
-    from blockforge.compile.pipeline import run_phases
-    from blockforge.targets import resolve
-
-    @tvm.script.ir_module
-    class Attn:
-        @R.function
-        def main(q: R.Tensor((1, 2, 197, 32), "float32"), kt: R.Tensor((1, 2, 32, 197), "float32"),
-                 v: R.Tensor((1, 2, 197, 32), "float32")):
-            with R.dataflow():
-                s = R.matmul(q, kt)
-                p = R.nn.softmax(s, axis=-1)
-                o = R.matmul(p, v)
-                R.output(o)
-            return o
-
     widths = {}
     for without in (set(), {"attention-key-tail"}):
-        mod, _ = run_phases(Attn, resolve("host"), stop_after="fuse-attention", without=without)
-        (text,) = [f.script() for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and attention.is_kernel(f)]
-        widths[bool(without)] = {w for _, w in _register_tiles(text)}
+        widths[bool(without)] = {w for _, w in _register_tiles(pipeline_kernel_script(197, 32, without))}
     assert LANES in widths[False] and LANES not in widths[True], widths
