@@ -25,7 +25,7 @@ searches) against the default tiles.
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--seq 512] [--smoke]
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--seq 512] [--no-avx512] [--smoke]
 """
 
 from __future__ import annotations
@@ -258,7 +258,15 @@ def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path) -> Path:
     return out
 
 
-def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: str, threads: int) -> None:
+# --no-avx512: what a CPU without AVX-512 gets (Alder Lake and newer clients): the int8 build
+# for x86-64-avxvnni (256-bit VEX VPDPBUSD) against the fp32 build for x86-64-avx2, both run on
+# this CPU (Zen 5 has AVX-VNNI too), so the ratio is the ISA's, not an Alder Lake's clock.
+NO_AVX512 = (("blockforge int8, x86-64-avxvnni", "x86-64-avxvnni", "quant"),
+             ("blockforge fp32, x86-64-avx2", "x86-64-avx2", "fp32"))
+
+
+def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: str, threads: int,
+         no_avx512: bool = False) -> None:
     import tvm
     from tvm import relax
 
@@ -290,6 +298,12 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
         calls["blockforge int8 (int8-qdq-epilogue off)"], _ = tvm_call(sq, {"int8-qdq-epilogue"})
     # the untuned kernels on the 6 x 4 tile (1536 B of accumulators: a workspace per row tile)
     calls["blockforge int8 (int8-stack-tiles off)"], _ = tvm_call(sq, {"int8-stack-tiles"})
+    if no_avx512:
+        from blockforge.targets import resolve
+
+        for name, preset, which in NO_AVX512:
+            if resolve(preset).run_problem() is None:
+                calls[name], _ = tvm_call(open_model(quant if which == "quant" else fp32, preset, dims))
     peers = [peer]
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint
@@ -330,6 +344,8 @@ def main() -> int:
     ap.add_argument("--gemm-only", action="store_true", help="the kernels only, not the FFN contenders")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
     ap.add_argument("--seq", type=int, default=None, help="the FFN's rows and the bare GEMM's M (default 128; smoke 8)")
+    ap.add_argument("--no-avx512", action="store_true", help="also the int8 build for x86-64-avxvnni and the fp32 "
+                    "build for x86-64-avx2 (a CPU without AVX-512), where this CPU runs them")
     a = ap.parse_args()
     configure(redirect_native_output=False)
     from blockforge.compile.quant.intrin import has_vnni
@@ -352,7 +368,7 @@ def main() -> int:
     if a.gemm_only:
         return 0
     for mode in ("dynamic", "static"):
-        _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()), mode, threads)
+        _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()), mode, threads, a.no_avx512)
     return 0
 
 

@@ -31,6 +31,17 @@ PRESETS: dict[str, dict] = {
         "arch": "x86_64",
         "cpu_flags": ["avx512f", "avx512bw", "avx512vl"],
     },
+    # The int8 kernel's 256-bit VPDPBUSD (compile/quant/isa.py "avxvnni"): client x86 cores with
+    # AVX-VNNI and no AVX-512 (Alder Lake's P-cores have it fused off). Zen 5 has both: this
+    # preset runs there too (how the tests run its kernels).
+    "x86-64-avxvnni": {
+        "description": "x86-64 with AVX2 and AVX-VNNI, no AVX-512 (Alder Lake / Raptor Lake / Meteor Lake "
+                       "client cores)",
+        "target": {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "alderlake", "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "x86_64",
+        "cpu_flags": ["avx2", "fma", "avx_vnni"],
+    },
     "aarch64-linux": {
         "description": "64-bit ARM Linux with NEON (cross-compiled)",
         "target": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"], "num-cores": "<cores>"},

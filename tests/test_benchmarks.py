@@ -133,7 +133,11 @@ def test_export_models(tmp_path):
 
 
 def test_int8_gemm(tmp_path):
-    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, cwd=tmp_path)
+    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--no-avx512", cwd=tmp_path)
+    from blockforge.targets import resolve
+
+    if resolve("x86-64-avxvnni").run_problem() is None:  # --no-avx512: both FFNs' builds for the AVX2-class presets
+        assert out.count("blockforge int8, x86-64-avxvnni") == 2 and out.count("blockforge fp32, x86-64-avx2") == 2, out
     # the kernels the dynamic and the QDQ FFN run (two specs each, QDQ's with its requantize chain
     # in the epilogue) beside the bare one, none interleaved with numpy
     # (+ the dynamic FFN's two at the 6 x 4 tile, the int8-stack-tiles ablation)

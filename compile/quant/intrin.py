@@ -85,6 +85,12 @@ def has_vnni(target) -> bool:
         return False
 
 
+def has_avxvnni_only(target) -> bool:
+    """AVX-VNNI without AVX-512 VNNI: where the 256-bit kernel is the int8 GEMM's instruction
+    (a target with both takes the 512-bit one: twice the multiply-adds per instruction)."""
+    return has_avxvnni(target) and not has_vnni(target)
+
+
 def has_avxvnni(target) -> bool:
     """The target has AVX-VNNI (256-bit VPDPBUSD, VEX-encoded): vnni_8x4's instruction there."""
     from tvm.target.codegen import target_has_features

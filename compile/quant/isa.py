@@ -8,6 +8,7 @@ target's features (its mcpu/mattr, never the build machine).
 | isa  | instruction            | A x W        | lanes | tile (rows x 16-col panels) | accumulators     |
 |------|------------------------|--------------|-------|-----------------------------|------------------|
 | vnni | VPDPBUSD zmm (x86)     | u8 x s8      | 16    | 5 x 3 (under 1 KiB: stack)  | 15 of 32 zmm     |
+| avxvnni | {vex} VPDPBUSD ymm (x86, no AVX-512) | u8 x s8 | 8 | MR x 1 (2 per panel)   | 2 MR of 16 ymm   |
 | sdot | SDOT v.4s (aarch64)    | s8 x s8      | 4     | 5 x 1 (4 SDOTs per panel)   | 20 of 32 q regs  |
 """
 
@@ -47,6 +48,7 @@ ISAS: dict[str, Int8Isa] = {
     # inner loop for K=256, N=128 (tests/test_sdot_gemm.py counts it): 6 x 1 spilled 3-4
     # accumulators to the stack per k-step, 5 x 1 none (39 instructions, 20 SDOTs), 3 x 2 and
     # 4 x 2 spilled 8-25.
+    "avxvnni": Int8Isa("avxvnni", "uint8", 8, 6, 1, intrin.vnni_8x4, intrin.has_avxvnni_only),
     "sdot": Int8Isa("sdot", "int8", 4, 5, 1, sdot.sdot_4x4, sdot.has_dotprod),
 }
 
