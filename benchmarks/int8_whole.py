@@ -29,6 +29,13 @@ import blockforge  # noqa: E402
 blockforge.configure(redirect_native_output=False)
 
 
+def _has_dims(model, want) -> bool:
+    from blockforge.graph.model_io import load_model
+
+    found = {d.dim_param for i in load_model(model).graph.input for d in i.type.tensor_type.shape.dim}
+    return set(want) <= found
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a quantized encoder with input_ids / attention_mask (batch, seq)")
@@ -41,9 +48,12 @@ def main(argv=None) -> int:
     from blockforge.compile.session import open_model
     from blockforge.graph.model_io import load_model, random_inputs
 
-    dims = {"batch": 1, "seq": a.seq}
-    s = open_model(a.model, "host", dims)
+    # (batch, seq) by those names (the legacy exporter's), else every input as 1 x seq (dynamo's s33, s50)
+    names = [i.name for i in load_model(a.model).graph.input]
+    shape = {"batch": 1, "seq": a.seq} if _has_dims(a.model, ("batch", "seq")) else ",".join(f"{n}=1x{a.seq}" for n in names)
+    s = open_model(a.model, "host", shape)
     threads = a.threads or int(s.target.target_json.get("num-cores", 1))
+    dims = s.dims
     inputs = random_inputs(s.inputs, dims, seed=0)
     if "attention_mask" in inputs:
         inputs["attention_mask"] = np.ones_like(inputs["attention_mask"])  # no padding
