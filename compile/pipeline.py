@@ -68,6 +68,9 @@ ABLATIONS = {
                     "6-vector micro-tiles (left out: 6 x 4, the last row tile partly clamped rows)",
     "bf16-attention": "--precision bf16's fused attention with Q K^T and P V on VDPBF16PS, softmax and sums float32 "
                       "(compile/attention/flash.py; left out: the float32 attention kernel)",
+    "attention-gqa-rows": "a grouped-query decode step's fused attention one job per kv head, the group's query "
+                          "heads as its rows: each cached K/V row loaded once for them (compile/attention/flash.py "
+                          "group_rows; left out: one job per query head)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
     "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
@@ -131,7 +134,8 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
         # would no longer see. Tile choices come from the database's records.
         return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
                                key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without,
-                               exp2="attention-exp2" not in without, bf16=bf16)]
+                               exp2="attention-exp2" not in without, bf16=bf16,
+                               gqa_rows="attention-gqa-rows" not in without)]
     return passes
 
 

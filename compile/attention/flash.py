@@ -241,8 +241,29 @@ def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:
         and spec.dv % 16 == 0 and kt % 32 == 0
 
 
+def group_rows(spec: AttentionSpec, lanes: int) -> int:
+    """Query rows of one job when a grouped-query decode step runs per key/value head
+    (0: it does not). A short static query (Sq rows, K read as the cache holds it, no
+    causal mask) over kv_heads < heads: the `group` query heads sharing one K/V head are
+    one job's group * Sq rows, so each cached key and value row is loaded once for all of
+    them (it was loaded once per query head), and P V has group x (dv / lanes)
+    independent accumulator chains, not dv / lanes. Measured on the Llama-style GQA decoder
+    (12 heads, 4 kv heads, d 64; AMD EPYC family 26, load 4.7-7.2, interleaved): the kernel
+    alone at P = 512, one thread CPU time, 29.2 -> 18.3 us (0.63x); in the whole step (12
+    layers), one thread CPU time, 0.461 -> 0.293 ms at P = 512 and 0.122 -> 0.086 ms at
+    P = 128; two threads, best of 20 profiled steps, 1.70 -> 0.29 ms and 1.04 -> 0.08 ms.
+    Ablation `attention-gqa-rows`: one job per query head."""
+    if spec.k not in KEY_ROWS or spec.causal or spec.sq is None or not spec.kv_heads:
+        return 0
+    group = spec.heads // spec.kv_heads
+    rows = group * spec.sq
+    if group < 2 or rows > acc_regs(lanes):
+        return 0
+    return rows
+
+
 def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True,
-           key_tail: bool = True, exp2: bool = True, bf16: bool = False):
+           key_tail: bool = True, exp2: bool = True, bf16: bool = False, gqa_rows: bool = True):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
     query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
@@ -266,6 +287,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
 
     qt, kt = tiles or default_tiles(lanes)
     qt = query_tile(qt, spec.sq, (kt, spec.dv), lanes) if balance else qt
+    grouped = group_rows(spec, lanes) if gqa_rows else 0  # a job per kv head: its group's rows
+    if grouped:
+        qt = grouped
     tiles = (qt, kt)
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
@@ -312,8 +336,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     def to32(e, dtype=spec.dtype):
         return e if dtype == "float32" else tirx.Cast("float32", e)
 
-    n_q = (Sq + i64(qt - 1)) // i64(qt)
-    static_q_exact = spec.sq is not None and spec.sq % qt == 0
+    n_q = i64(1) if grouped else (Sq + i64(qt - 1)) // i64(qt)
+    static_q_exact = grouped or (spec.sq is not None and spec.sq % qt == 0)
     static_k_exact = spec.skv is not None and spec.skv % kt == 0
     fill = f32(spec.fill if spec.fill is not None else 0.0)
     pairs = bf16 and bf16_pairs(spec, kt, lanes)
@@ -342,11 +366,20 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
                          KERNEL_ATTR + ".tiles": f"{qt}x{kt}", **({KERNEL_ATTR + ".bf16": True} if pairs else {})})
             # bf16: the LLVM function the products call, linked into the module (as the bf16 GEMM's)
-            with T.parallel(i64(0), B * H * n_q, annotations={IMPORT_PRAGMA: LLVM_IR} if pairs else None) as p:
-                b = p // (H * n_q)
-                h = p // n_q % H
-                hk = h // i64(group) if group > 1 else h  # the key/value head
-                q0 = p % n_q * i64(qt)
+            jobs = B * Hk if grouped else B * H * n_q
+            with T.parallel(i64(0), jobs, annotations={IMPORT_PRAGMA: LLVM_IR} if pairs else None) as p:
+                if grouped:  # row i: query head hk * group + i // Sq, query i % Sq
+                    b, hk, q0 = p // Hk, p % Hk, i64(0)
+                    h = None
+                else:
+                    b = p // (H * n_q)
+                    h = p // n_q % H
+                    hk = h // i64(group) if group > 1 else h  # the key/value head
+                    q0 = p % n_q * i64(qt)
+
+                def hrow(i):
+                    """The query head of tile row i."""
+                    return hk * i64(group) + i // i64(spec.sq) if grouped else h
                 acc = T.alloc_buffer((qt, spec.dv), "float32", scope="local")
                 s = T.alloc_buffer((qt, kt), "float32", scope="local")
                 qtp = -(-qt // vk) * vk  # row buffers in whole vectors (alpha is computed so)
@@ -371,6 +404,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
 
                 def qrow(i):
                     """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
+                    if grouped:
+                        return i % i64(spec.sq)
                     return q0 + i if static_q_exact else tirx.min(q0 + i, Sq - i64(1))
 
                 def halve(buf, op, width=vk, at=()):
@@ -400,18 +435,22 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         if key_rows:
                             # K as the cache holds it (keys x d): each score a dot product
                             # vectorised along d (contiguous), then a tree sum; no K^T copy
-                            dot = T.alloc_buffer((vd,), "float32", scope="local")
-                            with T.unroll(i64(0), i64(mr_s)) as ii:
-                                with T.serial(i64(0), i64(kw)) as j:
+                            # (per key, all micro rows: each key row is loaded once for them)
+                            dot = T.alloc_buffer((mr_s, vd), "float32", scope="local")
+                            with T.serial(i64(0), i64(kw)) as j:
+                                with T.unroll(i64(0), i64(mr_s)) as ii:
                                     with T.vectorized(i64(0), i64(vd)) as e:
-                                        T.buffer_store(dot, f32(0), [e])
-                                    with T.serial(i64(0), D // i64(vd)) as c:
+                                        T.buffer_store(dot, f32(0), [ii, e])
+                                with T.serial(i64(0), D // i64(vd)) as c:
+                                    with T.unroll(i64(0), i64(mr_s)) as ii:
                                         with T.vectorized(i64(0), i64(vd)) as e:
                                             d = c * i64(vd) + e
-                                            qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
+                                            i = io * i64(mr_s) + ii
+                                            qv = to32(Q[tuple(at(spec.q, b, hrow(i), qrow(i), d))])
                                             kv = to32(K[tuple(kt_at(b, hk, d, kidx(j)))])
-                                            T.buffer_store(dot, dot[e] + qv * kv, [e])
-                                    T.buffer_store(r, halve(dot, lambda a, c: a + c, vd), [ii, j])
+                                            T.buffer_store(dot, dot[ii, e] + qv * kv, [ii, e])
+                                with T.unroll(i64(0), i64(mr_s)) as ii:
+                                    T.buffer_store(r, halve(dot, lambda a, c: a + c, vd, at=(ii,)), [ii, j])
                         elif tp:
                           with T.serial(i64(0), i64(hd)) as e:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
@@ -421,7 +460,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                         else:
                           with T.serial(i64(0), D) as d:
                             with T.unroll(i64(0), i64(mr_s)) as ii:
-                                qv = to32(Q[tuple(at(spec.q, b, h, qrow(io * i64(mr_s) + ii), d))])
+                                i = io * i64(mr_s) + ii
+                                qv = to32(Q[tuple(at(spec.q, b, hrow(i), qrow(i), d))])
                                 with T.unroll(i64(0), i64(kw // vk)) as c:
                                   with T.vectorized(i64(0), i64(vk)) as jv:
                                     j = c * i64(vk) + jv
@@ -437,10 +477,10 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 j = c * i64(vk) + jv
                                 x = r[ii, j] * f32(spec.scale)
                                 if A is not None:
-                                    x = x + to32(A[tuple(mask_at(spec.add, b, h, qrow(row), kidx(j)))], spec.add_dtype)
+                                    x = x + to32(A[tuple(mask_at(spec.add, b, hrow(row), qrow(row), kidx(j)))], spec.add_dtype)
                                 keep = None
                                 if M is not None:
-                                    keep = M[tuple(mask_at(spec.keep, b, h, qrow(row), kidx(j)))]
+                                    keep = M[tuple(mask_at(spec.keep, b, hrow(row), qrow(row), kidx(j)))]
                                 if spec.causal:
                                     c = (k0 + j) <= (q0 + row)
                                     keep = c if keep is None else tirx.And(keep, c)
@@ -518,8 +558,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     with T.serial(i64(0), i64(qt)) as i:
                         with T.unroll(i64(0), i64(hd // lanes)) as c:
                             e = ramp(c * i64(lanes))
-                            T.buffer_store(qp, pack_pairs16(Q[tuple(at(spec.q, b, h, qrow(i), e))],
-                                                            Q[tuple(at(spec.q, b, h, qrow(i), e + i64(hd)))]), [i, e])
+                            T.buffer_store(qp, pack_pairs16(Q[tuple(at(spec.q, b, hrow(i), qrow(i), e))],
+                                                            Q[tuple(at(spec.q, b, hrow(i), qrow(i), e + i64(hd)))]), [i, e])
                 n_full = Skv // i64(kt)
                 if spec.causal:  # tiles right of this query tile's diagonal are all dropped
                     n_full = tirx.min(n_full, (q0 + i64(qt + kt - 1)) // i64(kt))
@@ -563,7 +603,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                                 # scores exp(0) = 1 otherwise); a NaN score makes it NaN
                                 y = tirx.Select(el[i] == f32(0), f32(0), y)
                             T.buffer_store(O, y if spec.dtype == "float32" else tirx.Cast(spec.dtype, y),
-                                           at(spec.o, b, h, q0 + i, d))
+                                           at(spec.o, b, hrow(i), qrow(i) if grouped else q0 + i, d))
                     if static_q_exact:
                         store()
                     else:

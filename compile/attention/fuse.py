@@ -24,11 +24,11 @@ class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
     def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True, exp2: bool = True,
-                 bf16: bool = False):
+                 bf16: bool = False, gqa_rows: bool = True):
         from blockforge.compile.schedule.base import vector_lanes
 
         self.bb, self.target, self.database, self.balance, self.key_tail = bb, target, database, balance, key_tail
-        self.exp2, self.bf16 = exp2, bf16
+        self.exp2, self.bf16, self.gqa_rows = exp2, bf16, gqa_rows
         self.lanes = vector_lanes(target)
         self.funcs: dict = {}
         self.applied: list[str] = []
@@ -44,7 +44,8 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2, bf16=self.bf16)
+            fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2, bf16=self.bf16,
+                        gqa_rows=self.gqa_rows)
             self.funcs[key] = add_kernel(self.bb, fn, f"fused_attention_{len(self.funcs)}")
         bf16 = " bf16" if self.bf16 and bf16_pairs(spec, tiles[1], self.lanes) else ""
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}{bf16}")
@@ -75,14 +76,16 @@ class _Rewrite:
 
 
 def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,
-                   exp2: bool = True, bf16: bool = False):
+                   exp2: bool = True, bf16: bool = False, gqa_rows: bool = True):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
     balance=False: query tiles as recorded or default (ablation `attention-qtile`);
     key_tail=False: whole last key tiles (ablation `attention-key-tail`);
     exp2=False: the softmax's exps by fast_exp, not fast_exp2 (ablation `attention-exp2`);
     bf16: Q K^T and P V on VDPBF16PS where flash.bf16_pairs allows (`--precision bf16`, a
     target with AVX512_BF16; ablation `bf16-attention`);
-    key_rows: a one-query-row attention reads K untransposed (match.find_attention)."""
+    key_rows: a one-query-row attention reads K untransposed (match.find_attention);
+    gqa_rows=False: a grouped-query decode step one job per query head, not per kv head
+    (ablation `attention-gqa-rows`, flash.group_rows)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -92,7 +95,7 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, exp2, bf16)
+            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, exp2, bf16, gqa_rows)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)
