@@ -338,3 +338,12 @@ def test_every_benchmark_script_has_a_smoke_run():
     scripts = {p.name for p in BENCH.glob("*.py")}
     assert scripts == SMOKED, f"give the new script a smoke test here: {sorted(scripts ^ SMOKED)}"
 
+
+
+def test_whole_ab_on_a_decoder_with_presents(tmp_path):
+    """A decoder returns a tuple (logits, presents): whole_ab compares the first output (it
+    called .numpy() on the tuple before)."""
+    model = REPO / "tests" / "fixtures" / "models" / "gpt2_past_legacy_op17.onnx"
+    out = _run("whole_ab.py", model, "--dims", "batch=1,seq=1,past=16,past_seq=17", "--ab", "attention-key-rows",
+               "--repeat", 2, "--no-peers", cwd=tmp_path)
+    assert "new / without attention-key-rows:" in out, out
