@@ -252,22 +252,21 @@ def inplace_report(mod, name: str = INPLACE_ENTRY) -> dict[str, int]:
     from blockforge.compile.attention.flash import KERNEL_ATTR, AttentionSpec
 
     found = {"writes": 0, "attention": 0, "slices": 0}
-
-    def visit(e):
-        if not isinstance(e, relax.Call):
-            return
-        op = getattr(e.op, "name", None)
-        if op == "relax.call_tir_inplace":
-            found["writes"] += 1
-        elif op == "relax.call_tir":
-            f = mod[e.args[0]]
-            if isinstance(f, tirx.PrimFunc) and f.attrs is not None and KERNEL_ATTR in f.attrs \
-                    and AttentionSpec.from_json(str(f.attrs[KERNEL_ATTR])).kv_capacity:
-                found["attention"] += 1
-        elif op == "relax.strided_slice":
-            found["slices"] += 1
-
-    relax.analysis.post_order_visit(mod[name].body, visit)
+    written = set()
+    for blk in mod[name].body.blocks:
+        for b in blk.bindings:
+            e = b.value
+            op = getattr(e.op, "name", None) if isinstance(e, relax.Call) else None
+            if op == "relax.call_tir_inplace":
+                found["writes"] += 1
+                written.add(b.var)
+            elif op == "relax.call_tir":
+                f = mod[e.args[0]]
+                if isinstance(f, tirx.PrimFunc) and f.attrs is not None and KERNEL_ATTR in f.attrs \
+                        and AttentionSpec.from_json(str(f.attrs[KERNEL_ATTR])).kv_capacity:
+                    found["attention"] += 1
+            elif op == "relax.strided_slice" and e.args[0] in written:
+                found["slices"] += 1
     return found
 
 
