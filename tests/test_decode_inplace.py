@@ -236,3 +236,35 @@ def test_capacity_refusals(inplace_artifacts, tmp_path):
         (art / "manifest.json").write_text(json.dumps(m))
         with pytest.raises(BlockforgeError, match=msg):
             load_artifact(art)
+
+
+def test_unfused_attention_reads_a_slice_and_matches(monkeypatch):
+    """Without the fused kernel (ablation fuse-attention) the attention's matmuls read each
+    buffer's rows [0, P + 1) as a slice (a copy per step, as Concat made: correct, not
+    faster); the outputs still equal the step entry's and ORT's."""
+    import onnxruntime as ort
+    import tvm
+    from tvm import relax
+
+    from blockforge.compile.decode.inplace import INPLACE_ENTRY, inplace_report
+    from blockforge.compile.pipeline import build, run_phases
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    entry = _entry("gpt2_past")
+    layers = entry["past"]["layers"]
+    marked, host, pairs = _marked("gpt2_past", 32)
+    mod, names = run_phases(marked, host, stop_after="kv-inplace", without={"fuse-attention"})
+    assert "fuse-attention" not in names and inplace_report(mod) == {"writes": 2 * layers, "attention": 0,
+                                                                     "slices": 2 * layers}
+    vm = relax.VirtualMachine(build(marked, host, without={"fuse-attention"}).executable, tvm.cpu())
+    sess = ort.InferenceSession(str(FIXTURES / entry["file"]), providers=["CPUExecutionProvider"])
+    feeds = _feeds(entry, 17, 1, seed=5)
+    names_in = [i.name for i in sess.get_inputs()]
+    pasts = [names_in[i] for i, _, _ in pairs]
+    caps = _caps(feeds, pasts, 32)
+    got = vm[INPLACE_ENTRY](*(tvm.runtime.tensor(caps.get(n, feeds[n])) for n in names_in),
+                            tvm.runtime.ShapeTuple([17]))
+    presents = {o for _, o, _ in pairs}
+    for k, w in enumerate(sess.run(None, feeds)):
+        g = got[k].numpy()
+        np.testing.assert_allclose(g[:, :, :18] if k in presents else g, w, rtol=1e-4, atol=1e-5, err_msg=str(k))
