@@ -28,8 +28,9 @@ and then runs every step through this entry (DecodeOptions.inplace; `--copy-cach
 copying loop, for A/B).
 
 Measured (benchmarks/decode_inplace.py, full size, C = 1024, 2 TVM threads, interleaved rounds,
-load 6.5-11 on this 2-core Zen 5: ratios only): the in-place loop's step / the copying loop's,
-GPT-2 small 0.898x at P = 128 and 0.593x at P = 512, Llama-style GQA 1.001x / 0.868x.
+two runs at load 6.5-11 on this 2-core Zen 5: ratios only): the in-place loop's step / the
+copying loop's, GPT-2 small 0.898x / 0.917x at P = 128 and 0.593x / 0.855x at P = 512;
+Llama-style GQA 1.001x / 1.026x and 0.868x / 0.991x (within the noise).
 """
 
 from __future__ import annotations
