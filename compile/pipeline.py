@@ -334,7 +334,8 @@ def has_conv(mod) -> bool:
 
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
            fuse_attention: bool | None = None, without=frozenset(), int8: bool = False,
-           precision: str = "fp32", conv: bool = False, lift: list | None = None) -> list[Phase]:
+           precision: str = "fp32", conv: bool = False, lift: list | None = None,
+           kv_inplace: bool = False) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
     False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
     int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
@@ -342,7 +343,9 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     against the target by targets.precision (bf16: the bf16-gemm phase). conv: the module has
     conv1d/conv2d ops (has_conv): only then the conv-gemm phase, for the same reason. lift: a list
     to collect the weights the lift-weights phase takes out of the executable (compile's
-    artifacts: weights.bin); None: no such phase."""
+    artifacts: weights.bin); None: no such phase. kv_inplace: the module has an entry marked for
+    the preallocated cache (compile/decode/inplace.py, `compile --kv-capacity`): the kv-inplace
+    phase after fuse-attention (CPU only)."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -359,6 +362,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # checked the target has AVX512_BF16)
         bf16 = precision == "bf16" and "bf16-attention" not in without
         out.append(Phase("fuse-attention", _fuse_attention(target, database, without, bf16)))
+    if kv_inplace and cpu:
+        out.append(Phase("kv-inplace", _kv_inplace))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without,
@@ -389,6 +394,21 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     return out
 
 
+def _kv_inplace() -> list:
+    from blockforge.compile.decode.inplace import kv_inplace_pass
+
+    return [kv_inplace_pass()]
+
+
+def has_inplace_entry(mod) -> bool:
+    from tvm import relax
+
+    from blockforge.compile.decode.inplace import CAP_ATTR
+
+    return any(isinstance(f, relax.Function) and f.attrs is not None and CAP_ATTR in f.attrs
+               for _, f in mod.functions_items())
+
+
 def _lift_weights(collect: list) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.passes.lift_weights import lift_weights_pass
@@ -416,7 +436,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
                                          has_int8_matmul(mod), precision, has_conv(mod),
                                          lift=(report.weights if report is not None else []) if lift_weights
-                                         else None), start=1):
+                                         else None, kv_inplace=has_inplace_entry(mod)), start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)

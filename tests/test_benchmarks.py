@@ -328,10 +328,22 @@ def test_decode_entries_cache_copy(tmp_path):
     assert "P=3" in out and "4 cache copies per step move 0.0 MB (4096 B)" in out and "prefill" not in out, out
 
 
+def test_decode_inplace(tmp_path):
+    """The copying loop, the in-place loop and both bare entries at P = 3 of the tiny GPT-2
+    compiled with --kv-capacity (the loops' tokens checked equal by the script)."""
+    model = REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx"
+    res = run_cli("compile", model, "--target", "host", "--shape", "batch=1", "--kv-capacity", 16,
+                  "-o", tmp_path / "a", cwd=tmp_path)
+    assert res.rc == 0, res.text
+    out = _run("decode_inplace.py", "--artifact", tmp_path / "a", "--model", model, "--past", 3, "--rounds", 1,
+               "--steps", 4, cwd=tmp_path)
+    assert "P=3" in out and "inplace loop / copy loop" in out and "bare inplace / bare step" in out, out
+
+
 SMOKED = {"decode_key_rows.py", "norms.py", "int8_whole.py", "int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
           "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
-SMOKED |= {"decode_entries.py"}  # decode (issue #21): test_decode_entries above
+SMOKED |= {"decode_entries.py", "decode_inplace.py"}  # decode (issue #21): test_decode_entries, test_decode_inplace above
 
 
 def test_every_benchmark_script_has_a_smoke_run():

@@ -271,6 +271,8 @@ def check_manifest(m) -> None:
         _weights(m)
     if "step" in m:
         _step(m)
+    if "inplace" in m:
+        _inplace(m)
 
 
 def _step(m: dict) -> None:
@@ -287,6 +289,32 @@ def _step(m: dict) -> None:
                        "a loader calls)")
     if not any(st["dim"] in s["shape"] for s in m["inputs"]):
         raise _Refused(f"'step' dim '{_printable(st['dim'])}' is not a symbolic dim of the inputs")
+
+
+def _inplace(m: dict) -> None:
+    """'inplace' (compile/decode/inplace.py): {function, capacity, dim}. Only with 'step' and
+    'decode' (the loop that calls it pairs the caches); the function must be INPLACE_ENTRY, the
+    capacity a row count in [1, MAX_CAPACITY], dim the symbolic past dim of the pairing's
+    first cache (the dim the entry's last input, past_len, carries)."""
+    from blockforge.compile.decode.inplace import INPLACE_ENTRY, MAX_CAPACITY
+
+    ip = m["inplace"]
+    if not (isinstance(ip, dict) and set(ip) == {"function", "capacity", "dim"} and isinstance(ip["function"], str)
+            and isinstance(ip["dim"], str) and type(ip["capacity"]) is int):
+        raise _Refused("'inplace' must be an object with exactly 'function', 'dim' (strings) and 'capacity' (an integer)")
+    if ip["function"] != INPLACE_ENTRY:
+        raise _Refused(f"'inplace' function '{_printable(ip['function'])}' is not {INPLACE_ENTRY} (the only in-place "
+                       "entry a loader calls)")
+    if not 1 <= ip["capacity"] <= MAX_CAPACITY:
+        raise _Refused(f"'inplace' capacity {ip['capacity']} is not in [1, {MAX_CAPACITY}]")
+    if "step" not in m or not isinstance(m.get("decode"), dict):
+        raise _Refused("'inplace' needs 'step' and 'decode' (the step entry and the cache pairing)")
+    pairs = m["decode"].get("pairs")
+    first = pairs[0] if isinstance(pairs, list) and pairs and isinstance(pairs[0], dict) else {}
+    past = next((s for s in m["inputs"] if s["name"] == first.get("past")), None)
+    axis = first.get("axis")
+    if past is None or type(axis) is not int or not 0 <= axis < len(past["shape"]) or past["shape"][axis] != ip["dim"]:
+        raise _Refused(f"'inplace' dim '{_printable(ip['dim'])}' is not the past dim of the first cache input")
 
 
 def _is_count(v, limit: int) -> bool:

@@ -217,6 +217,10 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     if step is not None and not vm.module.implements_function(step):  # a manifest naming what is not there
         raise BlockforgeError(f"{artifact}: manifest.json's 'step' names function {step!r}, which {module} does "
                               "not have; refusing to run it")
+    inplace = (manifest.get("inplace") or {}).get("function")
+    if inplace is not None and not vm.module.implements_function(inplace):
+        raise BlockforgeError(f"{artifact}: manifest.json's 'inplace' names function {inplace!r}, which {module} "
+                              "does not have; refusing to run it")
     return LoadedModule(artifact, manifest, vm, dev, weights)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 
 import blockforge
-from blockforge.errors import BlockforgeError, error_line, raise_if_stopped
+from blockforge.errors import ArgumentError, BlockforgeError, error_line, raise_if_stopped
 from blockforge.fsutil import (INTO, TREE, Output, atomic_directory, atomic_write_bytes, check_outputs, json_bytes,
                                sha256_file)
 from blockforge.graph.shape import ShapeRequest
@@ -31,6 +31,7 @@ from blockforge.targets.toolchain import nvcc
 from blockforge.compile.artifact import manifest as manifest_io
 from blockforge.compile.artifact import weights as weights_io
 from blockforge.compile.decode import entries as decode_entries
+from blockforge.compile.decode import inplace as decode_inplace
 from blockforge.compile.decode import pairing as decode_pairing
 from blockforge.compile.records.reader import open_for_apply
 from blockforge.compile.session import open_model
@@ -47,6 +48,8 @@ class CompileOptions:
     use_tuning: bool = True
     precision: str = "fp32"  # targets.precision: what the GEMMs compute in
     step_entry: bool = True  # a decoder with symbolic seq: also `decode`, main at seq 1 (compile/decode/entries.py)
+    # rows of the preallocated cache: also `decode_inplace` (compile/decode/inplace.py); None: none
+    kv_capacity: int | None = None
     force: bool = False  # replace an existing output that is not a blockforge artifact (fsutil.check_outputs)
 
 
@@ -164,7 +167,25 @@ def _check_outputs(opts: CompileOptions, out) -> Path:
     return Path(out)
 
 
+def _inplace_plan(opts: CompileOptions, target: ResolvedTarget, step: str | None, ins, outs):
+    """(the past dim, the cache pairs as indices) for `kv_capacity`, or the reason it cannot be."""
+    decode_inplace.check_capacity(opts.kv_capacity)
+    if target.kind != "llvm":
+        raise ArgumentError(f"{{kv_capacity}}: the in-place cache is built for CPU targets only, not {target.name}",
+                            "kv_capacity")
+    pairing = decode_pairing.record([s.to_dict() for s in ins], [s.to_dict() for s in outs])
+    if step is None or pairing is None:
+        raise ArgumentError("{kv_capacity} needs a decoder with a KV cache compiled with seq symbolic and its step "
+                            "entry (not --no-step-entry)", "kv_capacity")
+    pairs = decode_inplace.cache_indices([s.to_dict() for s in ins], [s.to_dict() for s in outs], pairing)
+    first = pairing["pairs"][0]
+    dim = next(s for s in ins if s.name == first["past"]).dims[first["axis"]]
+    return dim, pairs
+
+
 def compile_model(opts: CompileOptions) -> CompileResult:
+    if opts.kv_capacity is not None:
+        decode_inplace.check_capacity(opts.kv_capacity)
     # The output policy first: a refused or unwritable output costs nothing, not even the
     # target's resolution (TVM's import); only the default output's name waits for it.
     if opts.output is not None:
@@ -178,9 +199,14 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     db, db_info = open_for_apply(target, opts.tuning_db) if opts.use_tuning else (None, None)
     step = decode_entries.token_dim([s.to_dict() for s in ins], [s.to_dict() for s in outs]) \
         if opts.step_entry else None
+    transform = None if step is None else lambda m: decode_entries.add_step_entry(m, step)
+    inplace = None
+    if opts.kv_capacity is not None:
+        inplace = _inplace_plan(opts, target, step, ins, outs)
+        transform = lambda m: decode_inplace.add_inplace_entry(decode_entries.add_step_entry(m, step), step,  # noqa: E731
+                                                               opts.kv_capacity, inplace[1])
     res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None,
-                        lift_weights=True,
-                        transform=None if step is None else lambda m: decode_entries.add_step_entry(m, step))
+                        lift_weights=True, transform=transform)
     session.forget_imports()  # res.weights holds what the executable needs; the rest of the Relax module goes
     with atomic_directory(dest, is_ours=manifest_io.is_artifact, what="artifact", force=opts.force) as tmp:
         files = {}
@@ -230,6 +256,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             manifest["decode"] = decode
         if step is not None:  # the decode step's own entry function (compile/decode/entries.py)
             manifest[decode_entries.KEY] = decode_entries.step_record(step)
+        if inplace is not None:  # the preallocated cache's entry (compile/decode/inplace.py)
+            manifest[decode_inplace.KEY] = decode_inplace.inplace_record(opts.kv_capacity, inplace[0])
         data = json_bytes(manifest)
         manifest_io.parse_manifest(data, f"{dest}/{manifest_io.NAME}")  # what the loaders will check, whole
         atomic_write_bytes(tmp / manifest_io.NAME, data)

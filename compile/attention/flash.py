@@ -72,11 +72,16 @@ class AttentionSpec:
     # torch's _safe_softmax (torch.export's decomposed SDPA): a row whose every score is -inf
     # comes out 0; a NaN or +inf score still gives NaN, as softmax does
     inf_rows_zero: bool = False
+    # A preallocated cache (compile/decode/inplace.py): K and V are buffers of this many rows
+    # on their s axis, of which the first Skv are read; Skv (symbolic) is then the kernel's
+    # last input, a scalar after the tensors. None: K and V hold exactly Skv rows.
+    kv_capacity: int | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
-        if not d["inf_rows_zero"]:  # written only when set: older specs (tuning records) keep their text
-            del d["inf_rows_zero"]
+        for k in ("inf_rows_zero", "kv_capacity"):  # written only when set: older specs (tuning records) keep their text
+            if not d[k]:
+                del d[k]
         return json.dumps(d, sort_keys=True)
 
     @staticmethod
@@ -91,6 +96,7 @@ class AttentionSpec:
         mask = "+".join(x for x in ("causal" if self.causal else "", "add" if self.add else "",
                                     "keep" if self.keep else "") if x) or "none"
         extra = (f" kv_heads={self.kv_heads}" if self.kv_heads else "") + \
+            (f" kv_capacity={self.kv_capacity}" if self.kv_capacity else "") + \
             (" nan-rows-zero" if self.nan_rows_zero else "") + (" inf-rows-zero" if self.inf_rows_zero else "")
         return (f"{self.dtype} q:{self.q} k:{self.k} v:{self.v} o:{self.o} h={self.heads} d={self.d} "
                 f"dv={self.dv} mask={mask}{extra}")
@@ -310,6 +316,9 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     B, Sq, Skv = dim(spec.batch, "batch"), dim(spec.sq, "seq"), dim(spec.skv, "kv_seq")
     if spec.same_len:
         Skv = Sq
+    if spec.kv_capacity is not None and (spec.skv is not None or spec.same_len or spec.kv_capacity < 1):
+        raise ValueError(f"kv_capacity needs a symbolic key length of its own: {spec.describe()}")
+    Cap = i64(spec.kv_capacity) if spec.kv_capacity is not None else Skv  # K's and V's rows (s axis)
     H = i64(spec.heads)
     Hk = i64(spec.kv_heads or spec.heads)
     group = spec.heads // (spec.kv_heads or spec.heads)  # query heads per key/value head
@@ -328,7 +337,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     def mask_at(dims, b, h, q, k):
         return [i64(0) if c == "1" else {"b": b, "h": h, "q": q, "k": k}[c] for c in dims]
 
-    kshape = [{"b": B, "h": Hk, "d": D, "s": Skv}[c] for c in spec.k]
+    kshape = [{"b": B, "h": Hk, "d": D, "s": Cap}[c] for c in spec.k]
 
     def kt_at(b, h, d, s):
         return [{"b": b, "h": h, "d": d, "s": s}[c] for c in spec.k]
@@ -359,9 +368,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
             T.func_name("fused_attention")
             Q = T.arg("q", T.buffer(shape(spec.q, Sq, D), spec.dtype))
             K = T.arg("k_t", T.buffer(kshape, spec.dtype))
-            V = T.arg("v", T.buffer(shape(spec.v, Skv, Dv, Hk), spec.dtype))
+            V = T.arg("v", T.buffer(shape(spec.v, Cap, Dv, Hk), spec.dtype))
             A = T.arg("add", T.buffer(mask_shape(spec.add), spec.add_dtype)) if spec.add else None
             M = T.arg("keep", T.buffer(mask_shape(spec.keep), "bool")) if spec.keep else None
+            if spec.kv_capacity is not None:  # the rows read: a scalar input (Relax passes a PrimValue)
+                T.arg("kv_seq", Skv)
             O = T.arg("out", T.buffer(shape(spec.o, Sq, Dv), spec.dtype))
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
                          KERNEL_ATTR + ".tiles": f"{qt}x{kt}", **({KERNEL_ATTR + ".bf16": True} if pairs else {})})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 
@@ -46,6 +47,10 @@ class _Rewrite:
             # one symbol per kernel: a model with several attention variants builds
             fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2, bf16=self.bf16,
                         gqa_rows=self.gqa_rows)
+            # what rebuilt_kernel needs to make this kernel again for another spec (the in-place cache)
+            fn = fn.with_attr(OPTIONS_ATTR, json.dumps({"tiles": list(tiles), "lanes": self.lanes, "balance": self.balance,
+                                                        "key_tail": self.key_tail, "exp2": self.exp2,
+                                                        "bf16": self.bf16, "gqa_rows": self.gqa_rows}))
             self.funcs[key] = add_kernel(self.bb, fn, f"fused_attention_{len(self.funcs)}")
         bf16 = " bf16" if self.bf16 and bf16_pairs(spec, tiles[1], self.lanes) else ""
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}{bf16}")
@@ -73,6 +78,18 @@ class _Rewrite:
         args = [q, kt, v] + [visit(x) for x in (g.first.add, g.first.keep) if x is not None]
         o = bb.emit(self.call(spec, args, [b, sq, h, sp.dv]))  # (B, S, h, d_v)
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
+
+
+OPTIONS_ATTR = KERNEL_ATTR + ".options"  # PrimFunc attr: kernel()'s arguments besides the spec (JSON)
+
+
+def rebuilt_kernel(func, spec: AttentionSpec):
+    """The fused kernel `func` (a PrimFunc this pass made) built again for `spec`, with the
+    tiles and options it was built with (compile/decode/inplace.py: the capacity-cache form)."""
+    o = json.loads(str(func.attrs[OPTIONS_ATTR]))
+    fn = kernel(spec, tuple(o["tiles"]), o["lanes"], o["balance"], o["key_tail"], exp2=o["exp2"], bf16=o["bf16"],
+                gqa_rows=o.get("gqa_rows", True))
+    return fn.with_attr(OPTIONS_ATTR, str(func.attrs[OPTIONS_ATTR]))
 
 
 def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,

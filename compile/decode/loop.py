@@ -5,7 +5,9 @@ Each call's present outputs become the next call's past inputs as the runtime's 
 language model (logits and input_ids) the argmax of the last row becomes the next input_ids,
 attention_mask grows by a column of ones and position_ids moves on by one. Other inputs stay
 as the prompt gave them. Call 1 runs the prompt (its past inputs may be left out: an empty
-cache, P = 0); calls 2..N run one step each.
+cache, P = 0); calls 2..N run one step each. An artifact with `decode_inplace` (compile
+--kv-capacity) runs calls 2..N there: the prompt's presents are copied once into buffers of the
+capacity's rows, which each step then extends in place (compile/decode/inplace.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from blockforge.errors import ArgumentError, BlockforgeError, error_line
 from blockforge.graph.model_io import MAX_BOUND_DIM, TensorSig, check_inputs
 
 from blockforge.compile.decode import entries
+from blockforge.compile.decode import inplace as inplace_entry
 from blockforge.compile.decode.inputs import check_mask_length
 from blockforge.compile.decode.pairing import DecodePairing, pairing_for_run
 
@@ -28,10 +31,15 @@ MAX_STEPS = 1 << 16
 @dataclass(frozen=True)
 class DecodeOptions:
     steps: int  # calls in all, the first on the prompt
+    # an artifact with `decode_inplace` (compile --kv-capacity): the steps after the prompt write
+    # one preallocated cache in place (compile/decode/inplace.py); False: the copying loop (A/B)
+    inplace: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
             raise ArgumentError(f"{{steps}} must be an integer in [1, {MAX_STEPS}], got {self.steps!r}", "steps")
+        if not isinstance(self.inplace, bool):
+            raise ArgumentError(f"{{inplace}} must be a bool, got {self.inplace!r}", "inplace")
 
 
 @dataclass(frozen=True)
@@ -150,13 +158,23 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
     step_at = entries.step_axis(in_sigs, entries.step_dim(mod.manifest))  # seq 1: the decode step's own entry
     step_fn = mod.vm[entries.STEP_ENTRY] if step_at is not None else None
     on_cpu = dev.dlpack_device_type() == 1  # kDLCPU
+    ip = _inplace_plan(mod, opts, pairing, step_at, args, host)
+    ip_fn = mod.vm[inplace_entry.INPLACE_ENTRY] if ip is not None else None
+    caps: dict | None = None  # past input -> its capacity buffer, from step 1 on
+    presents = {p.present for p in pairing.pairs}
     for step in range(opts.steps):
-        past_len = int(args[first.past].shape[first.axis])
+        past_len = int(args[first.past].shape[first.axis]) if caps is None else filled
         seq = int(np.shape(host[feed.input_ids])[1]) if feed else None
         fn = step_fn if step_at is not None and int(args[step_at[0]].shape[step_at[1]]) == 1 else main
+        if caps is not None:
+            fn = ip_fn
         t0 = time.perf_counter()
         try:
-            out = fn(*(args[s.name] for s in in_sigs), *mod.params)
+            if caps is None:
+                out = fn(*(args[s.name] for s in in_sigs), *mod.params)
+            else:
+                out = fn(*(caps.get(s.name, args[s.name]) for s in in_sigs), tvm.runtime.ShapeTuple([past_len]),
+                         *mod.params)
             if not on_cpu:  # the call may return before the kernels end
                 dev.sync()
         except Exception as e:
@@ -165,17 +183,33 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
         outs = dict(zip((s.name for s in out_sigs), out if len(out_sigs) > 1 else [out]))
         if len(outs) != len(out_sigs):
             raise BlockforgeError(f"compiled module returned {len(outs)} outputs, the model declares {len(out_sigs)}")
-        bound = {d: n for s in in_sigs for d, n in zip(s.dims, args[s.name].shape) if isinstance(d, str)}
-        check_outputs(out_sigs, {k: _Meta(v) for k, v in outs.items()}, bound)
+        if caps is None:
+            bound = {d: n for s in in_sigs for d, n in zip(s.dims, args[s.name].shape) if isinstance(d, str)}
+            check_outputs(out_sigs, {k: _Meta(v) for k, v in outs.items()}, bound)
+        else:  # the caches are the capacity buffers (checked by the entry); the rest as declared
+            bound = {d: n for s in in_sigs if s.name not in caps
+                     for d, n in zip(s.dims, args[s.name].shape) if isinstance(d, str)}
+            bound[ip] = past_len
+            check_outputs([s for s in out_sigs if s.name not in presents],
+                          {k: _Meta(v) for k, v in outs.items() if k not in presents}, bound)
         tok = None
         if feed:
             tok = _next_tokens(feed, host, outs[feed.logits].numpy())
             for n in fed:
                 args[n] = tvm.runtime.tensor(np.ascontiguousarray(host[n]), dev)
-        for p in pairing.pairs:  # the module's own present tensors become the next pasts
-            args[p.past] = outs[p.present]
+        if caps is None:
+            for p in pairing.pairs:  # the module's own present tensors become the next pasts
+                args[p.past] = outs[p.present]
+            grown = int(outs[first.present].shape[first.axis])
+        else:  # written in place: the same buffers, one row longer
+            grown = past_len + seq
+        if ip is not None and caps is None and step < opts.steps - 1:
+            # the prompt's cache into the capacity buffers, once (rows [0, grown)); every later
+            # step writes its row there (timed in this step's ms, not its call_ms)
+            caps = {p.past: _capacity_buffer(tvm, outs[p.present], p.axis, mod.manifest[inplace_entry.KEY]["capacity"],
+                                             dev) for p in pairing.pairs}
+        filled = grown
         t2 = time.perf_counter()
-        grown = int(outs[first.present].shape[first.axis])
         if seq is None:
             seq = grown - past_len
         if step == 0:  # later calls add 1 position (a token) or the prompt's length again
@@ -185,10 +219,44 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
                                     f"limit of {MAX_BOUND_DIM} for a symbolic dim", "steps")
         rec = StepRecord(step, past_len, seq, (t2 - t0) * 1e3, (t1 - t0) * 1e3,
                          tuple(int(t) for t in tok) if tok is not None else None,
-                         entries.STEP_ENTRY if fn is step_fn else "main")
+                         inplace_entry.INPLACE_ENTRY if fn is ip_fn and ip_fn is not None
+                         else entries.STEP_ENTRY if fn is step_fn else "main")
         result.steps.append(rec)
         if on_step:
             on_step(rec)
         if step == opts.steps - 1:
             result.outputs = {k: v.numpy() for k, v in outs.items()}
+            if fn is ip_fn and ip_fn is not None:  # the presents: the buffers' filled rows
+                for p in pairing.pairs:
+                    at = [slice(None)] * result.outputs[p.present].ndim
+                    at[p.axis] = slice(0, grown)
+                    result.outputs[p.present] = np.ascontiguousarray(result.outputs[p.present][tuple(at)])
     return result
+
+
+def _inplace_plan(mod, opts: DecodeOptions, pairing: DecodePairing, step_at, args: dict, host: dict) -> str | None:
+    """The past dim when the steps after the prompt run `decode_inplace` (the artifact has it,
+    opts.inplace, a language model: one token per step), else None. A loop that would outgrow
+    the capacity is refused before it runs."""
+    rec = mod.manifest.get(inplace_entry.KEY)
+    if rec is None or not opts.inplace or step_at is None or pairing.tokens is None or opts.steps < 2:
+        return None
+    first = pairing.pairs[0]
+    final = int(args[first.past].shape[first.axis]) + int(np.shape(host[pairing.tokens.input_ids])[1]) + opts.steps - 1
+    if final > rec["capacity"]:
+        raise ArgumentError(f"{{steps}} {opts.steps} would fill {final} positions of the cache, past the artifact's "
+                            f"in-place capacity of {rec['capacity']} (compile --kv-capacity): fewer steps, a larger "
+                            "capacity, or the copying loop (run --copy-cache)", "steps")
+    return rec["dim"]
+
+
+def _capacity_buffer(tvm, present, axis: int, capacity: int, dev):
+    """A capacity buffer holding `present` in its first rows along `axis` (the rest zero)."""
+    a = present.numpy()
+    shape = list(a.shape)
+    filled, shape[axis] = shape[axis], capacity
+    buf = np.zeros(shape, a.dtype)
+    at = [slice(None)] * a.ndim
+    at[axis] = slice(0, filled)
+    buf[tuple(at)] = a
+    return tvm.runtime.tensor(buf, dev)

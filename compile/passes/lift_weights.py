@@ -21,6 +21,7 @@ from dataclasses import dataclass
 LIFT_MIN_BYTES = 1024
 ENTRY = "main"
 STEP_ENTRY = "decode"  # = compile.decode.entries.STEP_ENTRY (passes import nothing from compile.decode)
+INPLACE_ENTRY = "decode_inplace"  # = compile.decode.inplace.INPLACE_ENTRY
 
 
 @dataclass
@@ -43,10 +44,11 @@ def _content_key(const) -> tuple:
     return (str(t.dtype), tuple(int(d) for d in t.shape), hashlib.blake2b(t.numpy().tobytes()).digest())
 
 
-def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES, entries: tuple[str, ...] = (ENTRY, STEP_ENTRY)):
+def lift_weights_pass(out: list, min_bytes: int = LIFT_MIN_BYTES, entries: tuple[str, ...] = (ENTRY, STEP_ENTRY, INPLACE_ENTRY)):
     """A module pass: the constants of `main` of at least min_bytes become its trailing
     parameters w0, w1, ... (first use first), appended to `out` as LiftedWeight. Further entries
-    present (`decode`, compile/decode/entries.py: main specialised at seq 1) take the same
+    present (`decode`, compile/decode/entries.py: main specialised at seq 1; `decode_inplace`,
+    compile/decode/inplace.py) take the same
     parameter list: their constants are main's by content (each function's passes made their
     own prepacked copy), one more parameter of every entry where none is."""
     import tvm

@@ -440,7 +440,10 @@ def qkv_heads_pass(lanes: int = 16) -> tvm.transform.Pass:
             groups = _Plan(func).groups()
             if not groups:
                 continue
-            m.plan, m.hoist, m.hoisted = {}, {}, set()
+            # per function: `emitted` is keyed by id(group), and a freed group's id may come back
+            # for the next function's group (then its kernel call would be another function's var:
+            # "Var lv is not defined" with a third entry, compile/decode/inplace.py)
+            m.plan, m.hoist, m.hoisted, m.emitted = {}, {}, set(), {}
             bindings = {b.var: b for blk in func.body.blocks for b in blk.bindings}
             for g in groups:
                 x, outs, pairs, shapes, sinks, hoist = g

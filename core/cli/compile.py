@@ -20,6 +20,10 @@ def add(sub) -> None:
     p.add_argument("--no-step-entry", action="store_true",
                    help="a decoder compiled with seq symbolic: no `decode` entry for the seq-1 steps (a shorter "
                         "build; every call runs main)")
+    p.add_argument("--kv-capacity", type=int, default=None, metavar="ROWS",
+                   help="a decoder compiled with seq symbolic: also `decode_inplace`, the step on a preallocated "
+                        "cache of ROWS positions written in place (no copy of the cache per step); `run --decode` "
+                        "uses it")
     p.set_defaults(func=run)
 
 
@@ -29,13 +33,17 @@ def run(a) -> int:
     res = compile_model(CompileOptions(
         model=a.model, target=a.target, shape=shape(a), output=a.output,
         dump_ir=a.dump_ir, tuning_db=path_or_none(a.tuning_db, "--tuning-db"), use_tuning=not a.no_tuning,
-        precision=a.precision, force=a.force, step_entry=not a.no_step_entry))
+        precision=a.precision, force=a.force, step_entry=not a.no_step_entry,
+        kv_capacity=a.kv_capacity))
     m = res.manifest
     size = (res.artifact / m["module"]).stat().st_size
     print(f"compiled {a.model} for {res.target.name} -> {res.artifact}/ (module.so {size / 2**20:.1f} MiB, "
           f"phases: {' > '.join(m['phases'])}{', precision ' + m['precision'] if m['precision'] != 'fp32' else ''})")
     if m.get("step"):
         print(f"decode steps ({m['step']['dim']} = 1) run the entry {m['step']['function']}; the prompt runs main")
+    if m.get("inplace"):
+        print(f"in-place cache: {m['inplace']['capacity']} positions, steps of `run --decode` run "
+              f"{m['inplace']['function']}")
     if m.get("tuning"):
         t = m["tuning"]
         kept = [k for k in t["kept_default"] if k not in t["missing"]]

@@ -24,6 +24,9 @@ def add(sub) -> None:
                         "(the pairing recorded in the manifest); for a model with logits and input_ids the argmax "
                         "token is appended (greedy). Past inputs left out of --inputs start empty")
     p.add_argument("--json", default=None, help="with --decode: per-token latency and the tokens as JSON here")
+    p.add_argument("--copy-cache", action="store_true",
+                   help="with --decode on an artifact compiled with --kv-capacity: the copying loop (each step's "
+                        "presents fed back), not the in-place cache")
     add_force(p)
     p.set_defaults(func=run)
 
@@ -64,7 +67,7 @@ def run(a) -> int:
         if a.json is not None:
             raise BlockforgeError("--json is for --decode")
     else:
-        DecodeOptions(a.decode)  # the range check before anything is loaded
+        DecodeOptions(a.decode, inplace=not a.copy_cache)  # the range check before anything is loaded
     check_outputs(a, [a.artifact, a.inputs], output=a.output, json=a.json)
     inputs = load_npz(a.inputs)
     mod = load_artifact(a.artifact)
@@ -102,7 +105,7 @@ def run_decode(a, mod, inputs: dict) -> dict:
         print(f"{what:>9}: past {r.past:>5} + {r.seq}  {r.ms:8.3f} ms (call {r.call_ms:.3f} ms){tok}", flush=True)
 
     # not under native_output_to_log: that redirects stdout, where each step's line goes as it runs
-    res = decode(mod, inputs, DecodeOptions(a.decode), on_step=line)
+    res = decode(mod, inputs, DecodeOptions(a.decode, inplace=not a.copy_cache), on_step=line)
     d = res.to_dict()
     if d["step_ms_mean"] is not None:
         print(f"{len(res.steps) - 1} steps after the prompt: {d['step_ms_mean']:.3f} ms/token "
