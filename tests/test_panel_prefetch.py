@@ -1,6 +1,6 @@
 """The CPU matmul's micro-tile prefetches the next weight panel (compile/passes/panel_prefetch.py,
-ablation `panel-prefetch`): for tile (panel jo, row tile io), each k step prefetches line
-io mod (NR / 16) of row k of panel min(jo + 1, last). Fixed target (AVX-512, 2 cores) and
+ablation `panel-prefetch`): for tile (panel jo, row tile io < NR / 16), each k step prefetches
+line io of row k of panel min(jo + 1, last); the later row tiles prefetch nothing. Fixed target (AVX-512, 2 cores) and
 the kernel built from te, as tests/test_row_tiles.py does; the numbers against ONNX Runtime."""
 
 from __future__ import annotations
@@ -64,13 +64,15 @@ def _eval(expr, values):
 
 def test_each_tile_prefetches_a_line_of_the_next_panel_in_its_k_loop():
     """50 rows (CLIP's tokens): 9 row tiles of 6 per panel, 3 panels; the prefetch sits in the
-    k loop in front of the micro-tile's row loop and reads wp[min(jo + 1, 2), k, io % 4 * 16]."""
+    k loop in front of the micro-tile's row loop, under `io < 4`, and reads wp[min(jo + 1, 2), k, io * 16]."""
     func = _scheduled(50)
     pfs = _prefetches(func)
     assert len(pfs) == 1, func
     assert not _annotated(func), "the mark is consumed"
     # where: a SeqStmt [prefetch, the unrolled MR-row loop] inside the k loop
-    seqs = [s for s in _all(func.body, tirx.SeqStmt) if any(x.same_as(pfs[0]) for x in s.seq)]
+    guards = [s for s in _all(func.body, tirx.IfThenElse) if s.then_case.same_as(pfs[0])]
+    assert len(guards) == 1 and guards[0].else_case is None
+    seqs = [s for s in _all(func.body, tirx.SeqStmt) if any(x.same_as(guards[0]) for x in s.seq)]
     assert len(seqs) == 1
     rows = seqs[0].seq[1]
     assert isinstance(rows, tirx.For) and rows.kind == tirx.ForKind.UNROLLED and int(rows.extent) == MR
@@ -89,6 +91,7 @@ def test_each_tile_prefetches_a_line_of_the_next_panel_in_its_k_loop():
         for k in (0, 7, K - 1):
             vals = {par.loop_var.name: f, **{name: 0 for name in ks}}
             vals[ks[-1]] = k  # the innermost serial loop holding it is k (K = 64: not split by K_BLOCK)
+            assert _eval(guards[0].condition, vals) == (io < 4), (f, guards[0].condition)
             got = [_eval(i, vals) for i in load.indices]
             assert got == [min(jo + 1, PANELS - 1), k, io % 4 * 16], (f, k, got)
 
