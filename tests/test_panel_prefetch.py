@@ -1,5 +1,5 @@
 """The CPU matmul's micro-tile prefetches the next weight panel (compile/passes/panel_prefetch.py,
-ablation `panel-prefetch`): for tile (panel jo, row tile io < NR / 16), each k step prefetches
+opt-in BLOCKFORGE_PANEL_PREFETCH=1, ablation `panel-prefetch`): for tile (panel jo, row tile io < NR / 16), each k step prefetches
 line io of row k of panel min(jo + 1, last); the later row tiles prefetch nothing. Fixed target (AVX-512, 2 cores) and
 the kernel built from te, as tests/test_row_tiles.py does; the numbers against ONNX Runtime."""
 
@@ -123,21 +123,29 @@ def _relax_gemm(m, k, n, w):
     return bb.get()
 
 
-@pytest.mark.parametrize("without", [frozenset(), frozenset({"panel-prefetch"})])
-def test_the_ablation_reaches_the_pipeline(without):
+@pytest.mark.parametrize("on, without, want", [("1", frozenset(), 1), ("1", frozenset({"panel-prefetch"}), 0),
+                                                ("0", frozenset(), 0), (None, frozenset(), 0)])
+def test_opt_in_and_the_ablation_reach_the_pipeline(monkeypatch, on, without, want):
+    """On with BLOCKFORGE_PANEL_PREFETCH=1 (off by default), the ablation still takes it out."""
     from blockforge.compile.pipeline import run_phases
     from blockforge.targets import resolve
 
+    if on is None:
+        monkeypatch.delenv("BLOCKFORGE_PANEL_PREFETCH", raising=False)
+    else:
+        monkeypatch.setenv("BLOCKFORGE_PANEL_PREFETCH", on)
     w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
     mod, _ = run_phases(_relax_gemm(50, 64, 256, w), resolve("host"), without=without)
-    n = sum(len(_prefetches(f)) for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc))
-    assert n == (0 if without else 1)
+    funcs = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    assert sum(len(_prefetches(f)) for f in funcs) == want
+    assert not any(_annotated(f) for f in funcs), "no mark reaches lowering"
 
 
 @pytest.mark.parametrize("m, k, n", [(50, 768, 256), (7, 96, 4 * 64 + 17)])
-def test_numbers_against_onnxruntime(m, k, n):
+def test_numbers_against_onnxruntime(monkeypatch, m, k, n):
     """Prefetching changes no result: 50 x 768 x 256 (+ bias) and a padded N, against ORT."""
     ort = pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("BLOCKFORGE_PANEL_PREFETCH", "1")
     from blockforge.compile.onnx_backend import BlockforgeBackend
 
     rng = np.random.default_rng(m)

@@ -10,12 +10,18 @@ panel's compute, and a whole model's weights (CLIP: 352 MB) do not stay in any c
 
 Here every k step of row tile io < NR/16 also prefetches one 64-byte line of row k of panel
 jo + 1 (line io): after NR/16 tiles the next panel is in flight in full, while this one
-computes; the later tiles prefetch nothing. The loop CPUMatmul marks (PREFETCH_LOOP, the micro-tile's row loop) gets the
-prefetch in front of it; the weight's indices are the matmul block's own, with the row and
-column of the tile's first element.
+computes; the later tiles prefetch nothing. The loop CPUMatmul marks (PREFETCH_LOOP, the
+micro-tile's row loop) gets the prefetch in front of it; the weight's indices are the matmul
+block's own, with the row and column of the tile's first element.
 
-Measured (2-core Zen 5, loaded machine, interleaved; /tmp numbers in the commit message and
-README): see PREFETCH_LOOP's users and benchmarks/vit_gemm.py --cold.
+Off by default (settings.panel_prefetch; BLOCKFORGE_PANEL_PREFETCH=1 turns it on): not yet
+measured on a quiet machine. On this 2-core Zen 5 at load 11-13 (SGEMM 46-65 GFLOP/s of a
+quiet 409), whole-model A/Bs, the build with it over the build without
+(BLOCKFORGE_PANEL_PREFETCH=1 benchmarks/whole_ab.py MODEL --ab panel-prefetch): CLIP ViT-B/32,
+one core, thread CPU time: every row tile prefetching 0.944, 0.950; the first NR/16 only (this
+code) 1.023, 0.954; two threads, wall: 0.980 (every tile), 1.109 (this code). ViT-B/16 one
+core 1.033 (every tile), 0.973 (this code); BERT-base 0.962, 1.018. Within the noise of such a
+machine: a quiet pass decides whether it goes on by default.
 """
 
 from __future__ import annotations
