@@ -187,8 +187,8 @@ def matvec() -> bool:
 
 
 def panel_prefetch() -> bool:
-    # Off by default: on the loaded 2-core Zen 5 (SGEMM 46-65 GFLOP/s of a quiet 409) CLIP
-    # ViT-B/32 A/Bs ranged 0.94x-1.11x of the build without; kept for a quiet pass to decide.
+    # Off by default: on the loaded 2-core Zen 5 (SGEMM 46-111 GFLOP/s of a quiet 409) CLIP
+    # ViT-B/32 A/Bs ranged 0.94x-1.15x of the build without; kept for a quiet pass to decide.
     return _flag(PANEL_PREFETCH, False)
 
 

@@ -15,11 +15,11 @@ micro-tile's row loop) gets the prefetch in front of it; the weight's indices ar
 block's own, with the row and column of the tile's first element.
 
 Off by default (settings.panel_prefetch; BLOCKFORGE_PANEL_PREFETCH=1 turns it on): not yet
-measured on a quiet machine. On this 2-core Zen 5 at load 11-13 (SGEMM 46-65 GFLOP/s of a
+measured on a quiet machine. On this 2-core Zen 5 at load 7-13 (SGEMM 46-111 GFLOP/s of a
 quiet 409), whole-model A/Bs, the build with it over the build without
 (BLOCKFORGE_PANEL_PREFETCH=1 benchmarks/whole_ab.py MODEL --ab panel-prefetch): CLIP ViT-B/32,
 one core, thread CPU time: every row tile prefetching 0.944, 0.950; the first NR/16 only (this
-code) 1.023, 0.954; two threads, wall: 0.980 (every tile), 1.109 (this code). ViT-B/16 one
+code) 1.023, 0.954; two threads, wall: 0.980 (every tile), 1.109, 0.970, 1.151 (this code). ViT-B/16 one
 core 1.033 (every tile), 0.973 (this code); BERT-base 0.962, 1.018. Within the noise of such a
 machine: a quiet pass decides whether it goes on by default.
 """
