@@ -41,6 +41,9 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
+    "panel-prefetch": "the CPU matmul's micro-tile prefetching the next weight panel, a line per k step, where "
+                      "BLOCKFORGE_PANEL_PREFETCH=1 turns it on (compile/passes/panel_prefetch.py; left out: the "
+                      "hardware prefetcher alone)",
     "row-tiles": "packed matmuls whose static M no row tile divides (ViT's 197) computed over whole tiles and "
                  "cropped (left out: the last tile's row guard in every tile's k loop)",
     "attention-qtile": "the fused attention kernel's query tiles balanced at a static Sq no tile divides (ViT's "
@@ -237,8 +240,12 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
 
     from blockforge.compile.conv.schedule import CPUIm2col
 
+    from blockforge.compile.schedule.matmul import CPUMatmul
+
     rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))
              and not (isinstance(r, CPUMatvec) and ("matvec" in without or not settings.matvec()))]
+    if "panel-prefetch" in without or not settings.panel_prefetch():
+        rules = [CPUMatmul(prefetch=False) if isinstance(r, CPUMatmul) else r for r in rules]
     return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
 
 
@@ -253,7 +260,11 @@ def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Ca
             from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
 
             import_tensor_intrinsics()
-        return [dl.ApplyDefaultSchedule(*default_rules(target, without, int8))]
+        from blockforge.compile.passes.panel_prefetch import panel_prefetch
+
+        return [dl.ApplyDefaultSchedule(*default_rules(target, without, int8)),
+                *([] if target.is_gpu else
+                  [panel_prefetch("panel-prefetch" not in without and settings.panel_prefetch())])]
     return passes
 
 

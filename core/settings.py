@@ -14,6 +14,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `BLOCKFORGE_MATVEC` | `0` | `1` schedules packed matmuls of <= 4 rows with CPUMatvec (compile/schedule/matvec.py) instead of CPUMatmul |
+| `BLOCKFORGE_PANEL_PREFETCH` | `0` | `1` has CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
 
@@ -37,6 +38,7 @@ MAX_TENSOR = "BLOCKFORGE_MAX_TENSOR_GB"
 PREPACK = "BLOCKFORGE_PREPACK"
 FUSE_ATTENTION = "BLOCKFORGE_FUSE_ATTENTION"
 MATVEC = "BLOCKFORGE_MATVEC"
+PANEL_PREFETCH = "BLOCKFORGE_PANEL_PREFETCH"
 
 # Measured: TVM's pool starts one thread on these VMs and runtime.config_threadpool does
 # not change it; the variable does (a 128x768x3072 GEMM: 252 GFLOP/s with 1, 516 with 2).
@@ -184,6 +186,12 @@ def matvec() -> bool:
     return _flag(MATVEC, False)
 
 
+def panel_prefetch() -> bool:
+    # Off by default: on the loaded 2-core Zen 5 (SGEMM 46-111 GFLOP/s of a quiet 409) CLIP
+    # ViT-B/32 A/Bs ranged 0.94x-1.15x of the build without; kept for a quiet pass to decide.
+    return _flag(PANEL_PREFETCH, False)
+
+
 def physical_cores() -> int:
     """Physical cores of this machine (TVM's pool and ORT's intra-op threads use as many)."""
     try:
@@ -210,6 +218,7 @@ def documented() -> dict[str, str]:
             PREPACK: "1" if prepack() else "0",
             FUSE_ATTENTION: "1" if fuse_attention() else "0",
             MATVEC: "1" if matvec() else "0",
+            PANEL_PREFETCH: "1" if panel_prefetch() else "0",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
+from blockforge.compile.passes.panel_prefetch import PREFETCH_LOOP
 from blockforge.compile.schedule.base import CPURule, K_BLOCK, MR, NR_VECS, PARTITION_HINT, block_alive, const_int, log_skip, schedule_elementwise, single_reduction, target_cores, vector_lanes, vectorize_inner
 
 
@@ -88,7 +89,13 @@ def fold_into_writeback(sch, epilogue, rule: str, func, mm=None) -> None:
 
 
 class CPUMatmul(CPURule):
-    """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile."""
+    """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile.
+    prefetch: a prepacked GEMM's micro-tile marked for passes/panel_prefetch.py (False:
+    ablation `panel-prefetch`)."""
+
+    def __init__(self, prefetch: bool = True):
+        super().__init__()
+        self.prefetch = prefetch
 
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         mm, blocks = single_reduction(sch)
@@ -158,6 +165,10 @@ class CPUMatmul(CPURule):
         # Vectorize and parallelize while the update is still a complete reduction block.
         sch.vectorize(ji)
         sch.unroll(ii)
+        if packed_nr and n is not None and not m_sym and self.prefetch \
+                and "conv_panel_width" not in sch.get(mm).annotations:
+            # the next weight panel prefetched from this micro-tile's k loop (passes/panel_prefetch.py)
+            sch.annotate(ii, PREFETCH_LOOP, nr)
         vectorize_inner(sch, acc, nr)
         if n is None or m_sym:
             par = sch.fuse(*batch, outer[0]) if batch else outer[0]
