@@ -12,7 +12,8 @@ from tvm import te
 from tvm.s_tir import meta_schedule as ms
 
 from blockforge.targets import resolve
-from blockforge.tune.builder import BUILDS_PER_WORKER, reuse_workers
+from blockforge.settings import reuse_build_workers
+from blockforge.tune.builder import BUILDS_PER_WORKER
 from blockforge.tune.jobs import make_builder
 
 HOST = resolve("host")
@@ -73,8 +74,8 @@ def test_a_failed_build_is_an_error_result_and_the_next_build_works(tmp_path, mo
 
 def test_fresh_is_tvms_local_builder(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKFORGE_BUILDER", "fresh")
-    assert not reuse_workers()
+    assert not reuse_build_workers()
     assert type(make_builder(HOST, str(tmp_path))).__name__ == "LocalBuilder"
     monkeypatch.setenv("BLOCKFORGE_BUILDER", "sometimes")
     with pytest.raises(ValueError, match="BLOCKFORGE_BUILDER"):
-        reuse_workers()
+        reuse_build_workers()

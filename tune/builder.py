@@ -13,24 +13,14 @@ BUILDS_PER_WORKER builds (PopenWorker's maximum_process_uses), four times what a
 did in one of LocalBuilder's 32-candidate batches on 2 cores. A build past the timeout
 kills its worker and the next build starts a new one, as in LocalBuilder.
 
-BLOCKFORGE_BUILDER=fresh builds with TVM's LocalBuilder instead (the before/after).
+BLOCKFORGE_BUILDER=fresh (core/settings.py) builds with TVM's LocalBuilder instead (the before/after).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 BUILDS_PER_WORKER = 64
-ENV = "BLOCKFORGE_BUILDER"
-
-
-def reuse_workers() -> bool:
-    """False under BLOCKFORGE_BUILDER=fresh (TVM's LocalBuilder: new workers per build call)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value not in ("", "reuse", "fresh"):
-        raise ValueError(f"{ENV}={value!r}: expected 'reuse' (the default) or 'fresh'")
-    return value != "fresh"
 
 
 def job_builder(*, max_workers: int, timeout_sec: float, f_build=None, f_export=None,

@@ -29,11 +29,11 @@ from blockforge.errors import ArgumentError, BlockforgeError, raise_if_stopped
 from blockforge.fsutil import INTO, Output, atomic_write_json, check_outputs, private_temp_root
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
-from blockforge.settings import physical_cores
+from blockforge.settings import physical_cores, reuse_build_workers
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import cpu_id
 
-from .builder import job_builder, reuse_workers
+from .builder import job_builder
 from .database import DeviceDB
 from .int8_tiles import LEDGER_KEY as INT8_TILES
 from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
@@ -202,7 +202,7 @@ def make_builder(target: ResolvedTarget, tmp_root: str):
         f_export, timeout = partial(export_local, tmp_root), BUILD_TIMEOUT_S
     # One pool of build workers for the job (tune/builder.py: a fresh worker imports TVM,
     # ~3.3 s of CPU, and LocalBuilder starts new ones for every batch); BLOCKFORGE_BUILDER=fresh: LocalBuilder.
-    cls = job_builder if reuse_workers() else ms.builder.LocalBuilder
+    cls = job_builder if reuse_build_workers() else ms.builder.LocalBuilder
     return cls(f_build=f_build, f_export=f_export, max_workers=physical_cores(), timeout_sec=timeout)
 
 
