@@ -5,10 +5,12 @@ LocalBuilder starts a new pool for every build() call (one search iteration, one
 tile candidate) and one more for its sanity check, and every new worker is a fresh Python
 that imports TVM: ~3.3 s of CPU before it builds anything (`python -c "import tvm"`, this
 Zen 5 VM). Measured with strace on one tune of a small FFN (2 tasks, 2 trials per task in
-1-trial rounds, --no-measure: the fault tests' job): 8 worker processes started, 7 of them
-builders (the sanity check, 2 seeds, 4 rounds), ~23 s of its ~45 s of user CPU. Here the pool
-lives as long as the job: one builder worker for those 7 builds. TVM restarts its pool for
-"a memory leak after a couple of uses" of a worker; each worker here is replaced after
+1-trial rounds, --no-measure: the fault tests' job): LocalBuilder's job started 8 worker
+processes and took 59.6 s of CPU (user + sys, strace's overhead in it); with this pool, 2
+workers and 37.0 s. Side by side in the test suite (README, sixth pass): test_tune.py +
+test_tune_faults.py 319 -> 223 s of CPU. Here the pool lives as long as the job (one
+builder worker for that job's builds). TVM restarts its pool for "a memory leak after a
+couple of uses" of a worker; each worker here is replaced after
 BUILDS_PER_WORKER builds (PopenWorker's maximum_process_uses), four times what a worker
 did in one of LocalBuilder's 32-candidate batches on 2 cores. A build past the timeout
 kills its worker and the next build starts a new one, as in LocalBuilder.
