@@ -15,6 +15,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `BLOCKFORGE_MATVEC` | `0` | `1` schedules packed matmuls of <= 4 rows with CPUMatvec (compile/schedule/matvec.py) instead of CPUMatmul |
 | `BLOCKFORGE_PANEL_PREFETCH` | `0` | `1` has CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py) |
+| `BLOCKFORGE_BUILDER` | `reuse` | `fresh` builds tuning candidates with TVM's LocalBuilder (new worker processes per build call) instead of one pool per job (tune/builder.py; for A/B measurements) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
 
@@ -39,6 +40,7 @@ PREPACK = "BLOCKFORGE_PREPACK"
 FUSE_ATTENTION = "BLOCKFORGE_FUSE_ATTENTION"
 MATVEC = "BLOCKFORGE_MATVEC"
 PANEL_PREFETCH = "BLOCKFORGE_PANEL_PREFETCH"
+BUILDER = "BLOCKFORGE_BUILDER"
 
 # Measured: TVM's pool starts one thread on these VMs and runtime.config_threadpool does
 # not change it; the variable does (a 128x768x3072 GEMM: 252 GFLOP/s with 1, 516 with 2).
@@ -192,6 +194,14 @@ def panel_prefetch() -> bool:
     return _flag(PANEL_PREFETCH, False)
 
 
+def reuse_build_workers() -> bool:
+    """False under BLOCKFORGE_BUILDER=fresh (TVM's LocalBuilder: new workers per build call)."""
+    value = os.environ.get(BUILDER, "").strip().lower()
+    if value not in ("", "reuse", "fresh"):
+        raise ValueError(f"{BUILDER}={value!r}: expected 'reuse' (the default) or 'fresh'")
+    return value != "fresh"
+
+
 def physical_cores() -> int:
     """Physical cores of this machine (TVM's pool and ORT's intra-op threads use as many)."""
     try:
@@ -219,6 +229,7 @@ def documented() -> dict[str, str]:
             FUSE_ATTENTION: "1" if fuse_attention() else "0",
             MATVEC: "1" if matvec() else "0",
             PANEL_PREFETCH: "1" if panel_prefetch() else "0",
+            BUILDER: "reuse" if reuse_build_workers() else "fresh",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}
 

@@ -29,10 +29,11 @@ from blockforge.errors import ArgumentError, BlockforgeError, raise_if_stopped
 from blockforge.fsutil import INTO, Output, atomic_write_json, check_outputs, private_temp_root
 from blockforge.graph.model_io import random_inputs
 from blockforge.logs import native_output_to_log
-from blockforge.settings import physical_cores
+from blockforge.settings import physical_cores, reuse_build_workers
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import cpu_id
 
+from .builder import job_builder
 from .database import DeviceDB
 from .int8_tiles import LEDGER_KEY as INT8_TILES
 from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
@@ -196,10 +197,13 @@ def make_builder(target: ResolvedTarget, tmp_root: str):
 
     f_build = build_cpu if target.kind == "llvm" else None
     if target.cross_compiler:
-        return ms.builder.LocalBuilder(f_build=f_build, f_export=partial(export_cross, target.cross_compiler, tmp_root),
-                                       max_workers=physical_cores(), timeout_sec=CROSS_BUILD_TIMEOUT_S)
-    return ms.builder.LocalBuilder(f_build=f_build, f_export=partial(export_local, tmp_root),
-                                   max_workers=physical_cores(), timeout_sec=BUILD_TIMEOUT_S)
+        f_export, timeout = partial(export_cross, target.cross_compiler, tmp_root), CROSS_BUILD_TIMEOUT_S
+    else:
+        f_export, timeout = partial(export_local, tmp_root), BUILD_TIMEOUT_S
+    # One pool of build workers for the job (tune/builder.py: a fresh worker imports TVM,
+    # ~3.3 s of CPU, and LocalBuilder starts new ones for every batch); BLOCKFORGE_BUILDER=fresh: LocalBuilder.
+    cls = job_builder if reuse_build_workers() else ms.builder.LocalBuilder
+    return cls(f_build=f_build, f_export=f_export, max_workers=physical_cores(), timeout_sec=timeout)
 
 
 def measure_latency_ms(executable, session: Session, repeat: int = MODEL_REPEAT) -> float:
@@ -456,7 +460,7 @@ def _search(job: _Job, term) -> None:
     # The job's temporary root is TMPDIR for this process and the builder/runner workers:
     # candidates, TVM's own tmp* export directories and the compilers' files land in it,
     # and it goes when the job ends, however it ends.
-    started, runner = time.time(), None
+    started, runner, builder = time.time(), None, None
     with private_temp_root("blockforge-tune-") as tmp_root:
         try:
             runner = make_runner(opts, job.session.target, job.n_servers)
@@ -480,6 +484,8 @@ def _search(job: _Job, term) -> None:
         finally:
             if bar:
                 bar.close()
+            if getattr(builder, "reuses_workers", False):
+                builder.close()
             _end_workers(runner, started)
             job.db.salvage()  # interrupted (Ctrl-C, error): keep whatever the current round finished
 

@@ -21,10 +21,23 @@ timeout 1500 $NB $PY benchmarks/whole_models.py --cache-dir /tmp/peertable/cache
 echo "== load: $(cat /proc/loadavg)"; ceiling
 } 2>&1 | tee $OUT/whole.log
 {
+C=/tmp/peertable/cache
+echo "== panel-prefetch A/B (opt-in: BLOCKFORGE_PANEL_PREFETCH=1), both build orders on CLIP $(date -u) load: $(cat /proc/loadavg)"
+BLOCKFORGE_PANEL_PREFETCH=1 timeout 400 $NB $PY benchmarks/whole_ab.py $C/clip_vision-*/clip_vision.onnx --dims s33=1 --ab panel-prefetch --repeat 20 --no-peers
+BLOCKFORGE_PANEL_PREFETCH=1 timeout 400 $NB $PY benchmarks/whole_ab.py $C/clip_vision-*/clip_vision.onnx --dims s33=1 --ab panel-prefetch --repeat 20 --no-peers --without-first
+BLOCKFORGE_PANEL_PREFETCH=1 timeout 400 $NB $PY benchmarks/whole_ab.py $C/vit_b16-*/vit_b16.onnx --dims s33=1 --ab panel-prefetch --repeat 10 --no-peers
+BLOCKFORGE_PANEL_PREFETCH=1 timeout 400 $NB $PY benchmarks/whole_ab.py $C/bert_base-*/bert_base.onnx --dims s33=1,s50=128,s6=1 --ab panel-prefetch --repeat 10 --no-peers
+echo "== load: $(cat /proc/loadavg)"; ceiling
+} 2>&1 | tee $OUT/prefetch.log
+{
 echo "== decode fp32 GPT-2 small $(date -u) load: $(cat /proc/loadavg)"; ceiling
 timeout 900 $NB $BF bench /tmp/mv/models/gpt2_past_legacy_op17.onnx --decode --past 128,512 --prompt 128 --json $OUT/decode_gpt2.json
 echo "== decode fp32 Llama GQA $(date -u) load: $(cat /proc/loadavg)"
 timeout 900 $NB $BF bench /tmp/mv/models/llama_past_legacy_op17.onnx --decode --past 128,512 --prompt 128 --json $OUT/decode_llama.json
+for m in gpt2 llama; do
+echo "== decode, in-place cache (capacity 1024) vs the copying loop vs the bare step, $m $(date -u) load: $(cat /proc/loadavg)"
+TVM_NUM_THREADS=2 timeout 900 $NB $PY benchmarks/decode_inplace.py --artifact /tmp/lead/${m}_inplace.host --model /tmp/mv/models/${m}_past_legacy_op17.onnx --past 128,512
+done
 echo "== load: $(cat /proc/loadavg)"; ceiling
 } 2>&1 | tee $OUT/decode.log
 {
