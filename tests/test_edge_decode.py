@@ -178,3 +178,42 @@ def test_step_entry_in_the_manifest(block_pkg, tmp_path):
     errs = [ln for ln in res.stderr.splitlines() if ln.startswith("edge_app: error:")]
     assert res.returncode == 2 and len(errs) == 1, res.stdout + res.stderr
     assert "manifest.json's 'step' names function 'decode', which module.so does not have" in errs[0], errs
+
+
+@pytest.mark.parametrize("model", ["gpt2_past", "llama_past"])
+def test_inplace_cache_loop(tmp_path, model):
+    """An artifact compiled with --kv-capacity (manifest 'inplace'): the app copies the prompt's
+    cache into capacity buffers once and runs every later step through decode_inplace (each
+    writes only its row); the tokens are ORT's greedy tokens and the last logits are the copying
+    loop's (--copy-cache) bit for bit; a loop past the capacity is refused before the first call."""
+    from test_decoders import FIXTURES, SYMBOLIC_ENTRIES, batch_dims, ort_greedy_hf
+
+    entry = next(e for e in SYMBOLIC_ENTRIES if e["model"] == model)
+    path = FIXTURES / entry["file"]
+    art = tmp_path / "a.host"
+    res = run_cli("compile", str(path), "--target", "host", "--shape",
+                  ",".join(f"{k}={v}" for k, v in batch_dims(path).items()), "--kv-capacity", "16", "-o", str(art))
+    assert res.rc == 0, res.err
+    pkg = package_artifact(PackageOptions(art, output=tmp_path / "pkg", app=True)).path
+    prompt = np.array([[3, 14, 15, 9]], np.int64)
+    empty = np.zeros((1, entry["past"]["kv_heads"], 0, entry["past"]["head_dim"]), np.float32)
+    pasts = {f"past_key_values.{i}.{w}": empty for i in range(entry["past"]["layers"]) for w in ("key", "value")}
+    inputs = _npys(tmp_path, input_ids=prompt, attention_mask=np.ones((1, 4), np.int64), **pasts)
+    want, _ = ort_greedy_hf(path, entry, prompt, 8)
+    logits = {}
+    for extra, calls in (((), "calls: main 1, decode 0, decode_inplace 7"),
+                         (("--copy-cache",), "calls: main 1, decode 7, decode_inplace 0")):
+        out = tmp_path / f"logits{len(extra)}.npy"
+        res = _app(pkg, inputs, "--decode", "8", "--output", str(out), *extra)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"tokens[0]: {' '.join(map(str, want))}" in res.stdout and calls in res.stdout, res.stdout
+        logits[extra] = np.load(out)
+    np.testing.assert_array_equal(logits[()], logits[("--copy-cache",)])
+    # 4 prompt positions + 12 steps = 16 fits; 13 steps would need 17
+    assert _app(pkg, inputs, "--decode", "13").returncode == 0
+    res = _app(pkg, inputs, "--decode", "14")
+    errs = [ln for ln in res.stderr.splitlines() if ln.startswith("edge_app: error:")]
+    assert res.returncode == 2 and len(errs) == 1 and "would fill 17 positions" in errs[0] \
+        and "in-place capacity of 16" in errs[0], res.stdout + res.stderr
+    assert "prompt:" not in res.stdout
+    assert _app(pkg, inputs, "--decode", "14", "--copy-cache").returncode == 0

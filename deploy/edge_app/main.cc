@@ -9,6 +9,10 @@
 // module returned are passed straight back, so the cache never goes through a file or a
 // host copy between steps. A model with logits and input_ids gets the argmax token as its
 // next input_ids (attention_mask and position_ids grow). One line per call, with its latency.
+// An artifact compiled with --kv-capacity C (manifest 'inplace') runs the steps after the
+// prompt through decode_inplace: the prompt's cache is copied once into buffers of C rows,
+// and each step writes only its new row there (no cache copy per token); --copy-cache runs
+// the copying loop instead (A/B).
 //
 // Before module.so is loaded (loading runs its native code) the app checks that it
 // matches its sha256 in manifest.json and that it is an ELF for this CPU, and that
@@ -87,7 +91,7 @@ constexpr uint64_t kMaxInputBytes = uint64_t{2} << 30;
 
 const char* kUsage =
     "usage: edge_app ARTIFACT_DIR --input NAME=FILE.npy [--input ...] --output OUT.npy "
-    "[--repeat N] | --decode N [--output OUT.npy]";
+    "[--repeat N] | --decode N [--copy-cache] [--output OUT.npy]";
 
 // An error with the exit code it ends the program with; `usage` adds the usage line.
 struct Failure {
@@ -150,6 +154,7 @@ struct Options {
   std::string output;
   int repeat = 1;
   int decode = 0;  // 0: one call (with --repeat)
+  bool copy_cache = false;  // --decode on an 'inplace' artifact: the copying loop anyway
 };
 
 Options ParseArgs(int argc, char** argv) {
@@ -195,6 +200,8 @@ Options ParseArgs(int argc, char** argv) {
         Refuse("--decode takes an integer in [1, " + std::to_string(kMaxSymbolicDim) + "], got '" + v + "'");
       }
       o.decode = static_cast<int>(n);
+    } else if (a == "--copy-cache") {
+      o.copy_cache = true;
     } else if (!a.empty() && a[0] == '-') {
       RefuseUsage("unknown option " + a);
     } else if (o.artifact.empty()) {
@@ -205,6 +212,7 @@ Options ParseArgs(int argc, char** argv) {
   }
   if (o.artifact.empty()) RefuseUsage("no artifact directory given");
   if (o.output.empty() && !o.decode) RefuseUsage("--output OUT.npy is required");
+  if (o.copy_cache && !o.decode) RefuseUsage("--copy-cache is a --decode option");
   return o;
 }
 
@@ -713,6 +721,8 @@ struct Entries {
   ffi::Function main_fn, step_fn;  // (Optional's operator* returns a copy: a reference to it would dangle)
   size_t step_input = 0;
   int step_axis = -1;  // -1: no step entry
+  ffi::Function inplace_fn;  // manifest 'inplace': decode_inplace (has_inplace)
+  bool has_inplace = false;
 
   const ffi::Function& For(const std::vector<ffi::Tensor>& args) const {
     if (step_axis >= 0 && args[step_input].GetDLTensorPtr()->shape[step_axis] == 1) return step_fn;
@@ -720,20 +730,72 @@ struct Entries {
   }
 };
 
+// A buffer of `capacity` rows along `axis` holding `present` in its first rows (the rest
+// zero): the cache decode_inplace extends in place (compile/decode/loop.py _capacity_buffer).
+ffi::Tensor CapacityBuffer(const ffi::Tensor& present, int axis, int64_t capacity, DLDevice cpu) {
+  const DLTensor* q = present.GetDLTensorPtr();
+  std::vector<int64_t> shape(q->shape, q->shape + q->ndim);
+  const int64_t filled = shape[axis];
+  shape[axis] = capacity;
+  ffi::Tensor buf = ffi::Tensor::FromNDAlloc(AlignedCPUAlloc(), ffi::Shape(shape), q->dtype, cpu);
+  std::memset(buf.data_ptr(), 0, ffi::GetDataSize(*buf.GetDLTensorPtr()));
+  int64_t outer = 1, inner = (q->dtype.bits * q->dtype.lanes + 7) / 8;
+  for (int d = 0; d < axis; ++d) outer *= shape[d];
+  for (int d = axis + 1; d < q->ndim; ++d) inner *= shape[d];
+  const char* src = static_cast<const char*>(q->data) + q->byte_offset;
+  char* dst = static_cast<char*>(buf.data_ptr());
+  for (int64_t b = 0; b < outer; ++b) {
+    std::memcpy(dst + b * capacity * inner, src + b * filled * inner, static_cast<size_t>(filled * inner));
+  }
+  return buf;
+}
+
 int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p, const Entries& entries,
                std::vector<ffi::Tensor> args, DLDevice cpu) {
   const edge::CachePair& first = p.pairs[0];
   CheckMaskLength(m, p, args);
+  // The in-place plan (compile/decode/loop.py _inplace_plan): an 'inplace' artifact, a language
+  // model (one token per step) whose first output is not a cache, at least one step after the
+  // prompt; a loop that would outgrow the capacity is refused before it runs.
+  bool inplace = entries.has_inplace && !o.copy_cache && entries.step_axis >= 0 && p.tokens.on && o.decode >= 2;
+  for (const auto& c : p.pairs) inplace = inplace && c.out_index != 0;
+  if (inplace) {
+    int64_t seq = -1;
+    for (size_t i = 0; i < m.inputs.size(); ++i)
+      if (m.inputs[i].name == p.tokens.input_ids && args[i].GetDLTensorPtr()->ndim == 2)
+        seq = args[i].GetDLTensorPtr()->shape[1];
+    const int64_t final_len = args[first.in_index].GetDLTensorPtr()->shape[first.axis] + seq + o.decode - 1;
+    if (seq < 1 || final_len > m.inplace_capacity) {
+      Refuse("--decode " + std::to_string(o.decode) + " would fill " + std::to_string(final_len) +
+             " positions of the cache, past the artifact's in-place capacity of " +
+             std::to_string(m.inplace_capacity) + " (compile --kv-capacity): fewer steps, a larger capacity, or "
+             "--copy-cache");
+    }
+  }
+  const size_t n_in = m.inputs.size();
+  std::vector<ffi::Tensor> caps;  // per pair, from the first step after the prompt on
+  int64_t filled = 0;  // the capacity buffers' rows in use
   std::vector<double> step_ms, call_ms;
   std::vector<std::vector<int64_t>> tokens;
   std::vector<ffi::Tensor> outs;
-  int main_calls = 0, step_calls = 0;
+  int main_calls = 0, step_calls = 0, inplace_calls = 0;
   for (int step = 0; step < o.decode; ++step) {
-    const int64_t past = args[first.in_index].GetDLTensorPtr()->shape[first.axis];
-    std::vector<ffi::AnyView> views(args.begin(), args.end());
+    const int64_t past = caps.empty() ? args[first.in_index].GetDLTensorPtr()->shape[first.axis] : filled;
+    std::vector<ffi::AnyView> views;
+    ffi::Shape past_len({past});  // decode_inplace's last input: P, the rows already cached
+    if (caps.empty()) {
+      views.assign(args.begin(), args.end());
+    } else {  // the caches are the capacity buffers, then past_len, then the weights
+      std::vector<const ffi::Tensor*> in(n_in);
+      for (size_t i = 0; i < n_in; ++i) in[i] = &args[i];
+      for (size_t k = 0; k < p.pairs.size(); ++k) in[p.pairs[k].in_index] = &caps[k];
+      for (const ffi::Tensor* t : in) views.emplace_back(*t);
+      views.emplace_back(past_len);
+      for (size_t i = n_in; i < args.size(); ++i) views.emplace_back(args[i]);
+    }
     ffi::Any rv;
-    const ffi::Function& fn = entries.For(args);
-    ++(&fn == &entries.main_fn ? main_calls : step_calls);
+    const ffi::Function& fn = caps.empty() ? entries.For(args) : entries.inplace_fn;
+    ++(&fn == &entries.main_fn ? main_calls : &fn == &entries.step_fn ? step_calls : inplace_calls);
     auto t0 = std::chrono::steady_clock::now();
     try {
       fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &rv);
@@ -754,7 +816,11 @@ int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p
       }
       outs.push_back(*t);
     }
-    const int64_t grown = outs[first.out_index].GetDLTensorPtr()->shape[first.axis];
+    int64_t seq_now = 1;
+    for (size_t i = 0; i < n_in; ++i)
+      if (p.tokens.on && m.inputs[i].name == p.tokens.input_ids) seq_now = args[i].GetDLTensorPtr()->shape[1];
+    // written in place: the same buffers, one step longer (their shape is the capacity's)
+    const int64_t grown = caps.empty() ? outs[first.out_index].GetDLTensorPtr()->shape[first.axis] : past + seq_now;
     if (grown > kMaxSymbolicDim) {
       Refuse("--decode: the cache would grow past " + std::to_string(kMaxSymbolicDim) + " positions");
     }
@@ -764,14 +830,22 @@ int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p
       tok_text = "  token";
       for (int64_t t : tokens.back()) tok_text += " " + std::to_string(t);
     }
-    for (const auto& c : p.pairs) {
+    for (size_t k = 0; k < p.pairs.size(); ++k) {
+      const auto& c = p.pairs[k];
       const DLTensor* q = outs[c.out_index].GetDLTensorPtr();
-      const DLTensor* was = args[c.in_index].GetDLTensorPtr();
+      const DLTensor* was = (caps.empty() ? args[c.in_index] : caps[k]).GetDLTensorPtr();
       bool fits = q->ndim == was->ndim;
       for (int d = 0; fits && d < q->ndim; ++d) fits = d == c.axis || q->shape[d] == was->shape[d];
+      if (!caps.empty()) fits = fits && q->data == was->data;  // decode_inplace returns the buffers
       if (!fits) Fail(c.present + " does not have " + c.past + "'s shape (but along axis " + std::to_string(c.axis) + ")");
-      args[c.in_index] = outs[c.out_index];  // no copy: the next call reads the module's own tensor
+      if (caps.empty()) args[c.in_index] = outs[c.out_index];  // no copy: the next call reads the module's own tensor
     }
+    if (inplace && caps.empty() && step < o.decode - 1) {
+      // the prompt's cache into the capacity buffers, once; every later step writes its row
+      // there (timed in this step's ms, not its call's)
+      for (const auto& c : p.pairs) caps.push_back(CapacityBuffer(outs[c.out_index], c.axis, m.inplace_capacity, cpu));
+    }
+    filled = grown;
     auto t2 = std::chrono::steady_clock::now();
     step_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t0).count());
     call_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
@@ -786,7 +860,11 @@ int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p
     std::printf("%d steps after the prompt: %.3f ms/token (module call %.3f ms; prompt %.3f ms)\n", o.decode - 1,
                 s / (o.decode - 1), c / (o.decode - 1), step_ms[0]);
   }
-  if (entries.step_axis >= 0) std::printf("calls: main %d, %s %d\n", main_calls, m.step_function.c_str(), step_calls);
+  if (entries.step_axis >= 0) {
+    std::printf("calls: main %d, %s %d", main_calls, m.step_function.c_str(), step_calls);
+    if (entries.has_inplace) std::printf(", %s %d", m.inplace_function.c_str(), inplace_calls);
+    std::printf("\n");
+  }
   if (!tokens.empty()) {
     for (size_t r = 0; r < tokens[0].size(); ++r) {
       std::string row;
@@ -864,6 +942,15 @@ int Run(int argc, char** argv) {
                module + " does not have; refusing to run it");
       }
       entries.step_fn = *step;
+      if (manifest.has_inplace) {  // checked by ParseManifest: "decode_inplace", with 'step' and 'decode'
+        ffi::Optional<ffi::Function> ip = vm->GetFunction(manifest.inplace_function, false);
+        if (!ip) {
+          Refuse(o.artifact + ": manifest.json's 'inplace' names function '" + manifest.inplace_function +
+                 "', which " + module + " does not have; refusing to run it");
+        }
+        entries.inplace_fn = *ip;
+        entries.has_inplace = true;
+      }
       for (size_t i = 0; i < in_sigs.size() && entries.step_axis < 0; ++i) {
         for (size_t k = 0; k < in_sigs[i].dims.size(); ++k) {
           if (in_sigs[i].fixed[k] == edge::TensorSig::kSymbol && in_sigs[i].dims[k] == manifest.step_dim) {

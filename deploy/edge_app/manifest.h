@@ -6,6 +6,7 @@
 #define EDGE_APP_MANIFEST_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -78,6 +79,12 @@ struct Manifest {
   // (always "decode": main at seq 1), every other call main.
   bool has_step = false;
   std::string step_function, step_dim;
+  // 'inplace' (compile/decode/inplace.py): a decode loop's steps after the prompt run
+  // `inplace_function` (always "decode_inplace") on cache buffers of `inplace_capacity` rows
+  // along the past axis (`inplace_dim`), each step writing only its new row.
+  bool has_inplace = false;
+  std::string inplace_function, inplace_dim;
+  int64_t inplace_capacity = 0;
   // 'weights' (compile/artifact/weights.py): the file, its size, the tensors in parameter order.
   bool has_weights = false;
   std::string weights_file;
@@ -309,6 +316,51 @@ inline void Step(const json::Value& st, Manifest& m) {
   m.step_dim = dim->str;
 }
 
+// The largest in-place capacity a manifest may ask for (compile/decode/inplace.py
+// MAX_CAPACITY, graph/model_io.py MAX_BOUND_DIM).
+constexpr int64_t kMaxInplaceCapacity = 65536;
+
+// 'inplace', in the Python reader's order (manifest.py, _inplace); after 'step' and 'decode'.
+inline void Inplace(const json::Value& ip, Manifest& m, const json::Value* decode) {
+  const json::Value* fn = ip.get("function");
+  const json::Value* dim = ip.get("dim");
+  const json::Value* cap = ip.get("capacity");
+  if (!ip.is_object() || ip.object.size() != 3 || !fn || !fn->is_string() || !dim || !dim->is_string() || !cap ||
+      !cap->is_int()) {
+    Bad("'inplace' must be an object with exactly 'function', 'dim' (strings) and 'capacity' (an integer)");
+  }
+  if (fn->str != "decode_inplace") {
+    Bad("'inplace' function '" + json::Printable(fn->str) +
+        "' is not decode_inplace (the only in-place entry a loader calls)");
+  }
+  if (!(cap->number >= 1 && cap->number <= static_cast<double>(kMaxInplaceCapacity))) {
+    char num[64];
+    std::snprintf(num, sizeof(num), "%.17g", cap->number);
+    Bad(std::string("'inplace' capacity ") + num + " is not in [1, " + std::to_string(kMaxInplaceCapacity) + "]");
+  }
+  if (!m.has_step || !decode || !decode->is_object()) {
+    Bad("'inplace' needs 'step' and 'decode' (the step entry and the cache pairing)");
+  }
+  const json::Value* pairs = decode->get("pairs");
+  const json::Value* first = pairs && pairs->is_array() && !pairs->array.empty() && pairs->array[0].is_object()
+                                 ? &pairs->array[0] : nullptr;
+  const json::Value* past = first ? first->get("past") : nullptr;
+  const json::Value* axis = first ? first->get("axis") : nullptr;
+  bool ok = false;
+  for (const TensorSig& s : m.inputs) {
+    if (!past || !past->is_string() || s.name != past->str || !axis || !axis->is_int()) continue;
+    const double a = axis->number;
+    ok = a >= 0 && a < static_cast<double>(s.dims.size()) && s.fixed[static_cast<size_t>(a)] == TensorSig::kSymbol &&
+         s.dims[static_cast<size_t>(a)] == dim->str;
+    break;
+  }
+  if (!ok) Bad("'inplace' dim '" + json::Printable(dim->str) + "' is not the past dim of the first cache input");
+  m.has_inplace = true;
+  m.inplace_function = fn->str;
+  m.inplace_dim = dim->str;
+  m.inplace_capacity = static_cast<int64_t>(cap->number);
+}
+
 }  // namespace manifest_detail
 
 // Parses and type-checks manifest.json's bytes (already size-bounded by the caller).
@@ -370,6 +422,7 @@ inline Manifest ParseManifest(const std::string& text) {
     m.has_decode = true;
     m.decode = *d;
   }
+  if (const json::Value* ip = root.get("inplace")) manifest_detail::Inplace(*ip, m, root.get("decode"));
   return m;
 }
 

@@ -41,11 +41,16 @@ def fuzz_run(tmp_path_factory) -> dict:
     manifest and numpy's files."""
     driver = fuzz_driver()
     d = tmp_path_factory.mktemp("fuzz")
-    seeds = [symbolic_artifact(tmp_path_factory) / "manifest.json", d / "package.json"]
+    seeds = [symbolic_artifact(tmp_path_factory) / "manifest.json", d / "package.json", d / "decoder.json"]
     # a package's manifest too, so that mutants reach the 'package_files' checks
     m = json.loads(seeds[0].read_text())
     m["package_files"] = {"bin/edge_app": "0" * 64, "lib/libtvm_ffi.so": "1" * 64, "lib/libtvm_runtime.so": "2" * 64}
     seeds[1].write_text(json.dumps(m, indent=1))
+    # and a decoder's sections ('step', 'decode', 'inplace'), so mutants reach the in-place checks
+    m = json.loads(seeds[0].read_text())
+    m.update(step={"function": "decode", "dim": "seq"}, inplace={"function": "decode_inplace", "dim": "seq", "capacity": 64},
+             decode={"pairs": [{"present": "y", "past": "x", "axis": 1}], "tokens": None})
+    seeds[2].write_text(json.dumps(m, indent=1))
     for name, a, version in (("f32", np.ones((1, 4, 64), np.float32), (1, 0)),
                              ("f16", np.zeros((3,), np.float16), (1, 0)),
                              ("bool", np.eye(3, dtype=bool), (1, 0)),
