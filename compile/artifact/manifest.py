@@ -306,7 +306,8 @@ def _inplace(m: dict) -> None:
         raise _Refused(f"'inplace' function '{_printable(ip['function'])}' is not {INPLACE_ENTRY} (the only in-place "
                        "entry a loader calls)")
     if not 1 <= ip["capacity"] <= MAX_CAPACITY:
-        raise _Refused(f"'inplace' capacity {ip['capacity']} is not in [1, {MAX_CAPACITY}]")
+        # (no value in the words: a double-parsing reader, the edge app's, cannot print 2**53 + 1 as written)
+        raise _Refused(f"'inplace' capacity is not in [1, {MAX_CAPACITY}]")
     if "step" not in m or not isinstance(m.get("decode"), dict):
         raise _Refused("'inplace' needs 'step' and 'decode' (the step entry and the cache pairing)")
     pairs = m["decode"].get("pairs")

@@ -6,7 +6,6 @@
 #define EDGE_APP_MANIFEST_H_
 
 #include <cstdint>
-#include <cstdio>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -334,9 +333,7 @@ inline void Inplace(const json::Value& ip, Manifest& m, const json::Value* decod
         "' is not decode_inplace (the only in-place entry a loader calls)");
   }
   if (!(cap->number >= 1 && cap->number <= static_cast<double>(kMaxInplaceCapacity))) {
-    char num[64];
-    std::snprintf(num, sizeof(num), "%.17g", cap->number);
-    Bad(std::string("'inplace' capacity ") + num + " is not in [1, " + std::to_string(kMaxInplaceCapacity) + "]");
+    Bad("'inplace' capacity is not in [1, " + std::to_string(kMaxInplaceCapacity) + "]");  // (no value: manifest.py)
   }
   if (!m.has_step || !decode || !decode->is_object()) {
     Bad("'inplace' needs 'step' and 'decode' (the step entry and the cache pairing)");
