@@ -165,10 +165,13 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget | None = "
     t = None
     if target is not None:
         t = target if isinstance(target, ResolvedTarget) else resolve(target)
+    # The precision first: a target that cannot compute in it is refused whatever is installed
+    # (installing the cross compiler would not help).
+    prec = resolve_precision(precision, t) if t is not None else PRECISIONS["fp32"]
+    if t is not None:
         problem = t.build_problem()
         if problem:
             raise BlockforgeError(f"cannot build for {t.name}: {problem}")
-    prec = resolve_precision(precision, t) if t is not None else PRECISIONS["fp32"]
     request = dict(shape=ShapeRequest.of(shape).to_dict(), input_shapes={k: list(v) for k, v in (input_shapes or {}).items()},
                    defaults=dict(default_dims or {}), static=static)
     mode = ("tvm" if tvm_probe else "prepare") if prepare else "sizes"

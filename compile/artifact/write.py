@@ -168,16 +168,17 @@ def _check_outputs(opts: CompileOptions, out) -> Path:
 
 
 def _inplace_plan(opts: CompileOptions, target: ResolvedTarget, step: str | None, ins, outs):
-    """(the past dim, the cache pairs as indices) for `kv_capacity`, or the reason it cannot be."""
-    decode_inplace.check_capacity(opts.kv_capacity)
+    """(the past dim, the cache pairs as indices) for `kv_capacity` (checked by compile_model
+    first), or the reason it cannot be."""
     if target.kind != "llvm":
         raise ArgumentError(f"{{kv_capacity}}: the in-place cache is built for CPU targets only, not {target.name}",
                             "kv_capacity")
-    pairing = decode_pairing.record([s.to_dict() for s in ins], [s.to_dict() for s in outs])
+    in_d, out_d = [s.to_dict() for s in ins], [s.to_dict() for s in outs]
+    pairing = decode_pairing.record(in_d, out_d)
     if step is None or pairing is None:
         raise ArgumentError("{kv_capacity} needs a decoder with a KV cache compiled with seq symbolic and its step "
                             "entry (not --no-step-entry)", "kv_capacity")
-    pairs = decode_inplace.cache_indices([s.to_dict() for s in ins], [s.to_dict() for s in outs], pairing)
+    pairs = decode_inplace.cache_indices(in_d, out_d, pairing)
     first = pairing["pairs"][0]
     dim = next(s for s in ins if s.name == first["past"]).dims[first["axis"]]
     return dim, pairs

@@ -45,12 +45,11 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            fn = kernel(spec, tiles, self.lanes, self.balance, self.key_tail, exp2=self.exp2, bf16=self.bf16,
+            opts = dict(lanes=self.lanes, balance=self.balance, key_tail=self.key_tail, exp2=self.exp2, bf16=self.bf16,
                         gqa_rows=self.gqa_rows)
-            # what rebuilt_kernel needs to make this kernel again for another spec (the in-place cache)
-            fn = fn.with_attr(OPTIONS_ATTR, json.dumps({"tiles": list(tiles), "lanes": self.lanes, "balance": self.balance,
-                                                        "key_tail": self.key_tail, "exp2": self.exp2,
-                                                        "bf16": self.bf16, "gqa_rows": self.gqa_rows}))
+            # the tiles and options: what rebuilt_kernel needs to make this kernel again for another
+            # spec (the in-place cache)
+            fn = kernel(spec, tiles, **opts).with_attr(OPTIONS_ATTR, json.dumps({"tiles": list(tiles), **opts}))
             self.funcs[key] = add_kernel(self.bb, fn, f"fused_attention_{len(self.funcs)}")
         bf16 = " bf16" if self.bf16 and bf16_pairs(spec, tiles[1], self.lanes) else ""
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}{bf16}")
@@ -87,9 +86,7 @@ def rebuilt_kernel(func, spec: AttentionSpec):
     """The fused kernel `func` (a PrimFunc this pass made) built again for `spec`, with the
     tiles and options it was built with (compile/decode/inplace.py: the capacity-cache form)."""
     o = json.loads(str(func.attrs[OPTIONS_ATTR]))
-    fn = kernel(spec, tuple(o["tiles"]), o["lanes"], o["balance"], o["key_tail"], exp2=o["exp2"], bf16=o["bf16"],
-                gqa_rows=o.get("gqa_rows", True))
-    return fn.with_attr(OPTIONS_ATTR, str(func.attrs[OPTIONS_ATTR]))
+    return kernel(spec, tuple(o.pop("tiles")), **o).with_attr(OPTIONS_ATTR, str(func.attrs[OPTIONS_ATTR]))
 
 
 def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,

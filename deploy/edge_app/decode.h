@@ -106,11 +106,7 @@ inline Pairing InferPairing(const Manifest& m) {
   using decode_detail::GrowAxis;
   Pairing p;
   std::set<std::string> fed;
-  auto input_index = [&](const std::string& name) -> long {
-    for (size_t i = 0; i < m.inputs.size(); ++i)
-      if (m.inputs[i].name == name) return static_cast<long>(i);
-    return -1;
-  };
+  auto input_index = [&](const std::string& name) { return InputIndex(m, name); };
   for (size_t o = 0; o < m.outputs.size(); ++o) {
     std::vector<std::pair<std::string, long>> found;
     for (const auto& c : decode_detail::PastCandidates(m.outputs[o].name)) {

@@ -637,9 +637,9 @@ void CheckIntTensor(const ffi::Tensor& t, const std::string& name, int rank) {
 std::vector<int64_t> FeedTokens(const edge::TokenFeed& feed, const std::vector<ffi::Tensor>& outs,
                                 const edge::Manifest& m, std::vector<ffi::Tensor>& args, DLDevice cpu) {
   auto in_index = [&](const std::string& n) {
-    for (size_t i = 0; i < m.inputs.size(); ++i)
-      if (m.inputs[i].name == n) return i;
-    Fail("no input " + n);
+    const long i = edge::InputIndex(m, n);
+    if (i < 0) Fail("no input " + n);
+    return static_cast<size_t>(i);
   };
   size_t lo = 0;
   for (size_t i = 0; i < m.outputs.size(); ++i)
@@ -694,13 +694,7 @@ std::vector<int64_t> FeedTokens(const edge::TokenFeed& feed, const std::vector<f
 // (compile/decode/inputs.py check_mask_length).
 void CheckMaskLength(const edge::Manifest& m, const edge::Pairing& p, const std::vector<ffi::Tensor>& args) {
   if (!p.tokens.on || p.tokens.attention_mask.empty()) return;
-  auto index = [&](const std::string& name) {
-    for (size_t i = 0; i < m.inputs.size(); ++i) {
-      if (m.inputs[i].name == name) return static_cast<int>(i);
-    }
-    return -1;
-  };
-  const int mi = index(p.tokens.attention_mask), ii = index(p.tokens.input_ids);
+  const long mi = edge::InputIndex(m, p.tokens.attention_mask), ii = edge::InputIndex(m, p.tokens.input_ids);
   const edge::CachePair& first = p.pairs[0];
   if (mi < 0 || ii < 0) return;
   const DLTensor* mask = args[mi].GetDLTensorPtr();
@@ -760,10 +754,8 @@ int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p
   bool inplace = entries.has_inplace && !o.copy_cache && entries.step_axis >= 0 && p.tokens.on && o.decode >= 2;
   for (const auto& c : p.pairs) inplace = inplace && c.out_index != 0;
   if (inplace) {
-    int64_t seq = -1;
-    for (size_t i = 0; i < m.inputs.size(); ++i)
-      if (m.inputs[i].name == p.tokens.input_ids && args[i].GetDLTensorPtr()->ndim == 2)
-        seq = args[i].GetDLTensorPtr()->shape[1];
+    const long ii = edge::InputIndex(m, p.tokens.input_ids);
+    const int64_t seq = ii >= 0 && args[ii].GetDLTensorPtr()->ndim == 2 ? args[ii].GetDLTensorPtr()->shape[1] : -1;
     const int64_t final_len = args[first.in_index].GetDLTensorPtr()->shape[first.axis] + seq + o.decode - 1;
     if (seq < 1 || final_len > m.inplace_capacity) {
       Refuse("--decode " + std::to_string(o.decode) + " would fill " + std::to_string(final_len) +
@@ -816,11 +808,9 @@ int DecodeLoop(const Options& o, const edge::Manifest& m, const edge::Pairing& p
       }
       outs.push_back(*t);
     }
-    int64_t seq_now = 1;
-    for (size_t i = 0; i < n_in; ++i)
-      if (p.tokens.on && m.inputs[i].name == p.tokens.input_ids) seq_now = args[i].GetDLTensorPtr()->shape[1];
-    // written in place: the same buffers, one step longer (their shape is the capacity's)
-    const int64_t grown = caps.empty() ? outs[first.out_index].GetDLTensorPtr()->shape[first.axis] : past + seq_now;
+    // written in place: the same buffers (their shape is the capacity's), one row longer
+    // (decode_inplace is main bound at seq 1: compile/decode/inplace.py add_inplace_entry)
+    const int64_t grown = caps.empty() ? outs[first.out_index].GetDLTensorPtr()->shape[first.axis] : past + 1;
     if (grown > kMaxSymbolicDim) {
       Refuse("--decode: the cache would grow past " + std::to_string(kMaxSymbolicDim) + " positions");
     }

@@ -91,6 +91,13 @@ struct Manifest {
   std::vector<WeightTensor> weights;
 };
 
+// The index of the input named `name` in the manifest's signature, or -1.
+inline long InputIndex(const Manifest& m, const std::string& name) {
+  for (size_t i = 0; i < m.inputs.size(); ++i)
+    if (m.inputs[i].name == name) return static_cast<long>(i);
+  return -1;
+}
+
 // A file name inside the artifact: no separators, no "." or "..", no leading dot,
 // nothing a shell or a message could misread. What compile writes (module.so,
 // kernels.cu, device.fatbin) fits.
