@@ -74,6 +74,9 @@ ABLATIONS = {
     "attention-gqa-rows": "a grouped-query decode step's fused attention one job per kv head, the group's query "
                           "heads as its rows: each cached K/V row loaded once for them (compile/attention/flash.py "
                           "group_rows; left out: one job per query head)",
+    "attention-short-tile": "an Sq below one query tile balanced as a longer one is (Wav2Vec2's 49 rows as 50: 5-row "
+                            "micro-kernels and a clamped row; compile/attention/flash.py query_tile; left out: Sq rows "
+                            "as they are, 1-row micro-kernels where Sq has no divisor from 2 to 6)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
     "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
@@ -138,7 +141,8 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
         return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
                                key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without,
                                exp2="attention-exp2" not in without, bf16=bf16,
-                               gqa_rows="attention-gqa-rows" not in without)]
+                               gqa_rows="attention-gqa-rows" not in without,
+                               short_tile="attention-short-tile" not in without)]
     return passes
 
 

@@ -116,7 +116,7 @@ def micro_rows(qt: int, vecs_per_row: int, lanes: int) -> int:
     return max(r for r in range(1, min(qt, cap) + 1) if qt % r == 0)
 
 
-def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> int:
+def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int, short: bool = True) -> int:
     """The query tile for a static Sq: as many tiles as qt needs, balanced, so the last one is
     not mostly clamped rows (ViT's 197 in tiles of 64: 256 rows computed; in 4 of 50: 200;
     measured, 12 heads, 1 thread CPU time: 2.77 -> 2.12 ms, benchmarks/attention_qtile.py).
@@ -124,11 +124,13 @@ def query_tile(qt: int, sq: int | None, widths: tuple[int, ...], lanes: int) -> 
     The smallest such tile whose micro-kernels (widths: the Q K^T and P V row lengths) get
     min(4, Sq) rows or more (24 tiles of 63 would run 3-row ones), from as many tiles as qt
     needs or one more, whichever computes fewer rows.
-    An Sq below one tile stays its own tile: Wav2Vec2's 49 as 50 ran 3.3x faster as a kernel
-    alone but its whole model 1.44x slower (loaded machine, benchmarks/whole_ab.py): unresolved."""
+    An Sq below one tile is one tile of the same rule (short=False: Sq rows as they are, the
+    ablation `attention-short-tile`): Wav2Vec2's 49 rows have no divisor from 2 to 6, so they
+    ran 1-row micro-kernels (0.44 ms a layer, 17 GFLOP/s, against CLIP's 50 rows in 5-row ones:
+    0.086 ms; quiet Zen 5, `bench --profile`); as 50, 5-row ones and a clamped row."""
     if sq is None or sq % qt == 0:
         return qt
-    if sq < qt:
+    if sq < qt and not short:
         return sq
 
     def balanced(n):  # the tile for n tiles
@@ -269,11 +271,13 @@ def group_rows(spec: AttentionSpec, lanes: int) -> int:
 
 
 def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int = 16, balance: bool = True,
-           key_tail: bool = True, exp2: bool = True, bf16: bool = False, gqa_rows: bool = True):
+           key_tail: bool = True, exp2: bool = True, bf16: bool = False, gqa_rows: bool = True,
+           short_tile: bool = True):
     """The fused attention PrimFunc for `spec` with (query tile, key tile) `tiles` (default:
     default_tiles), for a target with `lanes` float32 lanes per vector. balance=False: the
     query tile as given (benchmarks/attention_qtile.py's baseline), else query_tile's.
     key_tail=False: a static ragged Skv's last key tile is a whole one (ablation attention-key-tail).
+    short_tile=False: an Sq below one query tile runs as its own tile (ablation attention-short-tile).
     exp2=False: the softmax's exps by fast_exp, not fast_exp2 (ablation attention-exp2). Measured
     at Whisper-base's attention (S = 1500, 8 heads, d 64, q/v/out (b, s, h, d); AMD EPYC family
     26, one thread CPU time, interleaved, benchmarks/attention_qtile.py --ab-exp2): fast_exp2 /
@@ -292,7 +296,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     from tvm.script.ir_builder import tirx as T
 
     qt, kt = tiles or default_tiles(lanes)
-    qt = query_tile(qt, spec.sq, (kt, spec.dv), lanes) if balance else qt
+    qt = query_tile(qt, spec.sq, (kt, spec.dv), lanes, short=short_tile) if balance else qt
     grouped = group_rows(spec, lanes) if gqa_rows else 0  # a job per kv head: its group's rows
     if grouped:
         qt = grouped

@@ -24,13 +24,14 @@ def _reshape(bb, x, shape):
 class _Rewrite:
     """Emits the kernel calls; kernels of one spec and tiles are shared."""
 
-    def __init__(self, bb, target, database, balance: bool = True, key_tail: bool = True, exp2: bool = True,
-                 bf16: bool = False, gqa_rows: bool = True):
+    def __init__(self, bb, target, database, **options):
+        """options: flash.kernel's (balance, key_tail, exp2, bf16, gqa_rows, short_tile)."""
         from blockforge.compile.schedule.base import vector_lanes
 
-        self.bb, self.target, self.database, self.balance, self.key_tail = bb, target, database, balance, key_tail
-        self.exp2, self.bf16, self.gqa_rows = exp2, bf16, gqa_rows
+        self.bb, self.target, self.database = bb, target, database
         self.lanes = vector_lanes(target)
+        self.options = dict(options, lanes=self.lanes)
+        self.bf16 = self.options.get("bf16", False)
         self.funcs: dict = {}
         self.applied: list[str] = []
 
@@ -45,8 +46,7 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            opts = dict(lanes=self.lanes, balance=self.balance, key_tail=self.key_tail, exp2=self.exp2, bf16=self.bf16,
-                        gqa_rows=self.gqa_rows)
+            opts = self.options
             # the tiles and options: what rebuilt_kernel needs to make this kernel again for another
             # spec (the in-place cache)
             fn = kernel(spec, tiles, **opts).with_attr(OPTIONS_ATTR, json.dumps({"tiles": list(tiles), **opts}))
@@ -90,7 +90,7 @@ def rebuilt_kernel(func, spec: AttentionSpec):
 
 
 def fuse_attention(target, database=None, balance: bool = True, key_rows: bool = True, key_tail: bool = True,
-                   exp2: bool = True, bf16: bool = False, gqa_rows: bool = True):
+                   exp2: bool = True, bf16: bool = False, gqa_rows: bool = True, short_tile: bool = True):
     """The `fuse-attention` pass: attention subgraphs -> call_tir of the fused kernel.
     balance=False: query tiles as recorded or default (ablation `attention-qtile`);
     key_tail=False: whole last key tiles (ablation `attention-key-tail`);
@@ -99,7 +99,8 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
     target with AVX512_BF16; ablation `bf16-attention`);
     key_rows: a one-query-row attention reads K untransposed (match.find_attention);
     gqa_rows=False: a grouped-query decode step one job per query head, not per kv head
-    (ablation `attention-gqa-rows`, flash.group_rows)."""
+    (ablation `attention-gqa-rows`, flash.group_rows);
+    short_tile=False: an Sq below one query tile as its own tile (ablation `attention-short-tile`)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -109,7 +110,8 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
         def __init__(self, mod):
             super().__init__(mod)
             self.plan: dict = {}
-            self.rw = _Rewrite(self.builder_, target, database, balance, key_tail, exp2, bf16, gqa_rows)
+            self.rw = _Rewrite(self.builder_, target, database, balance=balance, key_tail=key_tail, exp2=exp2,
+                               bf16=bf16, gqa_rows=gqa_rows, short_tile=short_tile)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)
