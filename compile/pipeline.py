@@ -87,6 +87,9 @@ ABLATIONS = {
     "instance-norm": "InstanceNormalization's mean/variance/normalize (Wav2Vec2's GroupNorm) as one row kernel "
                      "reading a conv's GEMM panels (compile/passes/norms.py; left out: a crop, a variance and a "
                      "normalize kernel)",
+    "split-affine": "a combined projection's per-part bias add and scalar scale after its split (Whisper's q/v "
+                    "biases, the query's d**-0.5) folded into the projection's weights and one bias "
+                    "(compile/passes/split_affine.py; left out: an elementwise kernel per part after the split)",
     "qkv-heads": "the combined QKV projection's split, head transposes and RoPE as one row kernel "
                  "(compile/passes/qkv_heads.py; left out: a split copy and a scalar kernel per part)",
 }
@@ -188,6 +191,10 @@ def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None)
         norms = [] if "rms-norm" in without else [rms_norm_pass()]
         norms += [] if "instance-norm" in without else [instance_norm_pass()]
         norms += [] if "matmul-reshape" in without else [matmul_reshape_pass()]
+        if "split-affine" not in without:  # before qkv_heads: it takes layout-only parts
+            from blockforge.compile.passes.split_affine import split_affine_pass
+
+            norms.append(split_affine_pass())
         if cpu_target is not None and "qkv-heads" not in without:  # a CPU kernel (T.parallel)
             from blockforge.compile.passes.qkv_heads import qkv_heads_pass
             from blockforge.compile.schedule.base import vector_lanes
