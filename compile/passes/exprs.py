@@ -36,3 +36,16 @@ def const_scalar(e) -> float | None:
         return None
     v = e.value.numpy()
     return float(v.reshape(())) if v.size == 1 else None
+
+
+def users_of(func) -> dict:
+    """var -> the vars of the bindings that read it, in binding order (None: the function's
+    result reads it), over a Relax function's blocks."""
+    users: dict = {}
+    for blk in func.body.blocks:
+        for b in blk.bindings:
+            for v in relax.analysis.free_vars(b.value):
+                users.setdefault(v, []).append(b.var)
+    for v in relax.analysis.free_vars(func.body.body):
+        users.setdefault(v, []).append(None)
+    return users

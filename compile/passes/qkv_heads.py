@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static
+from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static, users_of
 from blockforge.compile.passes.kernels import add_kernel
 
 KERNEL_ATTR = "blockforge.qkv_heads"  # PrimFunc attr: the kernel's outputs, for tests and tune
@@ -150,15 +150,11 @@ class _Plan:
         self.v2v = relax.analysis.get_var2val(func)
         self.order: dict = {}
         self.block: dict = {}
-        self.users: dict = {}
         for bi, blk in enumerate(func.body.blocks):
             for b in blk.bindings:
                 self.order[b.var] = len(self.order)
                 self.block[b.var] = bi
-                for v in relax.analysis.free_vars(b.value):
-                    self.users.setdefault(v, []).append(b.var)
-        for v in relax.analysis.free_vars(func.body.body):
-            self.users.setdefault(v, []).append(None)  # the function's result
+        self.users = users_of(func)
         self.memo: dict = {}
 
     def trace(self, e) -> Traced | None:

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static
+from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static, users_of
 
 
 def _const(e) -> np.ndarray | None:
@@ -44,13 +44,7 @@ class _Plan:
 
     def __init__(self, func):
         self.v2v = relax.analysis.get_var2val(func)
-        self.users: dict = {}
-        for blk in func.body.blocks:
-            for b in blk.bindings:
-                for v in relax.analysis.free_vars(b.value):
-                    self.users.setdefault(v, []).append(b.var)
-        for v in relax.analysis.free_vars(func.body.body):
-            self.users.setdefault(v, []).append(None)  # the function's result
+        self.users = users_of(func)
 
     def _only_user(self, var):
         u = self.users.get(var, [])
@@ -137,7 +131,6 @@ class _Fold(PyExprMutator):
     def __init__(self, mod, plans: dict):
         super().__init__(mod)
         self.plans = plans
-        self.splits: dict = {}  # a planned split's var -> its new var
         self.chains = {c: (x, i) for x, (_, _, remap) in plans.items() for c, i in remap.items()}
         self.split_of: dict = {}  # matmul var -> the split var bound from it
 
