@@ -41,9 +41,9 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
-    "panel-prefetch": "the CPU matmul's micro-tile prefetching the next weight panel, a line per k step, where "
-                      "BLOCKFORGE_PANEL_PREFETCH=1 turns it on (compile/passes/panel_prefetch.py; left out: the "
-                      "hardware prefetcher alone)",
+    "panel-prefetch": "the CPU matmul's micro-tile prefetching the next weight panel, a line per k step, in GEMMs "
+                      "of 19-64 static rows (BLOCKFORGE_PANEL_PREFETCH: all of them, or off) "
+                      "(compile/passes/panel_prefetch.py; left out: the hardware prefetcher alone)",
     "row-tiles": "packed matmuls whose static M no row tile divides (ViT's 197) computed over whole tiles and "
                  "cropped (left out: the last tile's row guard in every tile's k loop)",
     "attention-qtile": "the fused attention kernel's query tiles balanced at a static Sq no tile divides (ViT's "
@@ -255,8 +255,9 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
 
     rules = [r for r in default_cpu_rules() if not ("ragged-n" in without and isinstance(r, CPUMatmulRaggedN))
              and not (isinstance(r, CPUMatvec) and ("matvec" in without or not settings.matvec()))]
-    if "panel-prefetch" in without or not settings.panel_prefetch():
-        rules = [CPUMatmul(prefetch=False) if isinstance(r, CPUMatmul) else r for r in rules]
+    mode = "off" if "panel-prefetch" in without else settings.panel_prefetch()
+    if mode != "few-rows":
+        rules = [CPUMatmul(prefetch=mode == "all", rows=None) if isinstance(r, CPUMatmul) else r for r in rules]
     return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
 
 
@@ -275,7 +276,7 @@ def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Ca
 
         return [dl.ApplyDefaultSchedule(*default_rules(target, without, int8)),
                 *([] if target.is_gpu else
-                  [panel_prefetch("panel-prefetch" not in without and settings.panel_prefetch())])]
+                  [panel_prefetch("panel-prefetch" not in without and settings.panel_prefetch() != "off")])]
     return passes
 
 

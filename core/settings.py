@@ -14,7 +14,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `BLOCKFORGE_MATVEC` | `0` | `1` schedules packed matmuls of <= 4 rows with CPUMatvec (compile/schedule/matvec.py) instead of CPUMatmul |
-| `BLOCKFORGE_PANEL_PREFETCH` | `0` | `1` has CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py) |
+| `BLOCKFORGE_PANEL_PREFETCH` | `few-rows` | which GEMMs have CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py): `few-rows` those of at most 64 static rows, `all` (`1`) every static-M one, `off` (`0`) none |
 | `BLOCKFORGE_BUILDER` | `reuse` | `fresh` builds tuning candidates with TVM's LocalBuilder (new worker processes per build call) instead of one pool per job (tune/builder.py; for A/B measurements) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
@@ -188,10 +188,22 @@ def matvec() -> bool:
     return _flag(MATVEC, False)
 
 
-def panel_prefetch() -> bool:
-    # Off by default: on the loaded 2-core Zen 5 (SGEMM 46-111 GFLOP/s of a quiet 409) CLIP
-    # ViT-B/32 A/Bs ranged 0.94x-1.15x of the build without; kept for a quiet pass to decide.
-    return _flag(PANEL_PREFETCH, False)
+PANEL_PREFETCH_MODES = ("off", "few-rows", "all")
+
+
+def panel_prefetch() -> str:
+    """"few-rows" by default: only GEMMs of at most schedule.matmul.PREFETCH_MAX_ROWS static rows
+    prefetch the next weight panel. Quiet Zen 5, whole models, the build with it over the build
+    without, both build orders (geometric mean): CLIP ViT-B/32 (50 rows) 0.983 / 0.911 (0.946) and
+    1.012 / 0.914 (0.962), Wav2Vec2-base (49) 0.903 / 1.006 (0.953); at more rows it bought nothing
+    (ViT-B/16's 197: 1.029). "all" (1): every static-M packed GEMM; "off" (0): none."""
+    value = os.environ.get(PANEL_PREFETCH, "").strip().lower()
+    modes = {"": "few-rows", "few-rows": "few-rows", "0": "off", "off": "off", "1": "all", "all": "all"}
+    if value not in modes:  # a user's setting: one line from the CLI
+        from blockforge.errors import BlockforgeError
+
+        raise BlockforgeError(f"{PANEL_PREFETCH}={value!r}: expected 'few-rows' (the default), 'all' (1) or 'off' (0)")
+    return modes[value]
 
 
 def reuse_build_workers() -> bool:
@@ -228,7 +240,7 @@ def documented() -> dict[str, str]:
             PREPACK: "1" if prepack() else "0",
             FUSE_ATTENTION: "1" if fuse_attention() else "0",
             MATVEC: "1" if matvec() else "0",
-            PANEL_PREFETCH: "1" if panel_prefetch() else "0",
+            PANEL_PREFETCH: panel_prefetch(),
             BUILDER: "reuse" if reuse_build_workers() else "fresh",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}

@@ -1,5 +1,5 @@
 """The CPU matmul's micro-tile prefetches the next weight panel (compile/passes/panel_prefetch.py,
-opt-in BLOCKFORGE_PANEL_PREFETCH=1, ablation `panel-prefetch`): for tile (panel jo, row tile io < NR / 16), each k step prefetches
+BLOCKFORGE_PANEL_PREFETCH few-rows by default, ablation `panel-prefetch`): for tile (panel jo, row tile io < NR / 16), each k step prefetches
 line io of row k of panel min(jo + 1, last); the later row tiles prefetch nothing. Fixed target (AVX-512, 2 cores) and
 the kernel built from te, as tests/test_row_tiles.py does; the numbers against ONNX Runtime."""
 
@@ -123,10 +123,13 @@ def _relax_gemm(m, k, n, w):
     return bb.get()
 
 
-@pytest.mark.parametrize("on, without, want", [("1", frozenset(), 1), ("1", frozenset({"panel-prefetch"}), 0),
-                                                ("0", frozenset(), 0), (None, frozenset(), 0)])
-def test_opt_in_and_the_ablation_reach_the_pipeline(monkeypatch, on, without, want):
-    """On with BLOCKFORGE_PANEL_PREFETCH=1 (off by default), the ablation still takes it out."""
+@pytest.mark.parametrize("on, m, without, want", [
+    ("1", 50, frozenset(), 1), ("1", 50, frozenset({"panel-prefetch"}), 0), ("0", 50, frozenset(), 0),
+    (None, 50, frozenset(), 1), ("few-rows", 50, frozenset(), 1), (None, 50, frozenset({"panel-prefetch"}), 0),
+    (None, 128, frozenset(), 0), ("all", 128, frozenset(), 1), (None, 12, frozenset(), 0), ("1", 12, frozenset(), 1)])
+def test_modes_and_the_ablation_reach_the_pipeline(monkeypatch, on, m, without, want):
+    """By default (few-rows) a GEMM of 19-64 static rows prefetches (CLIP's 50), one of 128 or 12
+    does not; all (1) every one, off (0) none; the ablation takes it out whatever the setting."""
     from blockforge.compile.pipeline import run_phases
     from blockforge.targets import resolve
 
@@ -135,7 +138,7 @@ def test_opt_in_and_the_ablation_reach_the_pipeline(monkeypatch, on, without, wa
     else:
         monkeypatch.setenv("BLOCKFORGE_PANEL_PREFETCH", on)
     w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
-    mod, _ = run_phases(_relax_gemm(50, 64, 256, w), resolve("host"), without=without)
+    mod, _ = run_phases(_relax_gemm(m, 64, 256, w), resolve("host"), without=without)
     funcs = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
     assert sum(len(_prefetches(f)) for f in funcs) == want
     assert not any(_annotated(f) for f in funcs), "no mark reaches lowering"
@@ -160,3 +163,12 @@ def test_numbers_against_onnxruntime(monkeypatch, m, k, n):
     got = BlockforgeBackend.prepare(model).run({"x": x})[0]
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unknown_mode_is_one_user_error(monkeypatch):
+    from blockforge.errors import BlockforgeError
+    from blockforge.settings import panel_prefetch
+
+    monkeypatch.setenv("BLOCKFORGE_PANEL_PREFETCH", "sometimes")
+    with pytest.raises(BlockforgeError, match="BLOCKFORGE_PANEL_PREFETCH='sometimes'"):
+        panel_prefetch()

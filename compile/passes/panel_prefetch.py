@@ -14,15 +14,12 @@ computes; the later tiles prefetch nothing. The loop CPUMatmul marks (PREFETCH_L
 micro-tile's row loop) gets the prefetch in front of it; the weight's indices are the matmul
 block's own, with the row and column of the tile's first element.
 
-Off by default (settings.panel_prefetch; BLOCKFORGE_PANEL_PREFETCH=1 turns it on): not yet
-measured on a quiet machine. On this 2-core Zen 5 at load 7-13 (SGEMM 46-111 GFLOP/s of a
-quiet 409), whole-model A/Bs, the build with it over the build without
-(BLOCKFORGE_PANEL_PREFETCH=1 benchmarks/whole_ab.py MODEL --ab panel-prefetch): CLIP ViT-B/32,
-one core, thread CPU time: every row tile prefetching 0.944, 0.950; the first NR/16 only (this
-code) 1.023, 0.954; two threads, wall: 0.980 (every tile), 1.109, 0.970, 1.151 (this code). ViT-B/16 one
-core 1.033 (every tile), 0.973 (this code); BERT-base 0.962, 1.018. A chain of 12 FFN pairs at
-M = 50 with distinct weights (226 MB), two threads, 30 samples: 0.955, 1.028. Within the noise
-of such a machine: a quiet pass decides whether it goes on by default.
+By default only in GEMMs of 19-64 static rows (schedule/matmul.py PREFETCH_ROWS; settings.panel_prefetch:
+"all" every static-M packed GEMM, "off" none). Measured on a loaded 2-core Zen 5 first (CLIP
+ViT-B/32 0.94x-1.15x of the build without: the noise of such a machine), then quiet, whole models,
+the build with it over the build without in both build orders: CLIP 0.983 / 0.911 and 1.012 /
+0.914, Wav2Vec2-base (49 rows) 0.903 / 1.006: geometric means 0.946-0.962; ViT-B/16 (197 rows)
+1.029, so more rows stay without.
 """
 
 from __future__ import annotations

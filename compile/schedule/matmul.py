@@ -88,14 +88,24 @@ def fold_into_writeback(sch, epilogue, rule: str, func, mm=None) -> None:
                 log_skip(rule, func, f"epilogue {sch.get(b).name_hint} not folded into the write-back", e)
 
 
+# Static rows of the prepacked GEMMs whose micro-tile prefetches the next weight panel by default
+# (settings.panel_prefetch "few-rows"). At most 64: few rows read few FLOPs per weight byte (CLIP
+# ViT-B/32's 50 rows, 25), so the next panel's DRAM transfer is as long as this panel's compute;
+# the measured wins are at 49-50 rows (settings.panel_prefetch), ViT-B/16's 197 gained nothing. At
+# least NR/16 = 4 row tiles (19 rows): the first 4 tiles of a panel together cover the next one
+# (passes/panel_prefetch.py); a decode step's 1 row is left as it was measured.
+PREFETCH_ROWS = (3 * MR + 1, 64)
+
+
 class CPUMatmul(CPURule):
     """Register-tiled, vectorised, parallel matmul with the epilogue fused in-tile.
     prefetch: a prepacked GEMM's micro-tile marked for passes/panel_prefetch.py (False:
-    ablation `panel-prefetch`)."""
+    ablation `panel-prefetch`), where its static rows are within `rows` (None: any)."""
 
-    def __init__(self, prefetch: bool = True):
+    def __init__(self, prefetch: bool = True, rows: tuple[int, int] | None = PREFETCH_ROWS):
         super().__init__()
         self.prefetch = prefetch
+        self.rows = rows
 
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         mm, blocks = single_reduction(sch)
@@ -114,7 +124,8 @@ class CPUMatmul(CPURule):
             return None
         lanes = vector_lanes(target)
         *batch, i, j, k = sch.get_loops(mm)
-        m_sym = const_int(sch.get(i).extent) is None
+        m_rows = const_int(sch.get(i).extent)
+        m_sym = m_rows is None
         if n is None:
             # Symbolic N (e.g. attention scores over a symbolic seq): full NR-wide panels
             # and a guarded tail, split apart by LoopPartition (the hint on jo below), so
@@ -166,6 +177,7 @@ class CPUMatmul(CPURule):
         sch.vectorize(ji)
         sch.unroll(ii)
         if packed_nr and n is not None and not m_sym and self.prefetch \
+                and (self.rows is None or self.rows[0] <= m_rows <= self.rows[1]) \
                 and "conv_panel_width" not in sch.get(mm).annotations:
             # the next weight panel prefetched from this micro-tile's k loop (passes/panel_prefetch.py)
             sch.annotate(ii, PREFETCH_LOOP, nr)
