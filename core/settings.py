@@ -14,7 +14,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_PREPACK` | `1` | `0` turns off CPU weight prepacking (for A/B measurements) |
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `BLOCKFORGE_MATVEC` | `0` | `1` schedules packed matmuls of <= 4 rows with CPUMatvec (compile/schedule/matvec.py) instead of CPUMatmul |
-| `BLOCKFORGE_PANEL_PREFETCH` | `few-rows` | which GEMMs have CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py): `few-rows` those of at most 64 static rows, `all` (`1`) every static-M one, `off` (`0`) none |
+| `BLOCKFORGE_PANEL_PREFETCH` | `few-rows` | which GEMMs have CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py): `few-rows` those of 19-64 static rows, `all` (`1`) every static-M one, `off` (`0`) none |
 | `BLOCKFORGE_BUILDER` | `reuse` | `fresh` builds tuning candidates with TVM's LocalBuilder (new worker processes per build call) instead of one pool per job (tune/builder.py; for A/B measurements) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
@@ -188,12 +188,9 @@ def matvec() -> bool:
     return _flag(MATVEC, False)
 
 
-PANEL_PREFETCH_MODES = ("off", "few-rows", "all")
-
-
 def panel_prefetch() -> str:
-    """"few-rows" by default: only GEMMs of at most schedule.matmul.PREFETCH_MAX_ROWS static rows
-    prefetch the next weight panel. Quiet Zen 5, whole models, the build with it over the build
+    """"few-rows" by default: only GEMMs whose static rows are within schedule.matmul.PREFETCH_ROWS
+    (19-64) prefetch the next weight panel. Quiet Zen 5, whole models, the build with it over the build
     without, both build orders (geometric mean): CLIP ViT-B/32 (50 rows) 0.983 / 0.911 (0.946) and
     1.012 / 0.914 (0.962), Wav2Vec2-base (49) 0.903 / 1.006 (0.953); at more rows it bought nothing
     (ViT-B/16's 197: 1.029). "all" (1): every static-M packed GEMM; "off" (0): none."""

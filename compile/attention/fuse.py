@@ -46,10 +46,10 @@ class _Rewrite:
         key = (spec, tiles)
         if key not in self.funcs:
             # one symbol per kernel: a model with several attention variants builds
-            opts = self.options
             # the tiles and options: what rebuilt_kernel needs to make this kernel again for another
             # spec (the in-place cache)
-            fn = kernel(spec, tiles, **opts).with_attr(OPTIONS_ATTR, json.dumps({"tiles": list(tiles), **opts}))
+            fn = kernel(spec, tiles, **self.options).with_attr(
+                OPTIONS_ATTR, json.dumps({"tiles": list(tiles), **self.options}))
             self.funcs[key] = add_kernel(self.bb, fn, f"fused_attention_{len(self.funcs)}")
         bf16 = " bf16" if self.bf16 and bf16_pairs(spec, tiles[1], self.lanes) else ""
         self.applied.append(f"{spec.describe()} tiles={tiles[0]}x{tiles[1]}{bf16}")

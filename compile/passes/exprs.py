@@ -38,6 +38,12 @@ def const_scalar(e) -> float | None:
     return float(v.reshape(())) if v.size == 1 else None
 
 
+def split_sections(split) -> int | list[int]:
+    """A relax.split call's indices_or_sections as numpy.split takes them (a count or indices)."""
+    sec = split.attrs.indices_or_sections
+    return int(sec) if isinstance(sec, tvm.tirx.IntImm) else [int(i) for i in sec]
+
+
 def users_of(func) -> dict:
     """var -> the vars of the bindings that read it, in binding order (None: the function's
     result reads it), over a Relax function's blocks."""

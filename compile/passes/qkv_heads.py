@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static, users_of
+from blockforge.compile.passes.exprs import op_name as _op, split_sections, static_shape as _static, users_of
 from blockforge.compile.passes.kernels import add_kernel
 
 KERNEL_ATTR = "blockforge.qkv_heads"  # PrimFunc attr: the kernel's outputs, for tests and tune
@@ -177,9 +177,7 @@ class _Plan:
             shp = _static(getattr(x.ty, "shape", None) or [])
             if shp is None or len(shp) != 3 or int(sp.attrs.axis) not in (2, -1) or x.ty.dtype != "float32":
                 return None
-            sec = sp.attrs.indices_or_sections
-            parts = np.split(np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp),
-                             int(sec) if isinstance(sec, tvm.tirx.IntImm) else _ints(sec), axis=2)
+            parts = np.split(np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp), split_sections(sp), axis=2)
             idx = parts[int(e.index)]
             return Traced(x, idx, np.ones(idx.shape, np.int8))
         op = _op(e)

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import op_name as _op, static_shape as _static, users_of
+from blockforge.compile.passes.exprs import op_name as _op, split_sections, static_shape as _static, users_of
 
 
 def _const(e) -> np.ndarray | None:
@@ -63,21 +63,21 @@ class _Plan:
         user = self._only_user(part)
         call = self._same_shape(user, shape)
         if _op(call) == "relax.add":
-            c = _const(_other(call, part)) if _other(call, part) is not None else None
+            c = _const(_other(call, part))
             if c is not None and c.ndim >= 1 and c.shape[-1] == n and c.size == n:
                 bias, last = c.reshape(n), user
                 chain.append(user)
                 user = self._only_user(user)
                 call = self._same_shape(user, shape)
         if _op(call) == "relax.multiply":
-            s = _const(_other(call, last)) if _other(call, last) is not None else None
+            s = _const(_other(call, last))
             if s is not None and s.size == 1 and float(s.reshape(())) != 0.0:
                 scale, last = float(s.reshape(())), user
                 chain.append(user)
         return bias, scale, last, chain
 
     def plans(self) -> dict:
-        """matmul var -> (W', b', {chain var: part index}, {part var: index})."""
+        """matmul var -> (W', b', {chain var: its part's index, or None for an inner step})."""
         out = {}
         for var, sp in self.v2v.items():
             if _op(sp) != "relax.split":
@@ -91,9 +91,7 @@ class _Plan:
             w = _const(mm.args[1])
             if w is None or w.ndim != 2 or w.shape[1] != shp[-1]:
                 continue
-            sec = sp.attrs.indices_or_sections
-            cuts = [int(sec)] if isinstance(sec, tvm.tirx.IntImm) else [int(i) for i in sec]
-            bounds = np.split(np.arange(shp[-1]), cuts[0] if isinstance(sec, tvm.tirx.IntImm) else cuts)
+            bounds = np.split(np.arange(shp[-1]), split_sections(sp))
             parts = {}  # index -> the TupleGetItem vars
             for u in self.users.get(var, []):
                 item = self.v2v.get(u) if u is not None else None

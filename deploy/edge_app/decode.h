@@ -106,11 +106,10 @@ inline Pairing InferPairing(const Manifest& m) {
   using decode_detail::GrowAxis;
   Pairing p;
   std::set<std::string> fed;
-  auto input_index = [&](const std::string& name) { return InputIndex(m, name); };
   for (size_t o = 0; o < m.outputs.size(); ++o) {
     std::vector<std::pair<std::string, long>> found;
     for (const auto& c : decode_detail::PastCandidates(m.outputs[o].name)) {
-      long i = input_index(c);
+      long i = InputIndex(m, c);
       if (i >= 0) found.emplace_back(c, i);
     }
     if (found.size() > 1) {
@@ -138,12 +137,12 @@ inline Pairing InferPairing(const Manifest& m) {
   }
   bool logits = false;
   for (const auto& s : m.outputs) logits = logits || s.name == "logits";
-  if (logits && input_index("input_ids") >= 0) {
+  if (logits && InputIndex(m, "input_ids") >= 0) {
     p.tokens.on = true;
     p.tokens.logits = "logits";
     p.tokens.input_ids = "input_ids";
-    if (input_index("attention_mask") >= 0) p.tokens.attention_mask = "attention_mask";
-    if (input_index("position_ids") >= 0) p.tokens.position_ids = "position_ids";
+    if (InputIndex(m, "attention_mask") >= 0) p.tokens.attention_mask = "attention_mask";
+    if (InputIndex(m, "position_ids") >= 0) p.tokens.position_ids = "position_ids";
   }
   return p;
 }
