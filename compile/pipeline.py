@@ -41,6 +41,9 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
+    "conv-strided-loads": "strided 1-D convs' im2col columns by contiguous vector loads and a lane shuffle "
+                          "(compile/conv/strided.py; left out: the gather TVM scalarises)",
+    "conv-trim-taps": "kernel taps that read only padding for every output dropped before the conv's GEMM",
     "panel-prefetch": "the CPU matmul's micro-tile prefetching the next weight panel, a line per k step, in GEMMs "
                       "of 19-64 static rows (BLOCKFORGE_PANEL_PREFETCH: all of them, or off) "
                       "(compile/passes/panel_prefetch.py; left out: the hardware prefetcher alone)",
@@ -130,7 +133,9 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
         # makes them call_tir); the patch convs are left to fast_math's patch-conv rewrite.
         tgt = target.tvm_target()
         return [conv_gemm_pass(panel_width(tgt), panels="conv-panels" not in without,
-                               implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt))]
+                               implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt),
+                               trim="conv-trim-taps" not in without,
+                               strided_loads="conv-strided-loads" not in without)]
     return passes
 
 

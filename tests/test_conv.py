@@ -81,6 +81,17 @@ CASES = {
     "2d-depthwise": ((1, 6, 8, 8), (6, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1]), {}),
     "2d-grouped-4-rows": ((1, 8, 8, 8), (16, 2, 3, 3), dict(group=4, pads=[1, 1, 1, 1]), {}),
     "2d-batch2-grouped": ((2, 8, 7, 7), (12, 4, 3, 3), dict(group=2), {}),
+    # strided 1-D convs long enough for panels that take conv/strided.py's contiguous loads + shuffle
+    "1d-k3-s2-long (strided loads, padded first panel)": ((1, 8, 300), (8, 8, 3), dict(strides=[2], pads=[1, 1]),
+                                                          dict(act="Gelu")),
+    "1d-k4-s3-batch2 (strided loads)": ((2, 8, 500), (8, 8, 4), dict(strides=[3]), {}),
+    "1d-grouped-dilated-s2 (strided loads)": ((1, 16, 400), (16, 4, 3), dict(group=4, strides=[2], dilations=[2]), {}),
+    # kernels longer than input + padding reach: taps that read only padding are dropped (trim_taps)
+    "1d-grouped-long-kernel (wav2vec2 positional conv, taps 3-20 of 24 kept)": ((1, 32, 9), (32, 8, 24),
+                                                                                dict(group=4, pads=[12, 12]), {}),
+    "1d-strided-dilated-long-kernel (taps 1-2 of 4 kept)": ((1, 8, 2), (8, 8, 4), dict(dilations=[3], pads=[5, 5]),
+                                                             dict(act="Relu")),
+    "2d-long-kernel (taps 1-4 of 6 kept)": ((1, 4, 3, 3), (8, 4, 6, 6), dict(pads=[2, 2, 2, 2]), {}),
 }
 
 
@@ -120,6 +131,29 @@ def test_conv_whose_columns_would_not_fit_stays_direct():
                       [oh.make_tensor_value_info("y", 1, [1, 64, 2048, 2048])], [w])
     model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
     assert _convs_left(model) == 1
+
+
+def test_used_taps_match_a_direct_count():
+    """Wav2Vec2-base's positional conv (768 ch, k=128, groups 16, pads 64, 49 frames): the taps
+    that read a frame for some output are 15-112; a stride and dilation leave gaps a direct
+    count sees; a conv whose every tap reads padding has none."""
+    assert ConvShape([1, 768, 49], [768, 48, 128], [1], [64, 64], [1], 16).used_taps() == [(15, 112)]
+    cs = ConvShape([1, 8, 2], [8, 8, 4], [1], [5, 5], [3], 1)
+    assert cs.used_taps() == [(1, 2)]
+    t = cs.trimmed(cs.used_taps())
+    assert (t.kernel, t.pad_begin, t.pad_end, t.out, t.kg) == ([2], [2], [2], cs.out, 16)
+    assert ConvShape([1, 4, 1], [4, 4, 1], [5], [2, 2], [1], 1).used_taps() is None
+    for size, k, st, dl, pb, pe in [(9, 24, 1, 1, 12, 12), (5, 12, 2, 1, 7, 7), (7, 5, 3, 2, 9, 1), (3, 6, 1, 1, 2, 2)]:
+        cs = ConvShape([1, 4, size], [4, 4, k], [st], [pb, pe], [dl], 1)
+        used = [t for t in range(k) if any(0 <= p * st + t * dl - pb < size for p in range(cs.out[0]))]
+        assert cs.used_taps() == [(used[0], used[-1])]
+
+
+def test_trimmed_taps_shrink_the_gemm_and_the_ablation_keeps_them():
+    model, _, _ = _conv_model((1, 32, 9), (32, 8, 24), group=4, pads=[12, 12])
+    for without, kept in [(set(), 18), ({"conv-trim-taps"}, 24)]:
+        mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+        assert f"A: T.Buffer((T.int64(4), T.int64(8), T.int64({8 * kept}))" in mod.script(), without
 
 
 def test_conv_gemm_ablation_keeps_the_conv():
@@ -185,6 +219,60 @@ def test_conv_gemm_schedule_full_panels_unguarded_crop_guarded():
     assert not isinstance(crop.predicate, tirx.IntImm) and "200" in str(crop.predicate)
     kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
     assert (tirx.ForKind.VECTORIZED, 64) in kinds and any(k == tirx.ForKind.PARALLEL for k, _ in kinds)
+
+
+# (x shape, its valid length, w shape, stride, pads, dilation, groups): Wav2Vec2's layers 2 and 5,
+# Whisper's conv2, and a previous conv's whole panels (x wider than the conv's input, NaN past it).
+STRIDED = {
+    "wav2vec2-layer2": ((1, 512, 1599), 1599, (512, 512, 3), 2, [0, 0], 1, 1),
+    "wav2vec2-layer5": ((1, 512, 199), 199, (512, 512, 2), 2, [0, 0], 1, 1),
+    "whisper-conv2": ((1, 64, 3000), 3000, (64, 64, 3), 2, [1, 1], 1, 1),
+    "panels-past-the-input": ((2, 8, 320), 301, (12, 4, 3), 3, [2, 1], 2, 2),
+}
+
+
+def _shuffles(func):
+    out = []
+    tvm_ffi.structural_walk(func.body, [(tirx.Shuffle, out.append)], order="pre")
+    return out
+
+
+@pytest.mark.parametrize("name", list(STRIDED))
+def test_strided_im2col_matches_the_gather(name):
+    """conv/strided.py's loads + shuffle write the gather's columns (every position < L; the
+    tail past L is never read by the GEMM), and never read x past the conv's input length."""
+    from blockforge.compile.conv.strided import applies, strided_im2col
+
+    xs, size, ws, st, pads, dl, groups = STRIDED[name]
+    cs = ConvShape([*xs[:2], size], ws, [st], pads, [dl], groups)
+    assert applies(cs, 16, 64)
+    # one panel of outputs (layer 6, L = 49), stride 1 or 5: the gather
+    assert not any(applies(ConvShape(*g), 16, 64) for g in [([1, 512, 99], [512, 512, 2], [2], [0, 0], [1], 1),
+                                                             ([1, 8, 300], [8, 8, 3], [1], [1, 1], [1], 1),
+                                                             ([1, 1, 16000], [512, 1, 10], [5], [0, 0], [1], 1)])
+    x = te.placeholder((*xs[:2], size), "float32", name="x")
+    ref = tvm.compile(tvm.IRModule({"main": _scheduled(CPUIm2col(), te.create_prim_func([x, im2col(x, cs, 64)]))}),
+                      target=AVX512).mod
+    func = strided_im2col(list(xs), cs, 64, 16).with_attr("global_symbol", "main")
+    assert _shuffles(func) and any(lp.kind == tirx.ForKind.PARALLEL for lp in _loops(func))
+    got = tvm.compile(tvm.IRModule({"main": func}), target=AVX512).mod
+    rng = np.random.default_rng(1)
+    xn = rng.standard_normal(xs).astype(np.float32)
+    xn[..., size:] = np.nan
+    nb = -(-cs.length // 64)
+    outs = [tvm.runtime.tensor(np.zeros((cs.n, groups, nb, cs.kg, 64), np.float32)) for _ in range(2)]
+    ref(tvm.runtime.tensor(np.ascontiguousarray(xn[..., :size])), outs[0])
+    got(tvm.runtime.tensor(xn), outs[1])
+    a, b = (o.numpy().transpose(0, 1, 3, 2, 4).reshape(cs.n, groups, cs.kg, -1)[..., :cs.length] for o in outs)
+    np.testing.assert_array_equal(b, a)
+
+
+def test_strided_loads_ablation_keeps_the_gather():
+    model, _, _ = _conv_model((1, 8, 300), (8, 8, 3), strides=[2], pads=[1, 1])
+    for without, shuffled in [(set(), True), ({"conv-strided-loads"}, False)]:
+        mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+        funcs = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+        assert any(_shuffles(f) for f in funcs) == shuffled, without
 
 
 # Chains: a 1-D conv's output stays in whole NR panels through its elementwise consumers

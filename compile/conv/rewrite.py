@@ -25,7 +25,9 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from blockforge.compile.conv import strided
 from blockforge.compile.passes.fast_math import is_patch_conv
+from blockforge.compile.passes.kernels import add_kernel
 from blockforge.compile.passes.prepack import PACKED_BLOCK
 
 IM2COL_BLOCK = "conv_im2col"
@@ -80,6 +82,42 @@ class ConvShape:
 
     def flops(self) -> int:
         return 2 * self.n * self.o * self.kg * self.length
+
+    def used_taps(self) -> list[tuple[int, int]] | None:
+        """Per spatial dim, the first and last kernel tap that reads x (not padding) for at least
+        one output position; None where some dim has none (every output is the bias)."""
+        spans = []
+        for size, pb, k, st, dl, out in zip(self.size, self.pad_begin, self.kernel, self.strides,
+                                             self.dilation, self.out):
+            at = np.arange(out)[:, None] * st + np.arange(k)[None, :] * dl - pb  # (out, k)
+            used = np.flatnonzero(((at >= 0) & (at < size)).any(axis=0))
+            if used.size == 0:
+                return None
+            spans.append((int(used[0]), int(used[-1])))
+        return spans
+
+    def trimmed(self, spans) -> "ConvShape":
+        """The same convolution over taps spans[i] only: the pads shrink by the dropped taps
+        (they may go negative: the gather's guard reads zero wherever a tap falls outside x),
+        the output size is unchanged."""
+        kernel = [hi - lo + 1 for lo, hi in spans]
+        pb = [p - lo * dl for p, (lo, _), dl in zip(self.pad_begin, spans, self.dilation)]
+        pe = [p - (k - 1 - hi) * dl for p, k, (_, hi), dl in zip(self.pad_end, self.kernel, spans, self.dilation)]
+        cs = ConvShape([self.n, self.c, *self.size], [self.o, self.cg, *kernel], self.strides, pb + pe,
+                       self.dilation, self.groups)
+        assert cs.out == self.out, (cs.out, self.out)
+        return cs
+
+
+def trim_taps(cs: ConvShape, wt: np.ndarray) -> tuple[ConvShape, np.ndarray]:
+    """Drop the kernel taps that read only padding for every output (exact: they multiply
+    zeros). Wav2Vec2's positional conv (k=128, pads 64, 49 frames) keeps taps 15-112: 98 of 128,
+    so its columns and GEMM are 23% smaller."""
+    spans = cs.used_taps()
+    if spans is None or all(lo == 0 and hi == k - 1 for (lo, hi), k in zip(spans, cs.kernel)):
+        return cs, wt
+    index = (slice(None), slice(None), *(slice(lo, hi + 1) for lo, hi in spans))
+    return cs.trimmed(spans), np.ascontiguousarray(wt[index])
 
 
 def im2col(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
@@ -179,9 +217,9 @@ def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> t
     return te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
 
 
-def _geometry(call, nr: int) -> ConvShape | None:
-    """The convolution's shape when this rewrite applies: float32, constant weight, static
-    shapes, canonical layouts."""
+def _geometry(call, nr: int) -> tuple[ConvShape, np.ndarray] | None:
+    """The convolution's shape and weight when this rewrite applies: float32, constant weight,
+    static shapes, canonical layouts."""
     x, w = call.args
     a = call.attrs
     if not isinstance(w, tvm.ir.expr.GenericConst) or getattr(x.ty, "dtype", None) != "float32":
@@ -199,7 +237,7 @@ def _geometry(call, nr: int) -> ConvShape | None:
                    [int(v) for v in a.dilation], int(a.groups))
     if not cs.valid() or cs.og < MIN_GROUP_ROWS or cs.cols_bytes(nr) > MAX_COLS_BYTES:
         return None
-    return cs
+    return cs, wt
 
 
 # Elementwise ops a crop slides past (crop(f(y)) == f(crop(y))): a 1-D conv's GEMM output
@@ -227,9 +265,10 @@ def _broadcasts_along_last(e) -> bool:
 
 @mutator
 class _ConvGemm(PyExprMutator):
-    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int):
+    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool):
         super().__init__(mod)
-        self.nr, self.panels, self.implicit, self.lanes = nr, panels, implicit, lanes
+        self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
+        self.strided_loads = strided_loads
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
         self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
 
@@ -294,11 +333,14 @@ class _ConvGemm(PyExprMutator):
             return call
         if call.op.name == "relax.nn.conv2d" and is_patch_conv(call):
             return call  # fast_math's patch-conv rewrite (optimize, after this phase) or TVM's conv
-        cs = _geometry(call, self.nr)
-        if cs is None:
+        found = _geometry(call, self.nr)
+        if found is None:
             return call
-        x, w = call.args
-        wmat = relax.const(np.ascontiguousarray(w.value.numpy().reshape(cs.groups, cs.og, cs.kg)))
+        cs, wt = found
+        if self.trim:
+            cs, wt = trim_taps(cs, wt)
+        x = call.args[0]
+        wmat = relax.const(np.ascontiguousarray(wt.reshape(cs.groups, cs.og, cs.kg)))
         b = self.builder_
         # The input cropped from a previous conv's whole panels: the gather reads those panels
         # (its indices stay below L, so the same values) and the crop goes unused.
@@ -308,6 +350,12 @@ class _ConvGemm(PyExprMutator):
         if panels and self.implicit and implicit(cs):
             xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
+        elif panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr):
+            xs = [int(d) for d in x.ty.shape]
+            gv = add_kernel(b, strided.strided_im2col(xs, cs, self.nr, self.lanes), "conv_im2col")
+            cols_ty = relax.TensorType([cs.n, cs.groups, -(-cs.length // self.nr), cs.kg, self.nr], "float32")
+            cols = b.emit(relax.call_tir(gv, [x], out_ty=cols_ty))
+            gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=False), wmat, cols, primfunc_name_hint="conv_gemm")
         else:
             cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
             gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=not panels), wmat, cols,
@@ -323,15 +371,17 @@ class _ConvGemm(PyExprMutator):
         return relax.op.reshape(b.emit(gemm), (cs.n, cs.o, *cs.out))
 
 
-def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16) -> tvm.transform.Pass:
+def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
+                   trim: bool = True, strided_loads: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
-    padded input in the GEMM instead of columns)."""
+    padded input in the GEMM instead of columns; trim: taps that only ever read padding dropped;
+    strided_loads: strided 1-D convs' columns by contiguous loads and a shuffle, conv/strided.py)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes)
+        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 # the crops the chain slid past are left unused
