@@ -77,8 +77,16 @@ class ConvShape:
         return self.groups >= 1 and self.c == self.cg * self.groups and self.o % self.groups == 0 \
             and all(v >= 1 for v in self.out) and all(p >= 0 for p in self.pad_begin + self.pad_end)
 
+    def panels(self, nr: int) -> int:
+        """NR-wide panels of output positions (the last one's tail past L unused)."""
+        return -(-self.length // nr)
+
+    def cols_shape(self, nr: int) -> tuple[int, int, int, int, int]:
+        """The im2col columns: (batch, group, panel, k, NR), the GEMM's right operand."""
+        return self.n, self.groups, self.panels(nr), self.kg, nr
+
     def cols_bytes(self, nr: int) -> int:
-        return 4 * self.n * self.groups * self.kg * -(-self.length // nr) * nr
+        return 4 * int(np.prod(self.cols_shape(nr)))
 
     def flops(self) -> int:
         return 2 * self.n * self.o * self.kg * self.length
@@ -122,7 +130,6 @@ def trim_taps(cs: ConvShape, wt: np.ndarray) -> tuple[ConvShape, np.ndarray]:
 
 def im2col(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
     """cols[n, g, jb, k, jr] (the GEMM's right operand, NR-wide panels); zero outside x."""
-    nb = -(-cs.length // nr)
     d = len(cs.size)
 
     def f(n, g, jb, k, jr):
@@ -144,7 +151,7 @@ def im2col(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
         safe = [tirx.max(tirx.min(a, cs.size[i] - 1), 0) for i, a in enumerate(at)]
         return tirx.if_then_else(inside, x[(n, c, *safe)], tirx.const(0, x.dtype))
 
-    return te.compute((cs.n, cs.groups, nb, cs.kg, nr), f, name=IM2COL_BLOCK)
+    return te.compute(cs.cols_shape(nr), f, name=IM2COL_BLOCK)
 
 
 def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape, crop: bool = True) -> te.Tensor:
@@ -189,7 +196,7 @@ def implicit(cs: ConvShape) -> bool:
 def pad_input(x: te.Tensor, cs: ConvShape, nr: int, lanes: int) -> te.Tensor:
     """x with its padding as zeros, split into the stride's phases and long enough for whole
     panels of every tap (rounded up to whole vectors): xp[n, c, r, m] = x[n, c, m * s + r - pad]."""
-    nb, s = -(-cs.length // nr), cs.strides[0]
+    nb, s = cs.panels(nr), cs.strides[0]
     width = -(-(nb * nr + cs.dilation[0] * (cs.kernel[0] - 1) // s) // lanes) * lanes
     pb, size = cs.pad_begin[0], cs.size[0]
 
@@ -206,7 +213,7 @@ def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> t
     (xp: pad_input's phases), over whole panels of nr (the caller crops): the packed_matmul
     block CPUMatmul schedules with the panel width from PANEL_ATTR (its B operand is no
     packed tensor)."""
-    nb, kw, dl, s = -(-cs.length // nr), cs.kernel[0], cs.dilation[0], cs.strides[0]
+    nb, kw, dl, s = cs.panels(nr), cs.kernel[0], cs.dilation[0], cs.strides[0]
     k = te.reduce_axis((0, cs.kg), name="k")
 
     def f(n, o, j):
@@ -350,14 +357,12 @@ class _ConvGemm(PyExprMutator):
         if panels and self.implicit and implicit(cs):
             xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
-        elif panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr):
-            xs = [int(d) for d in x.ty.shape]
-            gv = add_kernel(b, strided.strided_im2col(xs, cs, self.nr, self.lanes), "conv_im2col")
-            cols_ty = relax.TensorType([cs.n, cs.groups, -(-cs.length // self.nr), cs.kg, self.nr], "float32")
-            cols = b.emit(relax.call_tir(gv, [x], out_ty=cols_ty))
-            gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=False), wmat, cols, primfunc_name_hint="conv_gemm")
         else:
-            cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
+            if panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr):
+                gv = add_kernel(b, strided.strided_im2col(_static(x.ty.shape), cs, self.nr, self.lanes), "conv_im2col")
+                cols = b.emit(relax.call_tir(gv, [x], out_ty=relax.TensorType(list(cs.cols_shape(self.nr)), "float32")))
+            else:
+                cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))
             gemm = b.call_te(lambda a, c: conv_gemm(a, c, cs, crop=not panels), wmat, cols,
                              primfunc_name_hint="conv_gemm")
         # A GEMM to FuseOps, so the bias and activation after it fuse into its epilogue (the

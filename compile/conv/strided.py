@@ -3,7 +3,7 @@
 rewrite.im2col's gather reads x at a stride-s, clamped, guarded index, which TVM's LLVM
 codegen scalarises (one load and one insert per lane). Here a vector of `lanes` columns of
 one (channel, tap) row is one contiguous load of lanes * s floats and a shuffle keeping every
-s-th (vpermt2ps for s = 2); only the panels that touch the padding or run past the input take
+s-th (vpermt2ps for s = 2); only the vectors that touch the padding or run past the input take
 the guarded scalar loop. Measured alone on Zen 5 (2 threads, hot cache, ms, gather -> this):
 Wav2Vec2-base's layers 1-5 (512 ch, k=3/3/3/3/2, s=2) 0.86 -> 0.17, 0.34 -> 0.087, 0.20 -> 0.061,
 0.12 -> 0.057, 0.037 -> 0.033; Whisper-base's conv2 (3000 frames, k=3, s=2, pads 1) 0.82 -> 0.18.
@@ -35,13 +35,13 @@ def strided_im2col(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
 
     i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
     s, dl, kw, pb, size = cs.strides[0], cs.dilation[0], cs.kernel[0], cs.pad_begin[0], cs.size[0]
-    nb, kg, width = -(-cs.length // nr), cs.kg, int(x_shape[-1])
+    nb, kg, width = cs.panels(nr), cs.kg, int(x_shape[-1])
     rows = cs.n * cs.groups * nb * kg
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("conv_im2col")
             X = T.arg("x", T.buffer([i64(v) for v in x_shape], "float32"))
-            Y = T.arg("cols", T.buffer([i64(cs.n), i64(cs.groups), i64(nb), i64(kg), i64(nr)], "float32"))
+            Y = T.arg("cols", T.buffer([i64(v) for v in cs.cols_shape(nr)], "float32"))
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
             with T.parallel(i64(0), i64(rows)) as f:  # (n, g, jb, k) fused, as CPUIm2col's
                 k = f % i64(kg)
