@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from blockforge import settings
 from blockforge.errors import ArgumentError, BlockforgeError, raise_if_stopped
@@ -56,16 +57,20 @@ class _Child:
     oom_killed: bool  # SIGKILL while the kernel's OOM-kill count rose
 
 
-def _run_child(cmd: list[str], timeout: float) -> _Child:
+def _run_child(cmd: list[str], timeout: float, meanwhile: Callable[[], None] | None = None) -> _Child:
     """Run an isolation child (it limits its own memory: _limit_memory), wait for it with
     os.wait4 to learn its peak RSS, kill it past `timeout` (subprocess.TimeoutExpired).
-    Output goes to files, not pipes: a chatty child cannot block on a full pipe."""
+    Output goes to files, not pipes: a chatty child cannot block on a full pipe.
+    meanwhile: the parent's own work, run while the child works; if it raises, the child is
+    killed and its verdict never asked for."""
     env = {**os.environ, settings.ISOLATE: "0"}  # the child trusts itself
     ooms = settings.cgroup_oom_kills()
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         try:
+            if meanwhile is not None:
+                meanwhile()
             while True:
                 pid, status, ru = os.wait4(p.pid, os.WNOHANG)
                 if pid:
@@ -120,12 +125,13 @@ def _memory_error(path: Path, verb: str, c: _Child) -> BlockforgeError | None:
 _ARGUMENT_ERROR = "blockforge-argument-error: "
 
 
-def _run_checked(path: Path, cmd: list[str], what: str, verb: str, timeout: float | None = None) -> _Child:
+def _run_checked(path: Path, cmd: list[str], what: str, verb: str, timeout: float | None = None,
+                 meanwhile: Callable[[], None] | None = None) -> _Child:
     """_run_child, every way it can fail as one BlockforgeError: `what` failed, `verb` the
     memory message's."""
     timeout = timeout or settings.isolate_timeout_s()
     try:
-        c = _run_child(cmd, timeout)
+        c = _run_child(cmd, timeout, meanwhile)
     except subprocess.TimeoutExpired:
         raise BlockforgeError(f"{path}: checking the model did not finish within {timeout:.0f} s "
                               "(a hang in native code?); refusing it") from None
@@ -196,22 +202,29 @@ class Prepared:
     _dir: object = None  # the TemporaryDirectory holding weights_dir
 
 
-def prepare_untrusted(path: str | Path, request: dict, *, mode: str = "tvm") -> Prepared:
+def prepare_untrusted(path: str | Path, request: dict, *, mode: str = "tvm",
+                      meanwhile: Callable[[], None] | None = None) -> Prepared:
     """Load, check, bind and (mode "prepare"/"tvm") prepare the model once, in a child
     process when isolation is on; mode "tvm" also imports it into TVM there (whether it
     imports is part of what is checked), "sizes" only binds and refuses a tensor folding
     would make above the size cap. The child writes what it made (PREPARED, RESULT) and
     the parent reads it back instead of doing it again.
 
-    request: the ShapeRequest as a dict (`shape`), input_shapes, defaults, static."""
+    request: the ShapeRequest as a dict (`shape`), input_shapes, defaults, static.
+    meanwhile: the caller's work that does not need the model (session: the target, and
+    TVM's import), run while the child works and before its verdict is read, so an error
+    it raises comes first; isolation off, it runs first."""
     if not settings.isolate():
+        if meanwhile is not None:
+            meanwhile()
         return _prepare(Path(path), str(path), request, mode, out=None)
     out = tempfile.TemporaryDirectory(prefix="blockforge-prepared-")
     try:
         cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path), f"--{mode}",
                "--request", json.dumps(request), "--out", out.name]
         what = {"tvm": "TVM's importer", "prepare": "prepare (constant folding)"}.get(mode, "the ONNX parser/checker")
-        _run_checked(Path(path), cmd, what, {"tvm": "import", "prepare": "prepare"}.get(mode, "load"))
+        _run_checked(Path(path), cmd, what, {"tvm": "import", "prepare": "prepare"}.get(mode, "load"),
+                     meanwhile=meanwhile)
         got = _read_back(Path(out.name), str(path))
     except BaseException:
         out.cleanup()

@@ -1,8 +1,8 @@
 """The prelude every verb shares: one entry from a model path to a buildable model.
 
-    resolve target -> can it build here? -> in a child process: load, check, bind the
-    shape, prepare (bind, fold shape arithmetic), import into TVM -> the child's prepared
-    model and binding read back -> import (once)
+    in a child process: load, check, bind the shape, prepare (bind, fold shape arithmetic),
+    import into TVM; meanwhile, here: resolve target -> can it build here? -> TVM's import
+    -> the child's prepared model and binding read back -> import (once)
 
 `open_model()` returns a `Session`; the child's work is not redone in the parent (it reads
 the prepared model, its weights left in the child's folder until the importer reads them a
@@ -151,9 +151,10 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget | None = "
                shape: ShapeRequest | dict | str | None = None, *, input_shapes: dict | None = None,
                default_dims: dict[str, int] | None = None, static: bool = False,
                tvm_probe: bool = True, prepare: bool = True, precision: str | None = None) -> Session:
-    """Resolve the target, check it can be built here, then load, check, bind and prepare
-    the model once, in a child process (isolate.prepare_untrusted; `tvm_probe`: it also
-    imports the prepared model into TVM there), and read back what it made.
+    """Load, check, bind and prepare the model once, in a child process
+    (isolate.prepare_untrusted; `tvm_probe`: it also imports the prepared model into TVM
+    there), resolving the target and checking it can be built here meanwhile (a refusal of
+    the target comes first), and read back what the child made.
 
     shape: the ShapeRequest (dim names and/or whole input shapes; a parse_dims mapping or
     text is taken too); input_shapes: shapes of user-supplied arrays, binding what the shape
@@ -162,19 +163,30 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget | None = "
     verify without a target); prepare=False: the model is only bound and its folded sizes
     checked (Session.prepared is None). precision: a name from targets.precision (None:
     fp32), refused here, before the model is read, when the target cannot compute in it."""
-    t = None
-    if target is not None:
-        t = target if isinstance(target, ResolvedTarget) else resolve(target)
-    # The precision first: a target that cannot compute in it is refused whatever is installed
-    # (installing the cross compiler would not help).
-    prec = resolve_precision(precision, t) if t is not None else PRECISIONS["fp32"]
-    if t is not None:
-        problem = t.build_problem()
-        if problem:
-            raise BlockforgeError(f"cannot build for {t.name}: {problem}")
     request = dict(shape=ShapeRequest.of(shape).to_dict(), input_shapes={k: list(v) for k, v in (input_shapes or {}).items()},
                    defaults=dict(default_dims or {}), static=static)
     mode = ("tvm" if tvm_probe else "prepare") if prepare else "sizes"
+    resolved = {}
+
+    def check_target():
+        """While the child reads the model: the target (resolving it imports TVM, 3-4 s) and,
+        for a build, the importer's modules, so a toy compile's wall time is not the sum of
+        both processes' TVM imports. Its refusals still come before anything about the model."""
+        t = None
+        if target is not None:
+            t = target if isinstance(target, ResolvedTarget) else resolve(target)
+        # The precision first: a target that cannot compute in it is refused whatever is installed
+        # (installing the cross compiler would not help).
+        prec = resolve_precision(precision, t) if t is not None else PRECISIONS["fp32"]
+        if t is not None:
+            problem = t.build_problem()
+            if problem:
+                raise BlockforgeError(f"cannot build for {t.name}: {problem}")
+            if prepare:
+                import blockforge.compile.frontend.converters  # noqa: F401  (TVM's ONNX frontend)
+        resolved.update(target=t, precision=prec)
+
     with native_output_to_log():
-        got = prepare_untrusted(model, request, mode=mode)
-    return Session(Path(model), t, got.binding, got.model, got.report, got.weights_dir, got, precision=prec)
+        got = prepare_untrusted(model, request, mode=mode, meanwhile=check_target)
+    return Session(Path(model), resolved["target"], got.binding, got.model, got.report, got.weights_dir, got,
+                   precision=resolved["precision"])

@@ -190,3 +190,42 @@ def test_a_usage_mistake_is_one_error_line(argv, tmp_path):
     r = run_cli(*argv, cwd=tmp_path)
     assert_user_error(r, "--help")
     assert r.err.count("\n") == 1 and not r.out, r.text
+
+
+def test_each_verb_builds_only_its_own_parser():
+    """A process builds the parser of the verb it runs (all twelve: 4.7 s of every start,
+    tune's budget table importing TVM); each verb's parser stands alone, and anything else
+    (no verb, a misspelt one, --help) gets the whole parser, so argparse lists every verb."""
+    from blockforge.cli import VERB_NAMES, build_parser
+
+    def verbs(p):
+        return list(next(a for a in p._actions if a.dest == "command").choices)
+
+    for verb in VERB_NAMES:
+        p = build_parser([verb, "--x"])
+        assert verbs(p) == [verb], verb
+        with pytest.raises(SystemExit):  # its --help through its own parser alone
+            p.parse_args([verb, "--help"])
+    for argv in ([], ["frobnicate"], ["--help"], ["--version"]):
+        assert verbs(build_parser(argv)) == list(VERB_NAMES), argv
+
+
+def test_verbs_that_build_nothing_never_import_tvm(tmp_path):
+    """export and inspect as a user runs them, in a fresh interpreter: TVM's import (3-4 s)
+    is paid only by verbs that compile or run."""
+    code = """
+import json, sys
+from blockforge.cli import main
+rcs = [main(["export", "ffn", "--d-model", "16", "-o", "f.onnx"]), main(["inspect", "f.onnx"]),
+       main(["verify", "f.onnx", "--shape", "batch=1,seq=4"])]
+print(json.dumps({"rcs": rcs, "tvm": sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm."))}))
+"""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env={**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")})
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res == {"rcs": [0, 0, 0], "tvm": []}, res

@@ -59,6 +59,47 @@ def test_one_compile_does_the_prelude_once_in_the_child(ffn, tmp_path, counted, 
     assert res.manifest["inputs"][0]["shape"] == [1, 8, 32]
 
 
+def _isolation_children():
+    import psutil
+
+    found = []
+    for c in psutil.Process().children():
+        try:
+            if "blockforge.compile.isolate" in " ".join(c.cmdline()):
+                found.append(c)
+        except psutil.Error:  # gone, or a zombie not yet reaped
+            pass
+    return found
+
+
+def test_the_target_is_resolved_while_the_child_reads_the_model(ffn, tmp_path, monkeypatch):
+    """The parent's own work (resolving the target imports TVM: 3-4 s) runs while the
+    isolation child works, not after it; a refused target still comes first, whatever the
+    model, and its child is ended."""
+    from blockforge.compile import session
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "1")
+    seen, real = [], session.resolve
+
+    def resolve(name):
+        seen.append(len(_isolation_children()))
+        return real(name)
+
+    monkeypatch.setattr(session, "resolve", resolve)
+    s = session.open_model(ffn, "host", {"batch": 1, "seq": 8})
+    assert seen == [1] and s.target.name == "host" and s.prepared is not None, seen
+
+    def refuse(name):
+        assert _isolation_children(), "the child had not been started"
+        raise BlockforgeError(f"no target {name} here")
+
+    monkeypatch.setattr(session, "resolve", refuse)
+    for model in (ffn, tmp_path / "missing.onnx"):
+        with pytest.raises(BlockforgeError, match="no target host here"):
+            session.open_model(model, "host", {"batch": 1, "seq": 8})
+        assert not _isolation_children()
+
+
 def test_in_process_prelude_checks_each_model_once(ffn, counted, monkeypatch):
     """Isolation off, the same work runs here: one load, one checker run per model (the
     original, the prepared), one prepare, and the import does not check again."""
