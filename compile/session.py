@@ -162,7 +162,8 @@ def open_model(model: str | Path, target: str | dict | ResolvedTarget | None = "
     bound it; static: every dim must end up bound. target None: nothing is built (inspect,
     verify without a target); prepare=False: the model is only bound and its folded sizes
     checked (Session.prepared is None). precision: a name from targets.precision (None:
-    fp32), refused here, before the model is read, when the target cannot compute in it."""
+    fp32), refused here when the target cannot compute in it, before any verdict on the model
+    (the child may have started reading it)."""
     request = dict(shape=ShapeRequest.of(shape).to_dict(), input_shapes={k: list(v) for k, v in (input_shapes or {}).items()},
                    defaults=dict(default_dims or {}), static=static)
     mode = ("tvm" if tvm_probe else "prepare") if prepare else "sizes"
