@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockforge.errors import BlockforgeError, Phrase
+from blockforge.errors import ArgumentError, BlockforgeError, Phrase
 from blockforge.graph.model_io import load_npz, model_spec
 from blockforge.graph.shape import ShapeRequest
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
 
 from blockforge.compile.isolate import run_ort
-from blockforge.compile.session import open_model
+from blockforge.compile.session import Session, open_model
 
 
 @dataclass
@@ -28,9 +28,13 @@ class VerifyOptions:
     reference: Path | None = None  # the float model a quantized one came from (ORT runs it)
 
 
-def verify(opts: VerifyOptions) -> ParityReport:
+def verify(opts: VerifyOptions, session: Session | None = None) -> ParityReport:
     """Dims come from --shape (dim names or whole input shapes) and, where it is silent,
-    from the shapes of the --inputs arrays."""
+    from the shapes of the --inputs arrays.
+
+    session: opts.model already opened for opts.target (open_model with opts' shape and
+    precision), for a caller that looked at the prepared model first: its load, checks,
+    binding and prepare are used, not redone (a real export: ~1-2 s of onnxslim alone)."""
     npz = load_npz(opts.inputs) if opts.inputs else None
     shapes = {k: v.shape for k, v in (npz or {}).items()}
     extra, notes = {}, []
@@ -39,7 +43,12 @@ def verify(opts: VerifyOptions) -> ParityReport:
         from blockforge.compile.records.reader import open_for_apply
         from blockforge.compile.artifact.runtime import run_vm, tvm_device
 
-        session = open_model(opts.model, opts.target, opts.shape, input_shapes=shapes, precision=opts.precision)
+        if session is None:
+            session = open_model(opts.model, opts.target, opts.shape, input_shapes=shapes, precision=opts.precision)
+        elif (session.target is None or session.prepared is None or session.precision.name != opts.precision
+              or Path(session.path).resolve() != Path(opts.model).resolve()):
+            raise ArgumentError(f"the {{session}} given to verify is not {opts.model} opened for a build at "
+                                f"precision {opts.precision}", "session")
         model, target = session.model, session.target
         inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         problem = target.run_problem()

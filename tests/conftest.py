@@ -155,6 +155,24 @@ def _heavy_first(items) -> None:
     items.sort(key=lambda item: not module_slow(item))  # stable: order within each part kept
 
 
+# The isolation child (compile/isolate.py: a second interpreter that loads, checks and imports
+# an untrusted model under resource limits) costs ~2 s of CPU per verb: in the profile of the
+# whole suite (2026-12-03) 117 children in its first 11 minutes, ~40% of the CPU that
+# subprocesses spent. It is under test only where a file says so (`pytestmark =
+# pytest.mark.isolation`: hostile models, interrupts, errors crossing from the child, the
+# prelude, the wheel); every other test runs with BLOCKFORGE_ISOLATE=0, the same checks done
+# in-process. A BLOCKFORGE_ISOLATE given from outside (`BLOCKFORGE_ISOLATE=1 make test`) wins.
+_ISOLATE_FROM_OUTSIDE = "BLOCKFORGE_ISOLATE" in os.environ
+
+
+def pytest_runtest_setup(item):
+    """Before the item's fixtures (module-scoped ones included, built during the first item's
+    setup), so a module fixture's compiles follow its file's choice; a test's own
+    monkeypatch.setenv still overrides it."""
+    if not _ISOLATE_FROM_OUTSIDE:
+        os.environ["BLOCKFORGE_ISOLATE"] = "1" if item.get_closest_marker("isolation") else "0"
+
+
 def pytest_collection_modifyitems(config, items):
     _heavy_first(items)
     if gpu_present():

@@ -94,6 +94,8 @@ print(json.dumps({"changed": changed, "tvm": "tvm" in sys.modules}))
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["changed"] == [], f"importing blockforge changed the environment: {res['changed']}"
     assert list(tmp_path.iterdir()) == [], "importing blockforge wrote files"
+    # TVM (1.5-3 s) loads when a verb needs it, never because a package was imported
+    assert res["tvm"] is False, "importing the blockforge packages imported TVM"
 
 
 def test_every_environment_variable_is_owned_by_settings():

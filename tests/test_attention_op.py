@@ -20,7 +20,7 @@ from blockforge.errors import BlockforgeError
 from blockforge.graph import MHASpec, build, export, reference
 from blockforge.graph.model_io import random_inputs, signature
 
-from conftest import run_cli
+from conftest import run_cli_in_process
 from test_onnx_backend import node_cases, run_case
 
 
@@ -182,7 +182,7 @@ def test_layouts_agree_under_tvm():
 
 
 def test_export_cli_default_name(tmp_path):
-    r = run_cli("export", "mha", "--d-model", 32, "--heads", 2, "--layout", "attention-op", cwd=tmp_path)
+    r = run_cli_in_process("export", "mha", "--d-model", 32, "--heads", 2, "--layout", "attention-op", cwd=tmp_path)
     assert r.rc == 0, r.text
     path = tmp_path / "artifacts" / "mha_d32_h2_attention-op.onnx"
     assert path.is_file()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli_in_process
 
 # Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
 # _heavy_first) and `make check` never picks it up.
@@ -298,7 +298,7 @@ def test_decode_key_rows(tmp_path):
 
 def test_int8_decode(tmp_path):
     fp32 = REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx"
-    res = run_cli("quantize", str(fp32), "--mode", "dynamic", "-o", str(tmp_path / "q.onnx"))
+    res = run_cli_in_process("quantize", str(fp32), "--mode", "dynamic", "-o", str(tmp_path / "q.onnx"))
     assert res.rc == 0, res.text
     out = _run("int8_decode.py", "--fp32", fp32, "--int8", tmp_path / "q.onnx", "--past", "0,4", "--repeat", 3,
                "--vocab", 128, cwd=tmp_path)
@@ -306,7 +306,7 @@ def test_int8_decode(tmp_path):
 
 
 def test_int8_whole(tmp_path):
-    res = run_cli("quantize", str(REPO / "tests/fixtures/models/bert_legacy_op17.onnx"), "--mode", "dynamic",
+    res = run_cli_in_process("quantize", str(REPO / "tests/fixtures/models/bert_legacy_op17.onnx"), "--mode", "dynamic",
                   "-o", str(tmp_path / "q.onnx"))
     assert res.rc == 0, res.text
     out = _run("int8_whole.py", tmp_path / "q.onnx", "--seq", 8, "--repeat", 2, "--threads", 1, cwd=tmp_path)
@@ -332,7 +332,7 @@ def test_decode_inplace(tmp_path):
     """The copying loop, the in-place loop and both bare entries at P = 3 of the tiny GPT-2
     compiled with --kv-capacity (the loops' tokens checked equal by the script)."""
     model = REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx"
-    res = run_cli("compile", model, "--target", "host", "--shape", "batch=1", "--kv-capacity", 16,
+    res = run_cli_in_process("compile", model, "--target", "host", "--shape", "batch=1", "--kv-capacity", 16,
                   "-o", tmp_path / "a", cwd=tmp_path)
     assert res.rc == 0, res.text
     out = _run("decode_inplace.py", "--artifact", tmp_path / "a", "--model", model, "--past", 3, "--rounds", 1,

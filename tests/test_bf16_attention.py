@@ -20,7 +20,7 @@ from blockforge.graph.tolerance import output_tolerance  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
 from blockforge.targets.precision import target_has  # noqa: E402
 
-from conftest import run_cli  # noqa: E402
+from conftest import run_cli_in_process  # noqa: E402
 from test_attention_fusion import _reference, _spec  # noqa: E402
 
 ZNVER4 = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}
@@ -152,7 +152,7 @@ def test_cli_verify_bf16_mha_against_ort(workdir):
 
     _need_bf16_host()
     model = export(MHASpec(d_model=128, heads=2), workdir / "mha.onnx").model_path
-    r = run_cli("verify", model, "--target", "host", "--shape", "batch=1,seq=128", "--precision", "bf16",
+    r = run_cli_in_process("verify", model, "--target", "host", "--shape", "batch=1,seq=128", "--precision", "bf16",
                 "--json", workdir / "v.json", cwd=workdir)
     assert r.rc == 0, r.text
     rows = [c for c in json.loads((workdir / "v.json").read_text())["comparisons"] if c["pair"] == "tvm vs ort"]

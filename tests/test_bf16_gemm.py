@@ -19,7 +19,7 @@ from blockforge.graph.tolerance import compare, output_tolerance  # noqa: E402
 from blockforge.targets import resolve  # noqa: E402
 from blockforge.targets.precision import resolve_precision, target_has  # noqa: E402
 
-from conftest import assert_user_error, run_cli  # noqa: E402
+from conftest import assert_user_error, run_cli_in_process  # noqa: E402
 
 ZNVER4 = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}
 
@@ -215,12 +215,12 @@ def test_cli_compile_and_verify_bf16(workdir):
 
     _need_bf16_host()
     model = export(FFNSpec(d_model=64, d_ff=128), workdir / "ffn.onnx").model_path
-    r = run_cli("compile", model, "--target", "host", "--shape", "batch=1,seq=16", "--precision", "bf16",
+    r = run_cli_in_process("compile", model, "--target", "host", "--shape", "batch=1,seq=16", "--precision", "bf16",
                 "-o", workdir / "art", cwd=workdir)
     assert r.rc == 0, r.text
     m = json.loads((workdir / "art" / "manifest.json").read_text())
     assert m["precision"] == "bf16" and "bf16-gemm" in m["phases"], m["phases"]
-    r = run_cli("verify", model, "--target", "host", "--shape", "batch=1,seq=16", "--precision", "bf16",
+    r = run_cli_in_process("verify", model, "--target", "host", "--shape", "batch=1,seq=16", "--precision", "bf16",
                 "--json", workdir / "v.json", cwd=workdir)
     assert r.rc == 0, r.text
     rows = [c for c in json.loads((workdir / "v.json").read_text())["comparisons"] if c["pair"] == "tvm vs ort"]
@@ -231,7 +231,7 @@ def test_cli_refuses_bf16_on_a_target_without_it(workdir):
     from blockforge.graph import FFNSpec, export
 
     model = export(FFNSpec(d_model=64, d_ff=128), workdir / "ffn.onnx").model_path
-    r = run_cli("compile", model, "--target", "x86-64-avx512", "--precision", "bf16", "-o", workdir / "art",
+    r = run_cli_in_process("compile", model, "--target", "x86-64-avx512", "--precision", "bf16", "-o", workdir / "art",
                 cwd=workdir)
     assert_user_error(r, "precision bf16 needs a CPU target with AVX512_BF16", "x86-64-avx512")
     assert not (workdir / "art").exists()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from blockforge.errors import ArgumentError
-from conftest import assert_user_error, run_cli, save_npz
+from conftest import assert_user_error, run_cli_in_process, save_npz
 from decode_models import tiny_lm
 
 GPT2 = Path(__file__).parent / "fixtures" / "models" / "gpt2_past_legacy_op17.onnx"
@@ -42,7 +42,7 @@ def test_prelude_refuses(feeds, says, tmp_path):
         _bind(feeds)
     assert info.value.argument == "inputs" and says in str(info.value) and "--" not in str(info.value)
     z = save_npz(tmp_path / "in.npz", **feeds)
-    assert_user_error(run_cli("verify", GPT2, "--target", "host", "--inputs", z, cwd=tmp_path), "--inputs", says)
+    assert_user_error(run_cli_in_process("verify", GPT2, "--target", "host", "--inputs", z, cwd=tmp_path), "--inputs", says)
 
 
 def test_mask_length_from_shape():
@@ -63,7 +63,7 @@ def test_empty_cache_still_binds():
 def lm(tmp_path_factory):
     d = tmp_path_factory.mktemp("lm")
     tiny_lm(d / "lm.onnx")
-    res = run_cli("compile", "lm.onnx", "--target", "host", "--shape", "batch=1", "-o", "lm.host", cwd=d)
+    res = run_cli_in_process("compile", "lm.onnx", "--target", "host", "--shape", "batch=1", "-o", "lm.host", cwd=d)
     assert res.rc == 0, res.err
     return d
 
@@ -80,14 +80,14 @@ def _lm_inputs(d: Path, seq: int, mask: int, past: int) -> Path:
 
 def test_artifact_run_refuses_mask_length(lm):
     z = _lm_inputs(lm, 2, 7, 3)
-    assert_user_error(run_cli("run", "lm.host", "--inputs", z, "--output", "o.npz", cwd=lm),
+    assert_user_error(run_cli_in_process("run", "lm.host", "--inputs", z, "--output", "o.npz", cwd=lm),
                       "--inputs: attention_mask has length 7", "past + seq = 3 + 2 = 5")
     assert not (lm / "o.npz").exists()
-    assert run_cli("run", "lm.host", "--inputs", _lm_inputs(lm, 2, 5, 3), "--output", "o.npz", cwd=lm).rc == 0
+    assert run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 2, 5, 3), "--output", "o.npz", cwd=lm).rc == 0
 
 
 def test_decode_loop_refuses_mask_length(lm):
     """The prompt's cache left out (P = 0): its mask must span the prompt alone."""
-    assert_user_error(run_cli("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 6, 0), "--decode", "3", cwd=lm),
+    assert_user_error(run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 6, 0), "--decode", "3", cwd=lm),
                       "attention_mask has length 6", "past + seq = 0 + 4 = 4")
-    assert run_cli("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 4, 0), "--decode", "3", cwd=lm).rc == 0
+    assert run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 4, 0), "--decode", "3", cwd=lm).rc == 0

@@ -16,7 +16,7 @@ import pytest
 from blockforge.deploy.package import PackageOptions, package_artifact
 from blockforge.graph.builders import build
 from blockforge.graph.spec import BlockSpec
-from conftest import run_cli, save_npz
+from conftest import run_cli_in_process, save_npz
 from decode_models import D, H, HOSTILE, ort_greedy, tiny_lm, with_decode_section
 from test_edge import QEMU, needs_aarch64_gxx, needs_qemu
 
@@ -28,7 +28,7 @@ if shutil.which("g++") is None or shutil.which("make") is None:
 
 def _package(tmp, onnx_path, shape: str, target: str = "host"):
     art = tmp / f"a.{target}"
-    res = run_cli("compile", str(onnx_path), "--target", target, "--shape", shape, "-o", str(art))
+    res = run_cli_in_process("compile", str(onnx_path), "--target", target, "--shape", shape, "-o", str(art))
     assert res.rc == 0, res.err
     return package_artifact(PackageOptions(art, output=tmp / "pkg", app=True)).path
 
@@ -60,7 +60,7 @@ def test_block_loop_matches_python_loop(block_pkg, tmp_path):
                "--output", str(tmp_path / "last.npy"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "step 5: past     5 + 1" in res.stdout and "ms/token" in res.stdout
-    py = run_cli("run", str(block_pkg), "--inputs", str(save_npz(tmp_path / "p.npz", x=x)), "--decode", "6",
+    py = run_cli_in_process("run", str(block_pkg), "--inputs", str(save_npz(tmp_path / "p.npz", x=x)), "--decode", "6",
                  "--output", str(tmp_path / "py.npz"))
     assert py.rc == 0, py.err
     np.testing.assert_allclose(np.load(tmp_path / "last.npy"), np.load(tmp_path / "py.npz")["output"],
@@ -191,7 +191,7 @@ def test_inplace_cache_loop(tmp_path, model):
     entry = next(e for e in SYMBOLIC_ENTRIES if e["model"] == model)
     path = FIXTURES / entry["file"]
     art = tmp_path / "a.host"
-    res = run_cli("compile", str(path), "--target", "host", "--shape",
+    res = run_cli_in_process("compile", str(path), "--target", "host", "--shape",
                   ",".join(f"{k}={v}" for k, v in batch_dims(path).items()), "--kv-capacity", "16", "-o", str(art))
     assert res.rc == 0, res.err
     pkg = package_artifact(PackageOptions(art, output=tmp_path / "pkg", app=True)).path

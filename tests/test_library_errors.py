@@ -17,6 +17,9 @@ from onnx import TensorProto, helper
 from blockforge.errors import ArgumentError
 from conftest import assert_user_error, run_cli_in_process
 
+# The isolation child is under test here (tests/conftest.py turns it off elsewhere).
+pytestmark = pytest.mark.isolation
+
 
 def _relu(path: Path, x: str = "x") -> Path:
     """A model whose symbolic dim is named `n`: bench's default batch/seq binds nothing."""

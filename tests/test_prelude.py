@@ -17,6 +17,9 @@ from blockforge.errors import BlockforgeError
 from blockforge.graph import FFNSpec, export
 from blockforge.graph.model_io import TensorSig, bind_dims, signature
 
+# The isolation child is under test here (tests/conftest.py turns it off elsewhere).
+pytestmark = pytest.mark.isolation
+
 
 @pytest.fixture
 def counted(monkeypatch):
@@ -110,6 +113,34 @@ def test_in_process_prelude_checks_each_model_once(ffn, counted, monkeypatch):
     s.relax()
     assert counted["load"] == 1 and counted["checker"] == 2 and counted["prepare"] == 1, dict(counted)
     assert [x.dims for x in s.inputs] == [(1, 8, 32)]
+
+
+def test_verify_reuses_an_opened_session(ffn, counted, monkeypatch):
+    """verify(opts, session): the caller's open_model is the only prelude (one prepare; the
+    two loads are the prelude's and the model as written that ORT runs, as in a verify on its
+    own); a session of another model or precision, or one not opened for a build, is refused
+    before anything runs."""
+    from blockforge.compile import VerifyOptions, verify
+    from blockforge.compile.session import open_model
+    from blockforge.errors import ArgumentError
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    opts = VerifyOptions(model=ffn, target="host", shape={"batch": 1, "seq": 8}, use_tuning=False)
+    s = open_model(ffn, "host", {"batch": 1, "seq": 8})
+    assert verify(opts, s).passed
+    reused = dict(counted)
+    assert reused["prepare"] == 1 and reused["load"] == 2, reused
+    counted.clear()
+    assert verify(opts).passed  # on its own: its own prelude, the same work
+    assert dict(counted) == reused, (dict(counted), reused)
+    other = export(FFNSpec(d_model=16, d_ff=32), ffn.parent / "other.onnx").model_path
+    for bad in (VerifyOptions(model=other, target="host", shape={"batch": 1, "seq": 8}),
+                VerifyOptions(model=ffn, target="host", shape={"batch": 1, "seq": 8}, precision="bf16")):
+        with pytest.raises(ArgumentError, match="is not .* opened for a build") as info:
+            verify(bad, s)
+        assert info.value.argument == "session"
+    with pytest.raises(ArgumentError, match="opened for a build"):
+        verify(opts, open_model(ffn, None, {"batch": 1, "seq": 8}, prepare=False))
 
 
 def test_child_hands_back_weights_on_disk(ffn, monkeypatch):

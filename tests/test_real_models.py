@@ -102,7 +102,8 @@ def test_export_compiles_and_matches_ort(entry, workdir, monkeypatch, caplog):
         conv, names = run_phases(session.relax(), session.target, stop_after="conv-gemm")
         text = conv.script()
         assert "conv-gemm" in names and "R.nn.conv1d" not in text and "conv_im2col" in text
-    report = verify(VerifyOptions(model=path, target="host", shape=_shapes(entry), use_tuning=False))
+    # the session opened above, reused (not loaded, checked and prepared a second time)
+    report = verify(VerifyOptions(model=path, target="host", shape=_shapes(entry), use_tuning=False), session)
     pairs = {c.pair for c in report.comparisons}
     assert pairs == {"tvm vs ort"}, report
     assert report.passed, [c for c in report.comparisons if not c.passed]

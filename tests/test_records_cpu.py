@@ -12,7 +12,7 @@ from blockforge.compile.records.reader import DEVICE, FORMAT, LEDGER, RECORDS, W
 from blockforge.graph import FFNSpec, export
 from blockforge.targets.toolchain import cpu_id
 
-from conftest import assert_user_error, run_cli
+from conftest import assert_user_error, run_cli_in_process
 
 HERE = cpu_id()
 OTHER = "Intel(R) Xeon(R) Platinum 8480+ (cpu family 6, model 143)"
@@ -97,15 +97,15 @@ def test_foreign_records_skipped_until_checked_here(tmp_path):
     names = sorted(n for _, n in tasks)
     compile_args = ("compile", model, "--target", "host", "--shape", "batch=1,seq=16", "--tuning-db", db, "--force")
 
-    r = run_cli(*compile_args, "-o", tmp_path / "a1", cwd=tmp_path)
+    r = run_cli_in_process(*compile_args, "-o", tmp_path / "a1", cwd=tmp_path)
     assert r.rc == 0, r.text
     assert f"validated on {OTHER}, not this CPU ({HERE}): skipped" in r.err and "--check-only" in r.err, r.err
     t = json.loads((tmp_path / "a1" / "manifest.json").read_text())["tuning"]
     assert sorted(t["unvalidated"]) == names and t["applied"] == 0 and t["missing"] == [] and t["cpu"] == HERE
 
-    assert_user_error(run_cli("tune", model, "--target", "host", "--tuning-db", tmp_path / "nodb", "--check-only",
+    assert_user_error(run_cli_in_process("tune", model, "--target", "host", "--tuning-db", tmp_path / "nodb", "--check-only",
                               cwd=tmp_path), "no such tuning database")
-    r = run_cli("tune", model, "--target", "host", "--shape", "batch=1,seq=16", "--tuning-db", db, "--check-only",
+    r = run_cli_in_process("tune", model, "--target", "host", "--shape", "batch=1,seq=16", "--tuning-db", db, "--check-only",
                 "--no-progress", "--json", tmp_path / "s.json", cwd=tmp_path)
     assert r.rc == 0 and f"in-model verdicts recorded for this CPU: {HERE}" in r.out, r.text
     s = json.loads((tmp_path / "s.json").read_text())
@@ -117,7 +117,7 @@ def test_foreign_records_skipped_until_checked_here(tmp_path):
         assert set(ledger[w]["in_model"]) == {OTHER, HERE}  # the other CPU's verdict is kept
     assert json.loads((db / DEVICE).read_text())["cpu_model"] == OTHER  # who tuned is unchanged
 
-    r = run_cli(*compile_args, "-o", tmp_path / "a2", cwd=tmp_path)
+    r = run_cli_in_process(*compile_args, "-o", tmp_path / "a2", cwd=tmp_path)
     assert r.rc == 0 and "validated on" not in r.err, r.text
     t = json.loads((tmp_path / "a2" / "manifest.json").read_text())["tuning"]
     kept = {n for w, n in tasks if ledger[w]["in_model"][HERE]["prefer_default"]}

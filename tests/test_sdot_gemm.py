@@ -166,7 +166,7 @@ def test_exact_int32_in_the_edge_app_under_qemu(tmp_path, act, zp_a, zp_w):
 @_qemu_marks
 @pytest.mark.parametrize("kind, mode", [("ffn", "dynamic"), ("ffn", "static"), ("mha", "dynamic"), ("mha", "static")])
 def test_quantized_blocks_match_ort_under_qemu(tmp_path, kind, mode):
-    from conftest import run_cli
+    from conftest import run_cli_in_process
 
     from blockforge.graph import FFNSpec, MHASpec, export, ort
     from blockforge.graph.tolerance import compare, output_tolerance
@@ -175,7 +175,7 @@ def test_quantized_blocks_match_ort_under_qemu(tmp_path, kind, mode):
     fp32 = export(spec, tmp_path / f"{kind}.onnx").model_path
     q = tmp_path / f"{kind}_{mode}.onnx"
     args = ["--mode", mode] + (["--per-channel", "--shape", "batch=1,seq=16"] if mode == "static" else [])
-    r = run_cli("quantize", fp32, *args, "-o", q, cwd=tmp_path)
+    r = run_cli_in_process("quantize", fp32, *args, "-o", q, cwd=tmp_path)
     assert r.rc == 0, r.err
     model = onnx.load(q)
     rng = np.random.default_rng(1)

@@ -11,7 +11,7 @@ import pytest
 
 from blockforge.graph.tolerance import Tolerance, compare
 
-from conftest import run_cli
+from conftest import run_cli_in_process
 
 TOL = Tolerance(rtol=1e-4, atol=1e-5)  # float32 op row: relative error counts from |expected| >= 0.1
 
@@ -50,9 +50,9 @@ def test_zero_atol_and_exact_zero():
 
 
 def test_verify_table_says_where_relative_error_counts(tmp_path):
-    r = run_cli("export", "ffn", "--d-model", 64, "-o", tmp_path / "f.onnx", cwd=tmp_path)
+    r = run_cli_in_process("export", "ffn", "--d-model", 64, "-o", tmp_path / "f.onnx", cwd=tmp_path)
     assert r.rc == 0, r.text
-    r = run_cli("verify", tmp_path / "f.onnx", "--shape", "batch=1,seq=8", "--json", tmp_path / "rep.json",
+    r = run_cli_in_process("verify", tmp_path / "f.onnx", "--shape", "batch=1,seq=8", "--json", tmp_path / "rep.json",
                 cwd=tmp_path)
     assert r.rc == 0, r.text
     header = r.out.splitlines()[0]

@@ -106,13 +106,13 @@ def test_tune_resume_apply_verify(ffn, tuned, tmp_path):
     assert _summary(db, ffn)["seeded"] == 0
 
     # Applying: compile records the database hash; verify passes on the tuned build.
-    r = run_cli("compile", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db, "-o", tmp_path / "art",
+    r = run_cli_in_process("compile", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db, "-o", tmp_path / "art",
                 cwd=tmp_path)
     assert r.rc == 0 and "tuning records:" in r.out and "warning" not in r.err, r.text
     m = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert m["tuning"]["sha256"] == DeviceDB(db).digest() and m["tuning"]["missing"] == []
     assert "apply-tuning" in m["phases"]
-    r = run_cli("verify", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db, cwd=tmp_path)
+    r = run_cli_in_process("verify", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db, cwd=tmp_path)
     assert r.rc == 0 and "tuning records applied" in r.out and "tvm vs ort" in r.out, r.text
 
 
@@ -176,7 +176,7 @@ def test_tune_unknown_target(ffn, tmp_path):
                     reason="needs nvcc and no GPU (nothing here can measure CUDA)")
 def test_tune_without_device_asks_for_rpc(ffn, tmp_path):
     # CUDA builds here, but nothing can measure it without a device.
-    assert_user_error(run_cli("tune", ffn, "--target", "cuda-sm90", cwd=tmp_path), "--rpc-tracker")
+    assert_user_error(run_cli_in_process("tune", ffn, "--target", "cuda-sm90", cwd=tmp_path), "--rpc-tracker")
 
 
 @pytest.mark.parametrize("content, fragment", [

@@ -26,7 +26,7 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isolation]  # the isolation child is under test too
 DEPS_SITE = Path(sysconfig.get_paths()["purelib"])  # this venv's site-packages: the dependencies
 SHAPE = "batch=1,seq=16"
 HAS_AARCH64 = (shutil.which("aarch64-linux-gnu-g++") is not None and shutil.which("qemu-aarch64") is not None

@@ -36,7 +36,6 @@ from blockforge.targets.toolchain import cpu_id
 from .builder import job_builder
 from .database import DeviceDB
 from .int8_tiles import LEDGER_KEY as INT8_TILES
-from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics
 from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
@@ -417,6 +416,8 @@ def _int8_tiles(job: _Job, builder, runner, term) -> None:
 def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
     """One round of one task into a scratch database, merged when complete; returns trials."""
     from tvm.s_tir import meta_schedule as ms
+
+    from blockforge.compile.schedule.intrinsics import import_tensor_intrinsics  # imports TVM: not at import time
 
     opts = job.opts
     k = min(opts.round_trials, job.budget - job.before[w] - job.new[w])

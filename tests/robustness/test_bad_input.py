@@ -22,6 +22,9 @@ from blockforge.graph import FFNSpec, MHASpec, export
 
 from conftest import run_cli, run_cli_in_process
 
+# The isolation child is under test here (tests/conftest.py turns it off elsewhere).
+pytestmark = pytest.mark.isolation
+
 
 @pytest.fixture(scope="session")
 def base(tmp_path_factory) -> dict:

@@ -34,7 +34,7 @@ import pytest
 
 from conftest import BLOCKFORGE, compiled_ffn, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isolation]  # the isolation child is under test too
 SHAPE = "batch=1,seq=8"
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 LINE = {signal.SIGINT: "blockforge: interrupted", signal.SIGTERM: "blockforge: terminated"}

@@ -19,6 +19,9 @@ from onnx import helper, numpy_helper
 
 from conftest import BLOCKFORGE, CliResult, assert_user_error
 
+# The isolation child is under test here (tests/conftest.py turns it off elsewhere).
+pytestmark = pytest.mark.isolation
+
 N = 65536
 PEAK_MAX = 600 << 20  # bytes: the largest process of a refused bomb's tree (measured ~210 MB)
 

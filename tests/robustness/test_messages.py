@@ -20,6 +20,9 @@ from onnx import TensorProto, helper
 
 from conftest import REPO, assert_user_error, run_cli, run_cli_in_process
 
+# The isolation child is under test here (tests/conftest.py turns it off elsewhere).
+pytestmark = pytest.mark.isolation
+
 F = TensorProto.FLOAT
 FORGED = "\nblockforge: error: forged\x1b[31m"
 
