@@ -238,8 +238,8 @@ def test_rpc_tracker_and_two_servers(ffn, tmp_path):
         c = read_contents(tmp_path / "db", tolerate_torn_tail=False)
         ok = [line for _, line in c.records if json.loads(line)[1][1][0] < 1e9]
         assert len(ok) >= 2, "no candidate was measured successfully on the RPC servers"
-        r = _tune(ffn, tmp_path / "db2", "--trials-per-task", 2, "--rpc-tracker", f"127.0.0.1:{port}",
-                  "--rpc-key", "no-such-device", "--rpc-wait", 1, cwd=tmp_path)
+        r = _refused(ffn, tmp_path / "db2", "--trials-per-task", 2, "--rpc-tracker", f"127.0.0.1:{port}",
+                     "--rpc-key", "no-such-device", "--rpc-wait", 1, cwd=tmp_path)
         assert_user_error(r, "no device for key 'no-such-device'")
     finally:
         for p in procs:

@@ -26,9 +26,6 @@ from blockforge.graph import FFNSpec, export
 
 from conftest import BLOCKFORGE, assert_user_error, compiled_ffn, run_cli
 
-# The isolation child is under test here (tests/conftest.py turns it off elsewhere).
-pytestmark = pytest.mark.isolation
-
 SHAPE = "batch=1,seq=4"
 
 
