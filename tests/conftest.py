@@ -157,8 +157,8 @@ def _heavy_first(items) -> None:
 
 # The isolation child (compile/isolate.py: a second interpreter that loads, checks and imports
 # an untrusted model under resource limits) costs ~2 s of CPU per verb: in the profile of the
-# whole suite (2026-12-03) 117 children in its first 11 minutes, ~40% of the CPU that
-# subprocesses spent. It is under test only where a file says so (`pytestmark =
+# whole suite (2026-12-03) 384 children, 716 s, 30% of the suite's CPU (121 children, 190 s
+# after this). It is under test only where a file says so (`pytestmark =
 # pytest.mark.isolation`: hostile models, interrupts, errors crossing from the child, the
 # prelude, the wheel); every other test runs with BLOCKFORGE_ISOLATE=0, the same checks done
 # in-process. A BLOCKFORGE_ISOLATE given from outside (`BLOCKFORGE_ISOLATE=1 make test`) wins.

@@ -17,7 +17,7 @@ def built(tmp_path_factory):
     spec = MHASpec(d_model=64, heads=4, causal=True)
     res = export(spec, d / "mha.onnx")
     r = run_cli_in_process("compile", d / "mha.onnx", "--target", "host", "--shape", "batch=1", "-o", d / "art",
-                "--dump-ir", d / "ir", cwd=d)
+                           "--dump-ir", d / "ir", cwd=d)
     assert r.rc == 0, r.text
     return d, spec, res.weights
 
@@ -60,7 +60,7 @@ def test_run_in_fresh_process_matches_oracle(built, tmp_path):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 7, 64)).astype(np.float32)
     r = run_cli_in_process("run", moved, "--inputs", save_npz(tmp_path / "in.npz", query=x, key=x, value=x),
-                "--output", tmp_path / "out.npz", cwd=tmp_path)
+                           "--output", tmp_path / "out.npz", cwd=tmp_path)
     assert r.rc == 0, r.text
     out = np.load(tmp_path / "out.npz")["output"]
     want = reference(spec, weights, {"query": x, "key": x, "value": x})

@@ -307,7 +307,7 @@ def test_int8_decode(tmp_path):
 
 def test_int8_whole(tmp_path):
     res = run_cli_in_process("quantize", str(REPO / "tests/fixtures/models/bert_legacy_op17.onnx"), "--mode", "dynamic",
-                  "-o", str(tmp_path / "q.onnx"))
+                             "-o", str(tmp_path / "q.onnx"))
     assert res.rc == 0, res.text
     out = _run("int8_whole.py", tmp_path / "q.onnx", "--seq", 8, "--repeat", 2, "--threads", 1, cwd=tmp_path)
     assert "blockforge: max |out - ORT|" in out and "| ort |" in out and "blockforge / best peer:" in out, out
@@ -333,7 +333,7 @@ def test_decode_inplace(tmp_path):
     compiled with --kv-capacity (the loops' tokens checked equal by the script)."""
     model = REPO / "tests/fixtures/models/gpt2_past_legacy_op17.onnx"
     res = run_cli_in_process("compile", model, "--target", "host", "--shape", "batch=1", "--kv-capacity", 16,
-                  "-o", tmp_path / "a", cwd=tmp_path)
+                             "-o", tmp_path / "a", cwd=tmp_path)
     assert res.rc == 0, res.text
     out = _run("decode_inplace.py", "--artifact", tmp_path / "a", "--model", model, "--past", 3, "--rounds", 1,
                "--steps", 4, cwd=tmp_path)

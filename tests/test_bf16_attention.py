@@ -153,7 +153,7 @@ def test_cli_verify_bf16_mha_against_ort(workdir):
     _need_bf16_host()
     model = export(MHASpec(d_model=128, heads=2), workdir / "mha.onnx").model_path
     r = run_cli_in_process("verify", model, "--target", "host", "--shape", "batch=1,seq=128", "--precision", "bf16",
-                "--json", workdir / "v.json", cwd=workdir)
+                           "--json", workdir / "v.json", cwd=workdir)
     assert r.rc == 0, r.text
     rows = [c for c in json.loads((workdir / "v.json").read_text())["comparisons"] if c["pair"] == "tvm vs ort"]
     assert rows and all(c["passed"] for c in rows), rows

@@ -216,12 +216,12 @@ def test_cli_compile_and_verify_bf16(workdir):
     _need_bf16_host()
     model = export(FFNSpec(d_model=64, d_ff=128), workdir / "ffn.onnx").model_path
     r = run_cli_in_process("compile", model, "--target", "host", "--shape", "batch=1,seq=16", "--precision", "bf16",
-                "-o", workdir / "art", cwd=workdir)
+                           "-o", workdir / "art", cwd=workdir)
     assert r.rc == 0, r.text
     m = json.loads((workdir / "art" / "manifest.json").read_text())
     assert m["precision"] == "bf16" and "bf16-gemm" in m["phases"], m["phases"]
     r = run_cli_in_process("verify", model, "--target", "host", "--shape", "batch=1,seq=16", "--precision", "bf16",
-                "--json", workdir / "v.json", cwd=workdir)
+                           "--json", workdir / "v.json", cwd=workdir)
     assert r.rc == 0, r.text
     rows = [c for c in json.loads((workdir / "v.json").read_text())["comparisons"] if c["pair"] == "tvm vs ort"]
     assert rows and "rel L2" in rows[0]["note"] and rows[0]["max_abs"] > 1e-5  # bf16, not the fp32 build
@@ -232,6 +232,6 @@ def test_cli_refuses_bf16_on_a_target_without_it(workdir):
 
     model = export(FFNSpec(d_model=64, d_ff=128), workdir / "ffn.onnx").model_path
     r = run_cli_in_process("compile", model, "--target", "x86-64-avx512", "--precision", "bf16", "-o", workdir / "art",
-                cwd=workdir)
+                           cwd=workdir)
     assert_user_error(r, "precision bf16 needs a CPU target with AVX512_BF16", "x86-64-avx512")
     assert not (workdir / "art").exists()

@@ -42,7 +42,8 @@ def test_prelude_refuses(feeds, says, tmp_path):
         _bind(feeds)
     assert info.value.argument == "inputs" and says in str(info.value) and "--" not in str(info.value)
     z = save_npz(tmp_path / "in.npz", **feeds)
-    assert_user_error(run_cli_in_process("verify", GPT2, "--target", "host", "--inputs", z, cwd=tmp_path), "--inputs", says)
+    assert_user_error(run_cli_in_process("verify", GPT2, "--target", "host", "--inputs", z, cwd=tmp_path),
+                      "--inputs", says)
 
 
 def test_mask_length_from_shape():
@@ -81,13 +82,15 @@ def _lm_inputs(d: Path, seq: int, mask: int, past: int) -> Path:
 def test_artifact_run_refuses_mask_length(lm):
     z = _lm_inputs(lm, 2, 7, 3)
     assert_user_error(run_cli_in_process("run", "lm.host", "--inputs", z, "--output", "o.npz", cwd=lm),
-                      "--inputs: attention_mask has length 7", "past + seq = 3 + 2 = 5")
+                                 "--inputs: attention_mask has length 7", "past + seq = 3 + 2 = 5")
     assert not (lm / "o.npz").exists()
-    assert run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 2, 5, 3), "--output", "o.npz", cwd=lm).rc == 0
+    assert run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 2, 5, 3), "--output", "o.npz",
+                              cwd=lm).rc == 0
 
 
 def test_decode_loop_refuses_mask_length(lm):
     """The prompt's cache left out (P = 0): its mask must span the prompt alone."""
-    assert_user_error(run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 6, 0), "--decode", "3", cwd=lm),
-                      "attention_mask has length 6", "past + seq = 0 + 4 = 4")
+    assert_user_error(run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 6, 0), "--decode", "3",
+                                         cwd=lm),
+                                 "attention_mask has length 6", "past + seq = 0 + 4 = 4")
     assert run_cli_in_process("run", "lm.host", "--inputs", _lm_inputs(lm, 4, 4, 0), "--decode", "3", cwd=lm).rc == 0

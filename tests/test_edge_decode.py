@@ -61,7 +61,7 @@ def test_block_loop_matches_python_loop(block_pkg, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "step 5: past     5 + 1" in res.stdout and "ms/token" in res.stdout
     py = run_cli_in_process("run", str(block_pkg), "--inputs", str(save_npz(tmp_path / "p.npz", x=x)), "--decode", "6",
-                 "--output", str(tmp_path / "py.npz"))
+                            "--output", str(tmp_path / "py.npz"))
     assert py.rc == 0, py.err
     np.testing.assert_allclose(np.load(tmp_path / "last.npy"), np.load(tmp_path / "py.npz")["output"],
                                rtol=1e-5, atol=1e-6)
@@ -192,7 +192,8 @@ def test_inplace_cache_loop(tmp_path, model):
     path = FIXTURES / entry["file"]
     art = tmp_path / "a.host"
     res = run_cli_in_process("compile", str(path), "--target", "host", "--shape",
-                  ",".join(f"{k}={v}" for k, v in batch_dims(path).items()), "--kv-capacity", "16", "-o", str(art))
+                             ",".join(f"{k}={v}" for k, v in batch_dims(path).items()), "--kv-capacity", "16",
+                             "-o", str(art))
     assert res.rc == 0, res.err
     pkg = package_artifact(PackageOptions(art, output=tmp_path / "pkg", app=True)).path
     prompt = np.array([[3, 14, 15, 9]], np.int64)

@@ -35,7 +35,8 @@ def _need_vnni_host():
 def quantized_decoder(tmp_path_factory):
     d = tmp_path_factory.mktemp("qdec")
     out = d / "gpt2_past_dyn.onnx"
-    res = run_cli_in_process("quantize", str(FIXTURES / "gpt2_past_legacy_op17.onnx"), "--mode", "dynamic", "-o", str(out))
+    res = run_cli_in_process("quantize", str(FIXTURES / "gpt2_past_legacy_op17.onnx"), "--mode", "dynamic",
+                             "-o", str(out))
     assert res.rc == 0, res.text
     # 4 per layer (qkv, attention out, fc, proj) + the lm_head
     assert f"dynamic: {4 * LAYERS + 1} int8 GEMMs" in res.out, res.out

@@ -103,10 +103,10 @@ def test_foreign_records_skipped_until_checked_here(tmp_path):
     t = json.loads((tmp_path / "a1" / "manifest.json").read_text())["tuning"]
     assert sorted(t["unvalidated"]) == names and t["applied"] == 0 and t["missing"] == [] and t["cpu"] == HERE
 
-    assert_user_error(run_cli_in_process("tune", model, "--target", "host", "--tuning-db", tmp_path / "nodb", "--check-only",
-                              cwd=tmp_path), "no such tuning database")
-    r = run_cli_in_process("tune", model, "--target", "host", "--shape", "batch=1,seq=16", "--tuning-db", db, "--check-only",
-                "--no-progress", "--json", tmp_path / "s.json", cwd=tmp_path)
+    assert_user_error(run_cli_in_process("tune", model, "--target", "host", "--tuning-db", tmp_path / "nodb",
+                                         "--check-only", cwd=tmp_path), "no such tuning database")
+    r = run_cli_in_process("tune", model, "--target", "host", "--shape", "batch=1,seq=16", "--tuning-db", db,
+                           "--check-only", "--no-progress", "--json", tmp_path / "s.json", cwd=tmp_path)
     assert r.rc == 0 and f"in-model verdicts recorded for this CPU: {HERE}" in r.out, r.text
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["trials_new"] == 0 and s["naive_ms"] is None and s["cpu"] == HERE

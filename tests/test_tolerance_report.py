@@ -53,7 +53,7 @@ def test_verify_table_says_where_relative_error_counts(tmp_path):
     r = run_cli_in_process("export", "ffn", "--d-model", 64, "-o", tmp_path / "f.onnx", cwd=tmp_path)
     assert r.rc == 0, r.text
     r = run_cli_in_process("verify", tmp_path / "f.onnx", "--shape", "batch=1,seq=8", "--json", tmp_path / "rep.json",
-                cwd=tmp_path)
+                           cwd=tmp_path)
     assert r.rc == 0, r.text
     header = r.out.splitlines()[0]
     assert "max rel err (|expected| >= atol/rtol)" in header and "err/allowed" in header, r.out

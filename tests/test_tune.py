@@ -106,8 +106,8 @@ def test_tune_resume_apply_verify(ffn, tuned, tmp_path):
     assert _summary(db, ffn)["seeded"] == 0
 
     # Applying: compile records the database hash; verify passes on the tuned build.
-    r = run_cli_in_process("compile", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db, "-o", tmp_path / "art",
-                cwd=tmp_path)
+    r = run_cli_in_process("compile", ffn, "--target", "host", "--shape", SHAPE, "--tuning-db", db,
+                           "-o", tmp_path / "art", cwd=tmp_path)
     assert r.rc == 0 and "tuning records:" in r.out and "warning" not in r.err, r.text
     m = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert m["tuning"]["sha256"] == DeviceDB(db).digest() and m["tuning"]["missing"] == []
