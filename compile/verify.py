@@ -35,6 +35,11 @@ def verify(opts: VerifyOptions, session: Session | None = None) -> ParityReport:
     session: opts.model already opened for opts.target (open_model with opts' shape and
     precision), for a caller that looked at the prepared model first: its load, checks,
     binding and prepare are used, not redone (a real export: ~1-2 s of onnxslim alone)."""
+    if session is not None and (not opts.target or session.target is None or session.prepared is None
+                                or session.precision.name != opts.precision
+                                or Path(session.path).resolve() != Path(opts.model).resolve()):
+        raise ArgumentError(f"the {{session}} given to verify is not {opts.model} opened for a build at "
+                            f"precision {opts.precision}", "session")
     npz = load_npz(opts.inputs) if opts.inputs else None
     shapes = {k: v.shape for k, v in (npz or {}).items()}
     extra, notes = {}, []
@@ -45,10 +50,6 @@ def verify(opts: VerifyOptions, session: Session | None = None) -> ParityReport:
 
         if session is None:
             session = open_model(opts.model, opts.target, opts.shape, input_shapes=shapes, precision=opts.precision)
-        elif (session.target is None or session.prepared is None or session.precision.name != opts.precision
-              or Path(session.path).resolve() != Path(opts.model).resolve()):
-            raise ArgumentError(f"the {{session}} given to verify is not {opts.model} opened for a build at "
-                                f"precision {opts.precision}", "session")
         model, target = session.model, session.target
         inputs = prepare_inputs(model, npz, session.dims, opts.seed)
         problem = target.run_problem()

@@ -141,6 +141,8 @@ def test_verify_reuses_an_opened_session(ffn, counted, monkeypatch):
         assert info.value.argument == "session"
     with pytest.raises(ArgumentError, match="opened for a build"):
         verify(opts, open_model(ffn, None, {"batch": 1, "seq": 8}, prepare=False))
+    with pytest.raises(ArgumentError, match="opened for a build"):  # no target: nothing would use it
+        verify(VerifyOptions(model=ffn, shape={"batch": 1, "seq": 8}), s)
 
 
 def test_child_hands_back_weights_on_disk(ffn, monkeypatch):
