@@ -468,14 +468,20 @@ def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
     root takes them all. Yields None (and changes nothing) where no directory can be made."""
     from blockforge.errors import stop_deferred
 
+    # A signal between mkdtemp and the try below left the root behind (the interrupt test's
+    # "run SIGINT as it starts", 1 in 12): it waits until the root is owned by the finally.
+    making = stop_deferred()
+    making.__enter__()
     try:
         root = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=tempfile.gettempdir())
     except OSError:
+        making.__exit__(None, None, None)
         yield None
         return
     saved_env, saved_default = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = root
     try:
+        making.__exit__(None, None, None)  # a signal that came meanwhile is raised here, inside the try
         yield Path(root)
     finally:
         with stop_deferred():  # a signal now must not leave half the tree behind
