@@ -203,7 +203,13 @@ def main(argv: list[str] | None = None, *, _program: bool = False) -> int:
 
 def entry() -> None:
     """The `blockforge` program (console script and `python -m blockforge`)."""
-    sys.exit(main(_program=True))
+    rc = main(_program=True)
+    # CPython 3.11-3.13 marks a KeyboardInterrupt raised inside exec() of a string (dataclasses
+    # build their methods so, at import) as unhandled even when it was caught, and `python -m`
+    # then ends by re-sending itself SIGINT: rc -2 instead of 130 in 2 of 15 Ctrl-C at start.
+    # An exec of a string clears the mark (every eval of one resets it first).
+    exec("None")
+    sys.exit(rc)
 
 
 if __name__ == "__main__":
