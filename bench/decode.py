@@ -44,6 +44,9 @@ class DecodeOptions:
     tuning_db: Path | None = None
     stream_mib: int = 64  # each of the triad's three arrays: well past any cache
     loop: bool = True  # the row of the artifact `run --decode` runs (LoopArtifact), beside the bound builds
+    # that artifact compiled with --kv-capacity max(pasts) + 1 and a row for its `decode_inplace`
+    # at each decode point (InplaceStep): the step `run --decode` runs after the prompt
+    inplace: bool = True
 
 
 @dataclass
@@ -218,15 +221,82 @@ class EntryRunner(Runner):
                            entry=self.entry).values())
 
 
+class InplaceStep(Contender):
+    """The loop artifact's `decode_inplace` (compile --kv-capacity) at this point's P: the step
+    `run --decode` and the edge app run after the prompt, on capacity buffers holding the point's
+    cache, writing row P in place; no Concat rewrites the whole cache (the copying step's cost
+    that grows with P: 12-13% of GPT-2 small's step at P = 512, benchmarks/decode_inplace.py)."""
+
+    name = "in-place step"
+    peer = False
+
+    def __init__(self, mod, past: int):
+        self.mod, self.past = mod, past
+
+    def make_runner(self, model, inputs, threads):
+        return InplaceRunner(self.mod, inputs, self.past)
+
+
+class InplaceRunner(Runner):
+    """`decode_inplace` alone at `past`: each cache input as a buffer of the artifact's capacity
+    rows holding the feed's P rows; every call writes row P again (the same values), so calls are
+    alike. outputs(): the presents as the buffers' P + 1 filled rows, as the copying step returns
+    them."""
+
+    def __init__(self, mod, feeds: dict, past: int):
+        import tvm
+
+        from blockforge.compile.decode import inplace as inplace_entry
+
+        rec = mod.manifest[inplace_entry.KEY]
+        if past + 1 > rec["capacity"]:
+            raise BlockforgeError(f"in-place step at P = {past}: past the artifact's capacity {rec['capacity']}")
+        pairs = mod.manifest["decode"]["pairs"]
+        self.mod, self.past, self.fn = mod, past, mod.vm[inplace_entry.INPLACE_ENTRY]
+        self.axis = {p["present"]: p["axis"] for p in pairs}
+        args = []
+        for s in mod.inputs:
+            a = np.asarray(feeds[s.name])
+            p = next((p for p in pairs if p["past"] == s.name), None)
+            if p is not None:
+                shape = list(a.shape)
+                shape[p["axis"]] = rec["capacity"]
+                buf = np.zeros(shape, a.dtype)
+                buf[(slice(None),) * p["axis"] + (slice(0, past),)] = a
+                a = buf
+            args.append(tvm.runtime.tensor(np.ascontiguousarray(a), mod.device))
+        self.args = [*args, tvm.runtime.ShapeTuple([past])]
+
+    def __call__(self) -> None:
+        self.fn(*self.args, *self.mod.params)
+        self.mod.device.sync()
+
+    def outputs(self) -> list[np.ndarray]:
+        out = self.fn(*self.args, *self.mod.params)
+        self.mod.device.sync()
+        names = [o["name"] for o in self.mod.manifest["outputs"]]
+        outs = list(out) if len(names) > 1 else [out]
+        res = []
+        for name, t in zip(names, outs):
+            a = t.numpy()
+            if name in self.axis:
+                a = np.ascontiguousarray(a[(slice(None),) * self.axis[name] + (slice(0, self.past + 1),)])
+            res.append(a)
+        return res
+
+
 def _loop_artifact(opts: DecodeOptions, model: onnx.ModelProto, tmp: Path):
-    """Compiled as a user compiles a decoder for `run --decode`: only the batch dims bound."""
+    """Compiled as a user compiles a decoder for `run --decode`: only the batch dims bound (and,
+    opts.inplace, --kv-capacity for the longest point)."""
     from blockforge.compile import CompileOptions, compile_model
     from blockforge.compile.artifact.runtime import load_artifact
 
     batch = {i.type.tensor_type.shape.dim[0].dim_param: 1 for i in model.graph.input
              if i.name in ("input_ids", "attention_mask") and i.type.tensor_type.shape.dim[0].dim_param}
+    capacity = max(opts.pasts) + 1 if opts.inplace else None
     res = compile_model(CompileOptions(model=opts.model, target=opts.target, shape=batch, output=tmp / "loop",
-                                       tuning_db=opts.tuning_db, use_tuning="tuned" in opts.against))
+                                       tuning_db=opts.tuning_db, use_tuning="tuned" in opts.against,
+                                       kv_capacity=capacity))
     return load_artifact(res.artifact)
 
 
@@ -261,9 +331,12 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
 
 def _point(opts: DecodeOptions, cache: _Cache, wbytes: int, phase: str, past: int, seq: int, loop: list,
            notes: list) -> tuple[DecodePoint, int]:
+    extra = list(loop)
+    if loop and phase == "decode" and "inplace" in loop[0].mod.manifest:
+        extra.append(InplaceStep(loop[0].mod, past))
     rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
                              warmup=opts.warmup, shape=shapes(cache, past, seq), tuning_db=opts.tuning_db,
-                             gemm_n=256, extra=tuple(loop)))  # the SGEMM ceiling is not this report's roofline
+                             gemm_n=256, extra=tuple(extra)))  # the SGEMM ceiling is not this report's roofline
     notes += [f"{phase} P={past}: {n}" for n in rep.notes]
     cached = sum(int(np.prod((1, s.dims[1], past, s.dims[3]))) * np.dtype(s.dtype).itemsize for s in cache.past)
     return DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, 0.0), rep.threads

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import blockforge
-from blockforge.bench.decode import EntryRunner
+from blockforge.bench.decode import EntryRunner, InplaceRunner
 
 
 def _start(model: Path, past: int, seed: int) -> dict:
@@ -39,32 +39,6 @@ def _start(model: Path, past: int, seed: int) -> dict:
     feeds = random_inputs(open_model(model, "host", shapes(layout, past, 1), prepare=False).inputs, seed=seed)
     feeds["attention_mask"] = np.ones_like(feeds["attention_mask"])
     return feeds
-
-
-class InplaceRunner:
-    """decode_inplace alone at `past` (capacity buffers holding the feeds' cache)."""
-
-    def __init__(self, mod, feeds: dict, past: int):
-        import tvm
-
-        rec, pairs = mod.manifest["inplace"], mod.manifest["decode"]["pairs"]
-        self.mod, self.fn = mod, mod.vm[rec["function"]]
-        args = []
-        for s in mod.inputs:
-            a = feeds[s.name]
-            p = next((p for p in pairs if p["past"] == s.name), None)
-            if p is not None:
-                shape = list(a.shape)
-                shape[p["axis"]] = rec["capacity"]
-                buf = np.zeros(shape, a.dtype)
-                buf[(slice(None),) * p["axis"] + (slice(0, past),)] = a
-                a = buf
-            args.append(tvm.runtime.tensor(np.ascontiguousarray(a), mod.device))
-        self.args = [*args, tvm.runtime.ShapeTuple([past])]
-
-    def __call__(self) -> None:
-        self.fn(*self.args, *self.mod.params)
-        self.mod.device.sync()
 
 
 def point(model: Path, mod, past: int, rounds: int, steps: int) -> dict[str, list[float]]:

@@ -54,7 +54,10 @@ def test_bench_decode_cli(tmp_path):
     assert d["points"][1]["bytes_read"] - d["weight_bytes"] == cache40
     for p in d["points"]:
         # beside the build bound at each point: the artifact `run --decode` runs (seq 1: its step entry)
-        assert {x["name"] for x in p["results"]} == {"ort", "untuned", "loop artifact"}
+        # and, at the decode points, that artifact's in-place step (--kv-capacity 41), its outputs
+        # (the buffers' P + 1 rows) checked against ORT's like every row's
+        extra = {"in-place step"} if p["phase"] == "decode" else set()
+        assert {x["name"] for x in p["results"]} == {"ort", "untuned", "loop artifact"} | extra, r.out
         for x in p["results"]:
             want = 100 * p["roofline_ms"] / x["median_ms"]
             assert (x["pct_of_roofline"] is None) if p["phase"] == "prefill" else abs(x["pct_of_roofline"] - want) < 1e-6
@@ -67,3 +70,4 @@ def test_bench_decode_refusals(tmp_path):
     assert_user_error(cli("bench", "--decode", model, "--shape", "batch=1", cwd=tmp_path), "drop --shape")
     assert_user_error(cli("bench", "--decode", model, "--past", "16,x", cwd=tmp_path), "--past '16,x'")
     assert_user_error(cli("bench", "--decode", model, "--past", "0", cwd=tmp_path), "--past needs lengths >= 1")
+    assert_user_error(cli("bench", model, "--copy-cache", cwd=tmp_path), "--copy-cache is a --decode option")

@@ -33,6 +33,8 @@ def add(sub) -> None:
                         "--prompt tokens, bytes read per token against a memory bandwidth measured in the run")
     p.add_argument("--past", default="16,128,512,1024", help="--decode: cached lengths (comma list)")
     p.add_argument("--prompt", type=int, default=128, help="--decode: prefill length (0: none)")
+    p.add_argument("--copy-cache", action="store_true",
+                   help="--decode: no in-place row (the loop artifact built without --kv-capacity)")
     add_force(p)
     p.set_defaults(func=run)
 
@@ -50,6 +52,10 @@ def run(a) -> int:
     check_outputs(a, [a.model, a.tuning_db], json=a.json, plot=a.plot)  # before the import, too
     if a.decode:
         return run_decode(a)
+    if a.copy_cache:
+        from blockforge.errors import BlockforgeError
+
+        raise BlockforgeError("--copy-cache is a --decode option (the loop artifact's cache)")
     from blockforge.bench import BenchOptions, bench, plot
     from blockforge.fsutil import write_error
 
@@ -83,7 +89,7 @@ def run_decode(a) -> int:
         raise BlockforgeError(f"--past {a.past!r}: expected a comma list of lengths, e.g. 16,128,512") from None
     rep = bench_decode(DecodeOptions(model=a.model, target=a.target,
                                      against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
-                                     repeat=a.repeat, pasts=pasts, prompt=a.prompt,
+                                     repeat=a.repeat, pasts=pasts, prompt=a.prompt, inplace=not a.copy_cache,
                                      tuning_db=path_or_none(a.tuning_db, "--tuning-db")))
     print(rep.markdown())
     for n in rep.notes:
