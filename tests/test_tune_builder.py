@@ -79,3 +79,25 @@ def test_fresh_is_tvms_local_builder(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKFORGE_BUILDER", "sometimes")
     with pytest.raises(ValueError, match="BLOCKFORGE_BUILDER"):
         reuse_build_workers()
+
+
+def test_a_runner_stopped_in_its_init_has_its_pool_shut(monkeypatch):
+    """Ctrl-C at a job's start lands in LocalRunner's __init__ (its sanity check waits on a fresh
+    worker): the half-made runner's pool is shut there, not left to garbage collection (which ran
+    its __del__ from the pool's own thread: 'cannot join current thread' after the last line)."""
+    import gc
+
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    from blockforge.tune.jobs import TuneOptions, make_runner
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ms.runner.LocalRunner._cls, "_sanity_check", interrupted)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, PopenPoolExecutor)}
+    with pytest.raises(KeyboardInterrupt):
+        make_runner(TuneOptions(model="m.onnx", target="host"), HOST, 1)
+    made = [o for o in gc.get_objects() if isinstance(o, PopenPoolExecutor) and id(o) not in before]
+    assert made and all(p._shutdown for p in made)

@@ -179,11 +179,41 @@ def make_runner(opts: TuneOptions, target: ResolvedTarget, n_servers: int):
         cfg = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=opts.rpc_key,
                                   session_timeout_sec=RPC_SESSION_TIMEOUT_S, session_priority=1)
         ev = ms.runner.EvaluatorConfig(**RPC_EVAL, enable_cpu_cache_flush=False)
-        return ms.runner.RPCRunner(rpc_config=cfg, evaluator_config=ev, max_workers=max(1, n_servers))
+        return _pool_safe(lambda: ms.runner.RPCRunner(rpc_config=cfg, evaluator_config=ev,
+                                                      max_workers=max(1, n_servers)))
     from .measure import run_direct
 
     ev = ms.runner.EvaluatorConfig(**LOCAL_EVAL, enable_cpu_cache_flush=False)
-    return ms.runner.LocalRunner(evaluator_config=ev, timeout_sec=RUNNER_TIMEOUT_S, f_run_evaluator=run_direct)
+    return _pool_safe(lambda: ms.runner.LocalRunner(evaluator_config=ev, timeout_sec=RUNNER_TIMEOUT_S,
+                                                    f_run_evaluator=run_direct))
+
+
+def _pool_safe(make):
+    """make() with its worker pool shut down if it is stopped half-way. LocalRunner's __init__
+    waits on a fresh worker (its sanity check: the worker's TVM import, ~2 s), so a Ctrl-C at a
+    job's start lands there and the job never holds the runner to end it; garbage collection
+    then shut the pool from one of its own threads: "Exception ignored in
+    PopenPoolExecutor.__del__ ... cannot join current thread" after "blockforge: interrupted"
+    (test_second_signal_does_not_break_the_cleanup, once in a clean-clone run)."""
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    try:
+        return make()
+    except BaseException as e:
+        tb, seen = e.__traceback__, set()
+        while tb is not None:  # the half-made object is `self` in its __init__'s frames
+            try:  # its own __dict__: TVM's derived-object wrapper recurses in __getattr__ until built
+                pool = object.__getattribute__(tb.tb_frame.f_locals.get("self"), "__dict__").get("pool")
+            except Exception:
+                pool = None
+            if isinstance(pool, PopenPoolExecutor) and id(pool) not in seen:
+                seen.add(id(pool))
+                try:
+                    pool.shutdown(wait=False)
+                except Exception as err:
+                    logging.getLogger("blockforge").info("runner pool shutdown: %s", err)
+            tb = tb.tb_next
+        raise
 
 
 def make_builder(target: ResolvedTarget, tmp_root: str):
