@@ -101,3 +101,25 @@ def test_a_runner_stopped_in_its_init_has_its_pool_shut(monkeypatch):
         make_runner(TuneOptions(model="m.onnx", target="host"), HOST, 1)
     made = [o for o in gc.get_objects() if isinstance(o, PopenPoolExecutor) and id(o) not in before]
     assert made and all(p._shutdown for p in made)
+
+
+def test_pool_shutdown_that_races_a_dying_worker_leaves_no_held_lock():
+    """TVM's shutdown raises when one of the pool's threads ends a worker at the same moment
+    ('NoneType' object has no attribute 'kill'), with the pool's lock held: its __del__ at exit
+    then waited forever. shutdown_pool finishes by hand: lock free, pool marked shut."""
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    from blockforge.tune.builder import shutdown_pool
+
+    class Racing:  # a worker whose process the pool's thread has just cleared
+        _proc = None
+
+        def kill(self):
+            None.kill()
+
+    pool = PopenPoolExecutor(max_workers=1)
+    pool._worker_map[0] = Racing()
+    shutdown_pool(pool)
+    assert not pool._lock.locked() and pool._shutdown
+    assert pool._lock.acquire(timeout=1)  # what __del__ or a later shutdown would wait on
+    pool._lock.release()

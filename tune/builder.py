@@ -21,6 +21,7 @@ BLOCKFORGE_BUILDER=fresh (core/settings.py) builds with TVM's LocalBuilder inste
 from __future__ import annotations
 
 import functools
+import logging
 
 BUILDS_PER_WORKER = 64
 
@@ -72,6 +73,39 @@ def _job_builder_class():
             return results
 
         def close(self) -> None:
-            self.pool.shutdown(wait=False)
+            shutdown_pool(self.pool)
 
     return JobBuilder
+
+
+def shutdown_pool(pool) -> None:
+    """TVM's PopenPoolExecutor.shutdown(wait=False), safe while the pool's threads are ending
+    their workers. shutdown() takes the pool's lock and kills each worker; a pool thread that
+    saw its worker die (a Ctrl-C reaches the whole process group) kills it too, and when the two
+    race, shutdown raises ("'NoneType' object has no attribute 'kill'") with the lock still
+    held: the pool's __del__ at exit then waited on it forever (a tune that never ended after
+    Ctrl-C, tests/robustness/test_interrupts.py::test_second_signal_does_not_break_the_cleanup in
+    a clean-clone run). Here the rest is finished by hand and the pool marked shut, so __del__
+    does nothing (run from one of the pool's own threads, its shutdown(wait=True) cannot join)."""
+    try:
+        pool.shutdown(wait=False)
+        return
+    except Exception as e:
+        logging.getLogger("blockforge").info("worker pool shutdown: %s", e)
+    lock = getattr(pool, "_lock", None)
+    if lock is not None and lock.locked():  # held by the shutdown that raised: no one else can hold it
+        try:
+            lock.release()
+        except RuntimeError:
+            pass
+    for worker in list(getattr(pool, "_worker_map", {}).values()):
+        proc = getattr(worker, "_proc", None)
+        if proc is not None:
+            try:
+                proc.kill()
+            except Exception:
+                pass
+    threads = getattr(pool, "_threadpool", None)
+    if threads is not None:
+        threads.shutdown(wait=False)
+    pool._shutdown = True

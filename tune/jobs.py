@@ -33,7 +33,7 @@ from blockforge.settings import physical_cores, reuse_build_workers
 from blockforge.targets import ResolvedTarget, resolve
 from blockforge.targets.toolchain import cpu_id
 
-from .builder import job_builder
+from .builder import job_builder, shutdown_pool
 from .database import DeviceDB
 from .int8_tiles import LEDGER_KEY as INT8_TILES
 from .kernel_timing import wins
@@ -208,10 +208,7 @@ def _pool_safe(make):
                 pool = None
             if isinstance(pool, PopenPoolExecutor) and id(pool) not in seen:
                 seen.add(id(pool))
-                try:
-                    pool.shutdown(wait=False)
-                except Exception as err:
-                    logging.getLogger("blockforge").info("runner pool shutdown: %s", err)
+                shutdown_pool(pool)
             tb = tb.tb_next
         raise
 
@@ -529,10 +526,7 @@ def _end_workers(runner, since: float) -> None:
 
     pool = getattr(runner, "pool", None)
     if pool is not None:
-        try:
-            pool.shutdown(wait=False)
-        except Exception as e:
-            logging.getLogger("blockforge").info("runner pool shutdown: %s", e)
+        shutdown_pool(pool)
     try:
         mine = [p for p in psutil.Process().children(recursive=True) if p.create_time() >= since - 1.0]
         workers = {p.pid for p in mine if "tvm.exec.popen_worker" in " ".join(p.cmdline())}
