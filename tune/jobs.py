@@ -448,8 +448,7 @@ def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
 
     opts = job.opts
     k = min(opts.round_trials, job.budget - job.before[w] - job.new[w])
-    # TuneContext imports them; this way costs a quarter, a CPU job's a tenth (intrinsics.py)
-    import_tensor_intrinsics(cpu_only=not job.session.target.is_gpu)
+    import_tensor_intrinsics()  # TuneContext imports them; this way costs a quarter (intrinsics.py)
     job.n_round += 1
     rnd = job.db.begin_round(job.id, job.n_round)
     strategy = ms.search_strategy.EvolutionarySearch(population_size=opts.population)

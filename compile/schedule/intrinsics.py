@@ -1,5 +1,4 @@
-"""Import TVM's tensor intrinsics (tvm.s_tir.tensor_intrin) without paying for inspect.stack(),
-and, for a CPU target, without the GPU ones.
+"""Import TVM's tensor intrinsics (tvm.s_tir.tensor_intrin) without paying for inspect.stack().
 
 MetaSchedule's TuneContext imports tvm.s_tir.tensor_intrin, which parses ~250 TVMScript
 PrimFuncs. Each `@T.prim_func` calls inspect.stack(), which reads the source line of every
@@ -56,41 +55,10 @@ def shallow_stacks():
             inspect.stack = real
 
 
-# What a CPU (llvm) job's rules can name: VNNI (x86), SDOT/I8MM (arm_cpu), RVV (riscv_cpu),
-# HVX (hexagon). The package's __init__ imports cuda.py first, whatever the target: 1.6 s of its
-# 2.4 s alone, 3.5 of 4.8 s inside a tune job's parent (cProfile, tiny FFN tune: 4.8 of 14 s).
-_CPU_MODULES = ("x86", "arm_cpu", "riscv_cpu", "hexagon")
-_PACKAGE = "tvm.s_tir.tensor_intrin"
-_CPU_ONLY = "_blockforge_cpu_only"  # set on a package module whose __init__ was not run
-
-
-def import_tensor_intrinsics(cpu_only: bool = False) -> None:
-    """Register TVM's tensor intrinsics (once per process) the fast way; TuneContext's own
-    `import tvm.s_tir.tensor_intrin` then finds the package in sys.modules. cpu_only: only the
-    modules a CPU target's rules use (_CPU_MODULES), the package entered without its __init__;
-    a later call without it imports the rest."""
-    import importlib
-    import importlib.util
-
-    have = sys.modules.get(_PACKAGE)
-    if have is not None and not getattr(have, _CPU_ONLY, False):
+def import_tensor_intrinsics() -> None:
+    """Import tvm.s_tir.tensor_intrin (once per process) the fast way; TuneContext's own
+    import then finds it in sys.modules."""
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
         return
     with shallow_stacks():
-        if have is None and not cpu_only:
-            import tvm.s_tir.tensor_intrin  # noqa: F401
-            return
-        if have is None:
-            import tvm.s_tir
-
-            spec = importlib.util.find_spec(_PACKAGE)
-            have = importlib.util.module_from_spec(spec)
-            setattr(have, _CPU_ONLY, True)
-            sys.modules[_PACKAGE] = have
-            tvm.s_tir.tensor_intrin = have
-            for name in _CPU_MODULES:
-                importlib.import_module(f"{_PACKAGE}.{name}")
-            return
-        if not cpu_only:  # a GPU job after a CPU one: what the __init__ would have added
-            spec = have.__spec__
-            delattr(have, _CPU_ONLY)
-            spec.loader.exec_module(have)
+        import tvm.s_tir.tensor_intrin  # noqa: F401
