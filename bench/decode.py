@@ -254,16 +254,12 @@ class InplaceRunner(Runner):
         pairs = mod.manifest["decode"]["pairs"]
         self.mod, self.past, self.fn = mod, past, mod.vm[inplace_entry.INPLACE_ENTRY]
         self.axis = {p["present"]: p["axis"] for p in pairs}
+        past_axis = {p["past"]: p["axis"] for p in pairs}
         args = []
         for s in mod.inputs:
             a = np.asarray(feeds[s.name])
-            p = next((p for p in pairs if p["past"] == s.name), None)
-            if p is not None:
-                shape = list(a.shape)
-                shape[p["axis"]] = rec["capacity"]
-                buf = np.zeros(shape, a.dtype)
-                buf[(slice(None),) * p["axis"] + (slice(0, past),)] = a
-                a = buf
+            if s.name in past_axis:
+                a = inplace_entry.capacity_array(a, past_axis[s.name], rec["capacity"])
             args.append(tvm.runtime.tensor(np.ascontiguousarray(a), mod.device))
         self.args = [*args, tvm.runtime.ShapeTuple([past])]
 
@@ -272,17 +268,14 @@ class InplaceRunner(Runner):
         self.mod.device.sync()
 
     def outputs(self) -> list[np.ndarray]:
+        from blockforge.compile.decode import inplace as inplace_entry
+
         out = self.fn(*self.args, *self.mod.params)
         self.mod.device.sync()
         names = [o["name"] for o in self.mod.manifest["outputs"]]
         outs = list(out) if len(names) > 1 else [out]
-        res = []
-        for name, t in zip(names, outs):
-            a = t.numpy()
-            if name in self.axis:
-                a = np.ascontiguousarray(a[(slice(None),) * self.axis[name] + (slice(0, self.past + 1),)])
-            res.append(a)
-        return res
+        return [inplace_entry.filled_rows(t.numpy(), self.axis[name], self.past + 1) if name in self.axis
+                else t.numpy() for name, t in zip(names, outs)]
 
 
 def _loop_artifact(opts: DecodeOptions, model: onnx.ModelProto, tmp: Path):
@@ -332,7 +325,9 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
 def _point(opts: DecodeOptions, cache: _Cache, wbytes: int, phase: str, past: int, seq: int, loop: list,
            notes: list) -> tuple[DecodePoint, int]:
     extra = list(loop)
-    if loop and phase == "decode" and "inplace" in loop[0].mod.manifest:
+    from blockforge.compile.decode.inplace import KEY as INPLACE
+
+    if loop and phase == "decode" and INPLACE in loop[0].mod.manifest:
         extra.append(InplaceStep(loop[0].mod, past))
     rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
                              warmup=opts.warmup, shape=shapes(cache, past, seq), tuning_db=opts.tuning_db,

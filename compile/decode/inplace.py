@@ -35,6 +35,8 @@ Llama-style GQA 1.001x / 1.026x and 0.868x / 0.991x (within the noise).
 
 from __future__ import annotations
 
+import numpy as np
+
 from blockforge.errors import ArgumentError
 from blockforge.graph.model_io import MAX_BOUND_DIM
 
@@ -44,6 +46,20 @@ SHAPE_INPUT = "past_len"  # the entry's input after the model's: the ShapeTuple 
 CAP_ATTR = "blockforge.kv_capacity"  # on the entry until the kv-inplace phase rewrites it
 PAIRS_ATTR = "blockforge.kv_pairs"  # "past_param:present_output:axis,..."
 MAX_CAPACITY = MAX_BOUND_DIM
+
+
+def capacity_array(a: np.ndarray, axis: int, capacity: int) -> np.ndarray:
+    """A capacity buffer holding `a` in its first rows along `axis` (the rest zero)."""
+    shape = list(a.shape)
+    filled, shape[axis] = shape[axis], capacity
+    buf = np.zeros(shape, a.dtype)
+    buf[(slice(None),) * axis + (slice(0, filled),)] = a
+    return buf
+
+
+def filled_rows(buf: np.ndarray, axis: int, n: int) -> np.ndarray:
+    """A capacity buffer's first `n` rows along `axis`: the present the copying step returns."""
+    return np.ascontiguousarray(buf[(slice(None),) * axis + (slice(0, n),)])
 
 
 def check_capacity(c, argument: str = "kv_capacity") -> int:

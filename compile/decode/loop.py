@@ -228,9 +228,7 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
             result.outputs = {k: v.numpy() for k, v in outs.items()}
             if fn is ip_fn and ip_fn is not None:  # the presents: the buffers' filled rows
                 for p in pairing.pairs:
-                    at = [slice(None)] * result.outputs[p.present].ndim
-                    at[p.axis] = slice(0, grown)
-                    result.outputs[p.present] = np.ascontiguousarray(result.outputs[p.present][tuple(at)])
+                    result.outputs[p.present] = inplace_entry.filled_rows(result.outputs[p.present], p.axis, grown)
     return result
 
 
@@ -252,11 +250,4 @@ def _inplace_plan(mod, opts: DecodeOptions, pairing: DecodePairing, step_at, arg
 
 def _capacity_buffer(tvm, present, axis: int, capacity: int, dev):
     """A capacity buffer holding `present` in its first rows along `axis` (the rest zero)."""
-    a = present.numpy()
-    shape = list(a.shape)
-    filled, shape[axis] = shape[axis], capacity
-    buf = np.zeros(shape, a.dtype)
-    at = [slice(None)] * a.ndim
-    at[axis] = slice(0, filled)
-    buf[tuple(at)] = a
-    return tvm.runtime.tensor(buf, dev)
+    return tvm.runtime.tensor(inplace_entry.capacity_array(present.numpy(), axis, capacity), dev)
