@@ -38,7 +38,7 @@ def _constant_bytes(buffer) -> int | None:
     return n * ((dtype.bits * dtype.lanes + 7) // 8)
 
 
-def _on_cpu(func) -> bool:
+def on_cpu(func) -> bool:
     target = func.attrs.get("target") if func.attrs is not None else None
     return target is not None and target.kind.name in ("llvm", "c")
 
@@ -61,24 +61,28 @@ def stack_allocs_pass():
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeStackAllocs")
     def stack_allocs(mod, _ctx):
         return map_prim_funcs(mod, lambda _gv, func: tvm_ffi.structural_map(func, (tirx.AllocBuffer, annotate)),
-                              where=_on_cpu)
+                              where=on_cpu)
 
     return stack_allocs
 
 
-_registered = False
+_registered: set = set()
 
 
-def tir_pipeline() -> str:
-    """The name of TVM's default TIR pipeline followed by the stack pass (registered on first use)."""
-    global _registered
+def tir_pipeline(window: bool = True) -> str:
+    """The name of TVM's default TIR pipeline followed by the stack pass (registered on first
+    use), and before it, `window`, the compaction of symbolic-size buffers (window_allocs.py)."""
     import tvm
     from tvm import tirx
 
-    if not _registered:
+    name = PIPELINE if window else PIPELINE + "-no-window"
+    if name not in _registered:
         def factory():
+            from blockforge.compile.passes.window_allocs import window_allocs_pass
+
             lower, host, device = tirx.get_tir_pipeline("default")
-            return tvm.transform.Sequential([lower, stack_allocs_pass()]), host, device
-        tirx.register_tir_pipeline(PIPELINE, factory)
-        _registered = True
-    return PIPELINE
+            passes = [lower] + ([window_allocs_pass()] if window else []) + [stack_allocs_pass()]
+            return tvm.transform.Sequential(passes), host, device
+        tirx.register_tir_pipeline(name, factory)
+        _registered.add(name)
+    return name
