@@ -15,6 +15,7 @@ long-lived service) that changes the environment sees the change.
 | `BLOCKFORGE_FUSE_ATTENTION` | `1` | `0` turns off the fused CPU attention kernel (for A/B measurements) |
 | `BLOCKFORGE_MATVEC` | `0` | `1` schedules packed matmuls of <= 4 rows with CPUMatvec (compile/schedule/matvec.py) instead of CPUMatmul |
 | `BLOCKFORGE_PANEL_PREFETCH` | `few-rows` | which GEMMs have CPUMatmul's micro-tile prefetch the next weight panel (compile/passes/panel_prefetch.py): `few-rows` those of 19-64 static rows, `all` (`1`) every static-M one, `off` (`0`) none |
+| `BLOCKFORGE_HUGEPAGES` | `1` | `0` loads an artifact's weights on a CPU as private copies in TVM's memory instead of one MADV_HUGEPAGE arena (compile/artifact/weights.py; for A/B measurements) |
 | `BLOCKFORGE_BUILDER` | `reuse` | `fresh` builds tuning candidates with TVM's LocalBuilder (new worker processes per build call) instead of one pool per job (tune/builder.py; for A/B measurements) |
 | `TVM_NUM_THREADS` | physical cores | TVM's CPU thread pool size (set by `configure()` when unset) |
 | `TVM_THREAD_POOL_SPIN_COUNT` | `10000` | spins before an idle TVM worker sleeps (set by `configure()` when unset) |
@@ -41,6 +42,7 @@ FUSE_ATTENTION = "BLOCKFORGE_FUSE_ATTENTION"
 MATVEC = "BLOCKFORGE_MATVEC"
 PANEL_PREFETCH = "BLOCKFORGE_PANEL_PREFETCH"
 BUILDER = "BLOCKFORGE_BUILDER"
+HUGEPAGES = "BLOCKFORGE_HUGEPAGES"
 
 # Measured: TVM's pool starts one thread on these VMs and runtime.config_threadpool does
 # not change it; the variable does (a 128x768x3072 GEMM: 252 GFLOP/s with 1, 516 with 2).
@@ -203,6 +205,10 @@ def panel_prefetch() -> str:
     return modes[value]
 
 
+def hugepages() -> bool:
+    return _flag(HUGEPAGES, True)
+
+
 def reuse_build_workers() -> bool:
     """False under BLOCKFORGE_BUILDER=fresh (TVM's LocalBuilder: new workers per build call)."""
     value = os.environ.get(BUILDER, "").strip().lower()
@@ -239,6 +245,7 @@ def documented() -> dict[str, str]:
             MATVEC: "1" if matvec() else "0",
             PANEL_PREFETCH: panel_prefetch(),
             BUILDER: "reuse" if reuse_build_workers() else "fresh",
+            HUGEPAGES: "1" if hugepages() else "0",
             TVM_THREADS: os.environ.get(TVM_THREADS, "(unset)"),
             TVM_SPIN: os.environ.get(TVM_SPIN, "(unset)")}
 

@@ -153,3 +153,54 @@ def test_file_replaced_after_the_check_is_refused(ffn, tmp_path, monkeypatch, na
 
     with pytest.raises(BlockforgeError, match=f"{name} does not match its sha256"):
         runtime.load_artifact(art)
+
+
+def test_arena_holds_the_file_and_the_tensors_view_it(ffn, monkeypatch):
+    """The CPU loader's weights: one 2 MiB-aligned arena advised MADV_HUGEPAGE, the same bytes as
+    load_weights' copies, and TVM's tensors are views of it (no copy: a change shows through)."""
+    import ctypes
+
+    from blockforge.compile.artifact.manifest import read_manifest
+    from blockforge.compile.artifact.runtime import load_artifact
+    from blockforge.compile.artifact.weights import HUGE_PAGE, load_weights, load_weights_arena
+
+    m = read_manifest(ffn["art"])
+    arena, arrays = load_weights_arena(ffn["art"], m)
+    copies = load_weights(ffn["art"], m)
+    assert len(arrays) == len(copies) > 0
+    for a, b in zip(arrays, copies):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    first = ctypes.addressof(ctypes.c_char.from_buffer(arena.view))
+    assert first % HUGE_PAGE == 0 and arena.nbytes == m["weights"]["bytes"]
+
+    monkeypatch.setenv("BLOCKFORGE_HUGEPAGES", "1")
+    mod = load_artifact(ffn["art"])
+    assert mod.arena is not None
+    t = mod.weights[0]
+    view = mod.arena.array(m["weights"]["tensors"][0])
+    first_value = view.reshape(-1)[0].copy()
+    view.reshape(-1)[0] = first_value + 1
+    assert t.numpy().reshape(-1)[0] == first_value + 1
+    view.reshape(-1)[0] = first_value
+
+    monkeypatch.setenv("BLOCKFORGE_HUGEPAGES", "0")
+    plain = load_artifact(ffn["art"])
+    assert plain.arena is None
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(mod.weights, plain.weights))
+
+
+def test_arena_loader_refuses_what_load_weights_refuses(tmp_path):
+    from blockforge.compile.artifact.manifest import parse_manifest
+    from blockforge.compile.artifact.weights import load_weights_arena, write_weights
+    from blockforge.compile.passes.lift_weights import LiftedWeight
+    from blockforge.errors import BlockforgeError
+
+    table = write_weights(tmp_path / "weights.bin", [LiftedWeight(k, _tensor(a)) for k, a in ARRAYS.items()])
+    m = parse_manifest(json.dumps(_manifest(table, "1" * 64)).encode())
+    with pytest.raises(BlockforgeError, match="weights.bin does not match its sha256"):
+        load_weights_arena(tmp_path, m)
+    good = hashlib.sha256((tmp_path / "weights.bin").read_bytes()).hexdigest()
+    os.truncate(tmp_path / "weights.bin", 100)
+    m = parse_manifest(json.dumps(_manifest(table, good)).encode())
+    with pytest.raises(BlockforgeError, match="truncated or replaced"):
+        load_weights_arena(tmp_path, m)

@@ -18,7 +18,7 @@ from blockforge.targets.toolchain import cuda_load_env, host_arch
 
 from blockforge import settings
 from blockforge.compile.artifact.manifest import elf_arch, private_copy, read_manifest, verify_files, verify_package
-from blockforge.compile.artifact.weights import load_weights
+from blockforge.compile.artifact.weights import load_weights, load_weights_arena
 
 
 def _sigs(items: list[dict]) -> list[TensorSig]:
@@ -32,6 +32,7 @@ class LoadedModule:
     vm: object
     device: object
     weights: list = field(default_factory=list)  # tvm tensors on `device`: main's parameters after the inputs
+    arena: object = None  # weights.WeightArena the CPU tensors view (None: each tensor in TVM's own memory)
 
     @property
     def params(self) -> list:
@@ -201,8 +202,7 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
         if arch != host_arch():
             raise BlockforgeError(f"{artifact}: {module} is for {arch}, this machine is {host_arch()}")
         dev = tvm_device(target.device)
-        # One copy into TVM's memory (aligned, on the device), tensor by tensor, before any native code.
-        weights = load_weights(artifact, manifest, convert=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
+        arena, weights = _weights(artifact, manifest, target.device, dev)  # before any native code
         try:
             if target.kind == "cuda":
                 with cuda_load_env():
@@ -221,7 +221,28 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
     if inplace is not None and not vm.module.implements_function(inplace):
         raise BlockforgeError(f"{artifact}: manifest.json's 'inplace' names function {inplace!r}, which {module} "
                               "does not have; refusing to run it")
-    return LoadedModule(artifact, manifest, vm, dev, weights)
+    return LoadedModule(artifact, manifest, vm, dev, weights, arena)
+
+
+def _weights(artifact: Path, manifest: dict, device_kind: str | None, dev) -> tuple[object, list]:
+    """On a CPU: weights.bin read into one huge-page arena that the tensors view (no copy);
+    elsewhere (or BLOCKFORGE_HUGEPAGES=0): one copy into TVM's memory, tensor by tensor."""
+    import tvm
+
+    if device_kind != "cuda" and settings.hugepages():
+        arena, arrays = load_weights_arena(artifact, manifest)
+        return arena, [_view(a, dev) for a in arrays]
+    return None, load_weights(artifact, manifest, convert=lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev))
+
+
+def _view(a: np.ndarray, dev):
+    """A TVM tensor on the arena's bytes; a dtype DLPack cannot carry (ml_dtypes' bfloat16) is copied."""
+    import tvm
+
+    try:
+        return tvm.runtime.from_dlpack(a)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        return tvm.runtime.tensor(np.ascontiguousarray(a), dev)
 
 
 def _private_dir() -> str | None:
