@@ -78,19 +78,11 @@ def load_weights(artifact: Path, manifest: dict, convert=None) -> list:
     the bytes copied (and the padding between them), not in an earlier pass: a file replaced
     after a check could otherwise pass it. [] for an artifact without weights (built before
     weights.bin existed)."""
-    w = manifest.get("weights")
-    if w is None:
+    if manifest.get("weights") is None:
         return []
-    artifact = Path(artifact)
-    digest = manifest["files"].get(w["file"])
-    if digest is None:  # check_manifest lists it; a hand-made dict may not
-        raise BlockforgeError(f"{artifact}: {w['file']} is not among the hashed 'files' of manifest.json")
-    fd, size = open_regular(artifact / w["file"], w["file"], MAX_FILE_BYTES, where=str(artifact))
-    h, pos, out = hashlib.sha256(), 0, []
-    try:
-        if size != w["bytes"]:
-            raise BlockforgeError(f"{artifact}: {w['file']} is {size} bytes, manifest.json's 'weights' says "
-                                  f"{w['bytes']} (truncated or replaced)")
+
+    def copies(fd: int, size: int, h, w: dict) -> list:
+        pos, out = 0, []
         for t in w["tensors"]:  # offsets, sizes and order were checked against `bytes` (manifest.py)
             h.update(os.pread(fd, t["offset"] - pos, pos))  # the padding (< 64 bytes)
             data = bytearray(t["nbytes"])  # the private copy, read into directly
@@ -102,13 +94,33 @@ def load_weights(artifact: Path, manifest: dict, convert=None) -> list:
             out.append(convert(a) if convert else a)
             del data, a
         h.update(os.pread(fd, size - pos, pos))
+        return out
+
+    return _read_checked(Path(artifact), manifest, copies)
+
+
+def _read_checked(artifact: Path, manifest: dict, read):
+    """read(fd, size, sha256, table) under the checks both loaders make: the file is hashed in
+    'files', a regular file of the size the table says, not grown while read, and its digest (of
+    what `read` fed the hash) the manifest's."""
+    w = manifest["weights"]
+    digest = manifest["files"].get(w["file"])
+    if digest is None:  # check_manifest lists it; a hand-made dict may not
+        raise BlockforgeError(f"{artifact}: {w['file']} is not among the hashed 'files' of manifest.json")
+    fd, size = open_regular(artifact / w["file"], w["file"], MAX_FILE_BYTES, where=str(artifact))
+    h = hashlib.sha256()
+    try:
+        if size != w["bytes"]:
+            raise BlockforgeError(f"{artifact}: {w['file']} is {size} bytes, manifest.json's 'weights' says "
+                                  f"{w['bytes']} (truncated or replaced)")
+        result = read(fd, size, h, w)
         if os.pread(fd, 1, size):
             raise BlockforgeError(f"{artifact}: {w['file']} changed while being read")
     finally:
         os.close(fd)
     if h.hexdigest() != digest:
         refuse_tampered(artifact, w["file"])
-    return out
+    return result
 
 
 HUGE_PAGE = 2 << 20
@@ -147,39 +159,23 @@ class WeightArena:
 
 def load_weights_arena(artifact: Path, manifest: dict) -> tuple[WeightArena | None, list]:
     """The weights of a checked manifest as arrays viewing one WeightArena holding weights.bin
-    byte for byte (its tensors at their offsets: the file's layout is the arena's), read in
-    chunks and hashed as read, as load_weights does. (None, []) without weights."""
-    w = manifest.get("weights")
-    if w is None:
+    byte for byte (its tensors at their offsets: the file's layout is the arena's), hashed over the
+    arena's bytes, as load_weights hashes its copies. (None, []) without weights."""
+    if manifest.get("weights") is None:
         return None, []
-    artifact = Path(artifact)
-    digest = manifest["files"].get(w["file"])
-    if digest is None:
-        raise BlockforgeError(f"{artifact}: {w['file']} is not among the hashed 'files' of manifest.json")
-    fd, size = open_regular(artifact / w["file"], w["file"], MAX_FILE_BYTES, where=str(artifact))
-    try:
-        if size != w["bytes"]:
-            raise BlockforgeError(f"{artifact}: {w['file']} is {size} bytes, manifest.json's 'weights' says "
-                                  f"{w['bytes']} (truncated or replaced)")
+
+    def whole(fd: int, size: int, h, w: dict) -> WeightArena:
         arena = WeightArena(size)
-        h, done = hashlib.sha256(), 0
-        while done < size:
-            chunk = arena.view[done:min(size, done + (1 << 26))]
-            n = os.preadv(fd, [chunk], done)
-            if n <= 0:
-                raise BlockforgeError(f"{artifact}: {w['file']} changed while being read")
-            h.update(chunk[:n])
-            done += n
-        if os.pread(fd, 1, size):
+        if _read_into(fd, arena.view, 0) != size:
             raise BlockforgeError(f"{artifact}: {w['file']} changed while being read")
-    finally:
-        os.close(fd)
-    if h.hexdigest() != digest:
-        refuse_tampered(artifact, w["file"])
-    return arena, [arena.array(t) for t in w["tensors"]]
+        h.update(arena.view)
+        return arena
+
+    arena = _read_checked(Path(artifact), manifest, whole)
+    return arena, [arena.array(t) for t in manifest["weights"]["tensors"]]
 
 
-def _read_into(fd: int, data: bytearray, offset: int) -> int:
+def _read_into(fd: int, data, offset: int) -> int:
     view, done = memoryview(data), 0
     while done < len(data):
         n = os.preadv(fd, [view[done:done + (1 << 26)]], offset + done)
