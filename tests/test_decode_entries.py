@@ -127,6 +127,10 @@ def test_step_entry_runs_the_static_builds_kernels(entry, monkeypatch):
     assert want.get("attention_", 0) >= 2 and want.get("concatenate", 0) >= 4  # the decoder's step, fused
     extra = POSITION_KERNELS[entry["model"]]
     assert got == {k: want.get(k, 0) + extra.get(k, 0) for k in {*want, *extra}}
+    # the prompt's entry (main, seq symbolic too) writes each layer's heads in one kernel as the
+    # bound build does (before: a split and a kernel per part; Llama-style's prefill 5% slower)
+    prompt = _data_path_kernels(step, "main")
+    assert prompt.get("qkv_heads", 0) == want.get("qkv_heads") == 2 and "split" not in prompt, prompt
 
 
 def _ort(path):

@@ -141,7 +141,8 @@ def test_cli_verify_decode_shape(tmp_path):
 # in the model's own dims (compile/frontend/symbolic.py): ONE build serves every P, the prompt (seq =
 # its length) and each step (seq 1). One build per model, one exporter each (the three are covered).
 SYMBOLIC = {"gpt2_past": ("legacy", 17), "llama_past": ("dynamo", 18), "qwen2_past": ("legacy", 18)}
-SYMBOLIC_POINTS = [(0, 5), (0, 1), (1, 1), (17, 1), (128, 1), (500, 1), (17, 5)]  # (past, seq)
+# seq 20 and 33: whole row tiles of 16 and a tail in qkv_heads' symbolic kernel
+SYMBOLIC_POINTS = [(0, 5), (0, 1), (1, 1), (17, 1), (128, 1), (500, 1), (17, 5), (0, 20), (3, 33)]  # (past, seq)
 SYMBOLIC_ENTRIES = [e for e in ENTRIES if SYMBOLIC[e["model"]] == (e["exporter"], e["opset"])]
 
 

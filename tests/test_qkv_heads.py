@@ -25,8 +25,8 @@ B, S, H, HKV, D = 2, 5, 4, 2, 8  # odd seq; GQA 4/2
 TEXT = {"input_ids": (2, 9), "attention_mask": (2, 9)}
 
 
-def _tables():
-    pos = np.arange(S)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None, :]
+def _tables(seq: int = S):
+    pos = np.arange(seq)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None, :]
     emb = np.concatenate([pos, pos], -1)
     return np.cos(emb).astype("float32")[None, None], np.sin(emb).astype("float32")[None, None]
 
@@ -36,18 +36,25 @@ def _rope_np(t, cos, sin):
     return t * cos + np.concatenate([-t[..., h2:], t[..., :h2]], -1) * sin
 
 
-def _llama_module(sign_ok: bool = True, q_3d: bool = False):
+def _llama_module(sign_ok: bool = True, q_3d: bool = False, symbolic: bool = False):
     """x (B, S, (H + 2 HKV) D) -> split -> heads -> RoPE(q), RoPE(k) -> K^T, V, as dynamo writes
-    it. sign_ok=False: concat(x2, -x1) (rotate_half the other way); q_3d: q also read as (B*H, S, D)."""
-    cos, sin = (relax.const(t) for t in _tables())
-    x = relax.Var("x", relax.TensorType((B, S, (H + 2 * HKV) * D), "float32"))
+    it. sign_ok=False: concat(x2, -x1) (rotate_half the other way); q_3d: q also read as (B*H, S, D).
+    symbolic: S a free dim (a build bound with seq left free), the tables inputs of (1, 1, S, D)."""
+    s = tvm.tirx.Var("seq", "int64") if symbolic else S
+    x = relax.Var("x", relax.TensorType((B, s, (H + 2 * HKV) * D), "float32"))
+    if symbolic:
+        cos, sin = (relax.Var(n, relax.TensorType((1, 1, s, D), "float32")) for n in ("cos", "sin"))
+        params = [x, cos, sin]
+    else:
+        cos, sin = (relax.const(t) for t in _tables())
+        params = [x]
     bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
+    with bb.function("main", params):
         with bb.dataflow():
             parts = bb.emit(relax.op.split(x, [H * D, (H + HKV) * D], axis=2))
             outs = []
             for i, h in enumerate((H, HKV, HKV)):
-                t = bb.emit(relax.op.reshape(relax.TupleGetItem(parts, i), [B, S, h, D]))
+                t = bb.emit(relax.op.reshape(relax.TupleGetItem(parts, i), [B, s, h, D]))
                 t = bb.emit(relax.op.permute_dims(t, [0, 2, 1, 3]))
                 if i < 2:
                     lo = bb.emit(relax.op.strided_slice(t, [3], [0], [D // 2]))
@@ -58,7 +65,7 @@ def _llama_module(sign_ok: bool = True, q_3d: bool = False):
                 if i == 1:
                     t = bb.emit(relax.op.permute_dims(t, [0, 1, 3, 2]))  # K^T
                 if i == 0 and q_3d:
-                    outs.append(bb.emit(relax.op.reshape(t, [B * H, S, D])))
+                    outs.append(bb.emit(relax.op.reshape(t, [B * H, s, D])))
                 outs.append(t)
             out = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(out)
@@ -92,8 +99,8 @@ def _run(mod, x, without=frozenset()) -> list[np.ndarray]:
     return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
 
 
-def _x(n: int) -> np.ndarray:
-    return np.random.default_rng(0).standard_normal((B, S, n)).astype("float32")
+def _x(n: int, seq: int = S) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((B, seq, n)).astype("float32")
 
 
 def test_llama_split_heads_and_rope_become_one_kernel_with_numpy_numbers():
@@ -111,6 +118,28 @@ def test_llama_split_heads_and_rope_become_one_kernel_with_numpy_numbers():
     np.testing.assert_array_equal(v, heads(x[..., (H + HKV) * D:], HKV))
     for a, b in zip(_run(mod, x, without={"qkv-heads"}), (q, kt, v)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_symbolic_seq_gets_the_same_kernel_with_a_tail():
+    """seq left free (the one build `run --decode` runs: its prompt through main): the same one
+    kernel, its row tiles ending in a tail of S mod 16 (vector stores of K^T where a tile is
+    whole, row by row in the tail), numbers as numpy's at a tail only, whole tiles, and both."""
+    mod = _llama_module(symbolic=True)
+    new = qkv_heads_pass()(mod)
+    assert _ops(new) == ["relax.call_tir"], _ops(new)
+    assert _kernels(new) == [f"bhsd@0:{H}x{D}+rope,bhds@{H * D}:{HKV}x{D}+rope,bhsd@{(H + HKV) * D}:{HKV}x{D}"]
+    for kernel in (f for _, f in new.functions_items() if isinstance(f, tvm.tirx.PrimFunc)):
+        assert "T.vectorized" in kernel.script() and "seq" in kernel.script()
+    vm = relax.VirtualMachine(build(mod, HOST).executable, tvm.cpu())
+    heads = lambda a, h, n: a.reshape(B, n, h, D).transpose(0, 2, 1, 3)  # noqa: E731
+    for seq in (5, 16, 33):
+        x = _x((H + 2 * HKV) * D, seq)
+        cos, sin = _tables(seq)
+        q, kt, v = (t.numpy() for t in vm["main"](*(tvm.runtime.tensor(a) for a in (x, cos, sin))))
+        np.testing.assert_allclose(q, _rope_np(heads(x[..., :H * D], H, seq), cos, sin), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(kt, _rope_np(heads(x[..., H * D:(H + HKV) * D], HKV, seq), cos, sin)
+                                   .transpose(0, 1, 3, 2), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(v, heads(x[..., (H + HKV) * D:], HKV, seq))
 
 
 def test_gpt2_split_and_key_transpose_become_one_kernel():

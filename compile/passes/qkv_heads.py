@@ -131,22 +131,30 @@ class _QKVHeads(PyExprMutator):
         for cos, sin in pairs:
             for c in (cos, sin):
                 c = self.visit_expr(c)
-                shp = _static(c.ty.shape)
+                shp = list(c.ty.shape)
                 if len(shp) < 4:
                     c = self.builder_.emit(relax.op.reshape(c, [1] * (4 - len(shp)) + shp))
                 args.append(c)
-        key = (tuple(_static(x.ty.shape)), tuple(outs), tuple(tuple(_static(a.ty.shape)) for a in args[1:]))
+        xs, tabs = _dims(x.ty.shape), [_dims(a.ty.shape) for a in args[1:]]
+        # (a var in a key by its hash, the object's address: == on vars builds an expression)
+        hkey = lambda dims: tuple(d if isinstance(d, int) else ("var", hash(d)) for d in dims)  # noqa: E731
+        key = (hkey(xs), tuple(outs), tuple(hkey(t) for t in tabs))
         if key not in self.kernels:
-            func = heads_kernel(_static(x.ty.shape), outs, [tuple(_static(a.ty.shape)) for a in args[1:]],
-                                self.lanes)
+            func = heads_kernel(list(xs), outs, [list(t) for t in tabs], self.lanes)
             self.kernels[key] = add_kernel(self.builder_, func, "qkv_heads")
         return relax.call_tir(self.kernels[key], args, out_ty=[relax.TensorType(s, "float32") for s in shapes])
 
 
 class _Plan:
-    """Traces one function's bindings and groups the outputs to compute per root."""
+    """Traces one function's bindings and groups the outputs to compute per root. A symbolic dim
+    (seq in a build bound with seq left free) is traced at a sample value (`sample`: tirx var ->
+    int); qkv_heads_pass keeps only what two different samples trace alike."""
 
-    def __init__(self, func):
+    def __init__(self, func, sample: dict | None = None):
+        self.sample = sample or {}
+        self.analyzer = tvm.sym.Analyzer()
+        for var, value in self.sample.items():
+            self.analyzer.bind(var, value)
         self.v2v = relax.analysis.get_var2val(func)
         self.order: dict = {}
         self.block: dict = {}
@@ -156,6 +164,26 @@ class _Plan:
                 self.block[b.var] = bi
         self.users = users_of(func)
         self.memo: dict = {}
+
+    def _shape(self, shape) -> list[int] | None:
+        """A shape's dims as ints, symbolic ones at their sample value; None when a dim reads a
+        var with no sample (or there is no shape)."""
+        if shape is None:
+            return None
+        out = _static(shape)
+        if out is not None or not self.sample:
+            return out
+        try:
+            dims = list(shape)
+        except TypeError:
+            return None
+        out = []
+        for d in dims:
+            v = self.analyzer.simplify(d)
+            if not isinstance(v, tvm.tirx.IntImm):
+                return None
+            out.append(int(v))
+        return out
 
     def trace(self, e) -> Traced | None:
         if not isinstance(e, relax.Var):
@@ -167,14 +195,14 @@ class _Plan:
 
     def _trace(self, var) -> Traced | None:
         e = self.v2v.get(var)
-        if e is None or getattr(var.ty, "dtype", None) != "float32" or _static(var.ty.shape) is None:
+        if e is None or getattr(var.ty, "dtype", None) != "float32" or self._shape(var.ty.shape) is None:
             return None
         if isinstance(e, relax.TupleGetItem):
             sp = self.v2v.get(e.tuple_value)
             if _op(sp) != "relax.split":
                 return None
             x = sp.args[0]
-            shp = _static(getattr(x.ty, "shape", None) or [])
+            shp = self._shape(getattr(x.ty, "shape", None))
             if shp is None or len(shp) != 3 or int(sp.attrs.axis) not in (2, -1) or x.ty.dtype != "float32":
                 return None
             parts = np.split(np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp), split_sections(sp), axis=2)
@@ -185,11 +213,11 @@ class _Plan:
             return self._rope(var, e)
         a = self.trace(e.args[0]) if op in ("relax.reshape", "relax.permute_dims", "relax.strided_slice",
                                             "relax.negative") else None
-        out = _static(var.ty.shape)
+        out = self._shape(var.ty.shape)
         if op == "relax.reshape":
             if a is None:  # a new root: a (B, S, N) tensor viewed as heads
                 x = e.args[0]
-                shp = _static(getattr(x.ty, "shape", None) or [])
+                shp = self._shape(getattr(x.ty, "shape", None))
                 if shp is None or len(shp) != 3 or len(out) != 4 or getattr(x.ty, "dtype", None) != "float32":
                     return None
                 a = Traced(x, np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp),
@@ -227,7 +255,7 @@ class _Plan:
         muls = [self.v2v.get(a) if isinstance(a, relax.Var) else None for a in add.args]
         if any(_op(m) != "relax.multiply" for m in muls):
             return None
-        shape = _static(var.ty.shape)
+        shape = self._shape(var.ty.shape)
         for plain_mul, rot_mul in (muls, muls[::-1]):
             for t_e, c in (plain_mul.args, plain_mul.args[::-1]):
                 t = self.trace(t_e)
@@ -254,7 +282,7 @@ class _Plan:
 
     def _table(self, c, shape) -> bool:
         """cos/sin: float32, static, broadcastable as (1 or B, 1, S, d), not traced from x."""
-        shp = _static(getattr(c.ty, "shape", None) or [])
+        shp = self._shape(getattr(c.ty, "shape", None))
         if shp is None or getattr(c.ty, "dtype", None) != "float32" or len(shp) > 4 or self.trace(c) is not None:
             return False
         shp = [1] * (4 - len(shp)) + shp
@@ -262,7 +290,7 @@ class _Plan:
 
     def _summary(self, t: Traced) -> _Summary:
         """What groups() needs of a trace, without its index arrays."""
-        shp = _static(t.root.ty.shape)
+        shp = self._shape(t.root.ty.shape)
         lay = None
         if t.rope is None:
             lay = _head_layout(t.idx, shp) if np.all(t.sign == 1) else None
@@ -318,7 +346,7 @@ class _Plan:
                         pairs.append(t.rope)
                         rope = len(pairs) - 1
                 outs.append(HeadsOut(t.lay[0], t.lay[1], t.lay[2], t.lay[3], rope))
-                shapes.append(t.shape)
+                shapes.append(list(v.ty.shape))  # as declared (symbolic dims stay symbolic)
             split_root = any(_op(self.v2v.get(self.v2v[v].tuple_value)) == "relax.split"
                              for v in traced if traced[v].root.same_as(x)
                              and isinstance(self.v2v.get(v), relax.TupleGetItem))
@@ -327,6 +355,9 @@ class _Plan:
             # (B, H, d, S) was a scalar strided kernel (BERT-base 0.065 ms a layer, Whisper-base's
             # 1.2; this kernel writes whole vectors along S).
             if not ok or not (split_root or any(o.rope is not None or o.layout == "bhds" for o in outs)):
+                continue
+            # the kernel's buffers take x's and the tables' dims as they are: ints or plain vars
+            if not all(_plain_dims(e.ty.shape) for e in [x, *(c for p in pairs for c in p)]):
                 continue
             first = min(sinks, key=self.order.get)
             if len({self.block[v] for v in sinks}) != 1:
@@ -356,14 +387,31 @@ class _Plan:
         return sorted(need, key=self.order.get)
 
 
-def heads_kernel(shape_x: list[int], outs: list[HeadsOut], tables: list[tuple], lanes: int = 16):
-    """The PrimFunc: x (B, S, N), the (cos, sin) tables (4-D), one buffer per output."""
+def _plain_dims(shape) -> bool:
+    return shape is not None and all(isinstance(d, (tvm.tirx.IntImm, tvm.tirx.Var)) for d in shape)
+
+
+def _dims(shape) -> tuple:
+    """A shape as the kernel key and heads_kernel take it: ints, symbolic dims as their vars."""
+    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape)
+
+
+def heads_kernel(shape_x: list, outs: list[HeadsOut], tables: list, lanes: int = 16):
+    """The PrimFunc: x (B, S, N), the (cos, sin) tables (4-D), one buffer per output. A dim is an
+    int or a symbolic var (seq in a build that leaves it free): each var becomes one of the
+    kernel's own, bound by the buffers' shapes; the row tiles then end in a tail of S mod 16."""
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    own: dict = {}  # the function's dim var (by hash) -> the kernel's
+
+    def i64(v):
+        if isinstance(v, int):
+            return tirx.const(v, "int64")
+        return own.setdefault(hash(v), tirx.Var(v.name, "int64"))
     bsz, s_len, n = shape_x
+    full_tiles = isinstance(s_len, int) and s_len % lanes == 0
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("qkv_heads")
@@ -379,11 +427,12 @@ def heads_kernel(shape_x: list[int], outs: list[HeadsOut], tables: list[tuple], 
             # Blocks of `lanes` rows: a K^T output (B, H, d, S) is stored from a row tile as
             # whole vectors along S (row by row, each of its d values was a strided scatter).
             sb = lanes
-            n_sb = (s_len + sb - 1) // sb
-            with T.parallel(i64(0), i64(bsz * n_sb)) as p:
-                b = p // i64(n_sb)
-                s0 = p % i64(n_sb) * i64(sb)
-                rows = i64(sb) if s_len % sb == 0 else tirx.min(i64(sb), i64(s_len) - s0)
+            seq = i64(s_len)
+            n_sb = tirx.floordiv(seq + i64(sb - 1), i64(sb))
+            with T.parallel(i64(0), i64(bsz) * n_sb) as p:
+                b = tirx.floordiv(p, n_sb)
+                s0 = tirx.floormod(p, n_sb) * i64(sb)
+                rows = i64(sb) if full_tiles else tirx.min(i64(sb), seq - s0)
                 for o, buf in zip(outs, bufs):
                     def at(h, s, j, o=o):
                         return [{"b": b, "h": h, "s": s, "d": j}[c] for c in o.layout]
@@ -397,13 +446,31 @@ def heads_kernel(shape_x: list[int], outs: list[HeadsOut], tables: list[tuple], 
                             _row(T, X, b, s, base, o, tabs, put, i64)
                         if tile is not None:
                             with T.serial(i64(0), i64(o.d)) as j:
-                                if s_len % sb == 0:
-                                    with T.vectorized(i64(0), i64(sb)) as i:
-                                        T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
-                                else:
-                                    with T.serial(i64(0), rows) as i:
-                                        T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
+                                _store_tile(T, tirx, tile, buf, at, h, s0, j, sb, rows, full_tiles,
+                                            None if isinstance(s_len, int) else seq, i64)
     return ib.get()
+
+
+def _store_tile(T, tirx, tile, buf, at, h, s0, j, sb, rows, full_tiles, seq, i64):
+    """Column j of a K^T row tile into buf: one vector of sb rows where the tile is whole (all
+    tiles of a static S that 16 divides; with S symbolic, all but the last), else row by row."""
+    def vector():
+        with T.vectorized(i64(0), i64(sb)) as i:
+            T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
+
+    def rowwise():
+        with T.serial(i64(0), rows) as i:
+            T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
+    if full_tiles:
+        vector()
+    elif seq is None:
+        rowwise()
+    else:
+        with T.If(s0 + i64(sb) <= seq):
+            with T.Then():
+                vector()
+            with T.Else():
+                rowwise()
 
 
 def _row(T, X, b, s, base, o: HeadsOut, tabs, put, i64):
@@ -414,8 +481,9 @@ def _row(T, X, b, s, base, o: HeadsOut, tabs, put, i64):
         return
     cos, sin = tabs[2 * o.rope], tabs[2 * o.rope + 1]
 
-    def tab(t, j):
-        return t[b if int(t.shape[0]) > 1 else i64(0), i64(0), s, j]
+    def tab(t, j):  # a table of batch 1 is broadcast over b
+        one = isinstance(t.shape[0], tvm.tirx.IntImm) and int(t.shape[0]) == 1
+        return t[i64(0) if one else b, i64(0), s, j]
     h2 = i64(o.d // 2)
     with T.vectorized(i64(0), h2) as j:
         lo, hi = X[b, s, base + j], X[b, s, base + h2 + j]
@@ -427,8 +495,27 @@ def is_kernel(func) -> bool:
     return func.attrs is not None and KERNEL_ATTR in func.attrs
 
 
+# Sample values for symbolic dims: two sets, different and unlike any head count or width, so a
+# trace that holds at both is one of the layouts above at every length, not a coincidence of one.
+_SAMPLES = ((29, 31, 37, 41, 43), (47, 53, 59, 61, 67))
+
+
+def _groups(func) -> list:
+    """_Plan(func).groups(); with symbolic dims, the groups both sample sets find alike."""
+    syms = list(relax.analysis.defined_symbolic_vars(func))
+    if not syms:
+        return _Plan(func).groups()
+    if len(syms) > len(_SAMPLES[0]):
+        return []
+    found = [_Plan(func, {v: tvm.tirx.const(n, str(v.ty.dtype)) for v, n in zip(syms, vals)}).groups()
+             for vals in _SAMPLES]
+    key = lambda g: (g[0], tuple(g[1]), tuple(g[4]))  # noqa: E731  (x, outputs, sinks)
+    other = {key(g) for g in found[1]}
+    return [g for g in found[0] if key(g) in other]
+
+
 def qkv_heads_pass(lanes: int = 16) -> tvm.transform.Pass:
-    """The rewrite above over every Relax function (static shapes), then the dead chain removed."""
+    """The rewrite above over every Relax function, then the dead chain removed."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeQKVHeads")
     def qkv_heads(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -437,7 +524,7 @@ def qkv_heads_pass(lanes: int = 16) -> tvm.transform.Pass:
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
                 continue
-            groups = _Plan(func).groups()
+            groups = _groups(func)
             if not groups:
                 continue
             # per function: `emitted` is keyed by id(group), and a freed group's id may come back
