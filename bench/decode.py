@@ -8,6 +8,14 @@ the whole cache. The roofline is the bytes it must read over a bandwidth measure
 run (a STREAM triad, a[i] = b[i] + s * c[i], compiled with TVM for the target, on all its
 cores), as the SGEMM ceiling is for prefill. Bytes read per token: the weights (initializers,
 except tables only gathered from: an embedding reads one row per token) plus every past input.
+
+The bandwidth is timed inside each point's interleaved rounds (BandwidthProbe: the triad and a
+pure read of the same bytes, beside the contenders), not once before and after the run: this
+VM's memory rate moves between minutes and processes while its SGEMM ceiling holds (2026-12-04/06,
+Zen 4, quiet: the triad read 22-45 GB/s across runs; a GPT-2 step 32 GB/s under a 45 GB/s triad
+taken before it, 44.6 GB/s under a 32.6 one), so a roofline taken apart from the steps it divides
+said more about the minute than the kernels. The triad is the roofline (`% of roofline`); a decode
+step only reads, so `% of read` sets it against the read beside it.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from .contenders import CONTENDERS, Contender, Runner
 from .harness import BenchOptions, bench, host_facts
 from .report import ContenderResult
 
-SCHEMA = "blockforge.bench-decode/1"
+SCHEMA = "blockforge.bench-decode/2"  # 2: each point its own triad and read (triad_gbs, read_gbs)
 PASTS = (16, 128, 512, 1024)
 
 
@@ -57,10 +65,18 @@ class DecodePoint:
     bytes_read: int  # weights + the past inputs
     results: list[ContenderResult]
     best_peer: str | None
-    roofline_ms: float  # bytes_read over the measured bandwidth
+    triad_gbs: float  # the bandwidth probes' medians in this point's rounds
+    read_gbs: float
+
+    @property
+    def roofline_ms(self) -> float:  # bytes_read over the triad measured beside the contenders
+        return self.bytes_read / (self.triad_gbs * 1e9) * 1e3
 
     def pct_of_roofline(self, r: ContenderResult) -> float:
         return 100 * self.roofline_ms / r.median_ms
+
+    def pct_of_read(self, r: ContenderResult) -> float:
+        return 100 * self.bytes_read / (self.read_gbs * 1e9) * 1e3 / r.median_ms
 
 
 @dataclass
@@ -69,7 +85,7 @@ class DecodeReport:
     target: str
     threads: int
     weight_bytes: int
-    bandwidth_gbs: float  # the triad's best, before and after the points
+    bandwidth_gbs: float  # the triad's best before and after the points (context: the roofline is each point's own)
     points: list[DecodePoint]
     notes: list[str] = field(default_factory=list)
     host: dict = field(default_factory=dict)
@@ -78,8 +94,10 @@ class DecodeReport:
         d = asdict(self)
         d["schema"] = SCHEMA
         for p, dp in zip(self.points, d["points"]):
+            dp["roofline_ms"] = p.roofline_ms
             for r, dr in zip(p.results, dp["results"]):
                 dr["pct_of_roofline"] = p.pct_of_roofline(r) if p.phase == "decode" else None
+                dr["pct_of_read"] = p.pct_of_read(r) if p.phase == "decode" else None
         return d
 
     def markdown(self) -> str:
@@ -87,17 +105,21 @@ class DecodeReport:
         load = self.host.get("load_avg_1m")
         lines = [f"{Path(self.model).name} on {self.target}{f' ({cpu})' if cpu else ''}, {self.threads} threads"
                  f"{f', load average {load:.2f}' if load is not None else ''}; weights read per token "
-                 f"{self.weight_bytes / 1e6:.1f} MB; memory bandwidth (triad) {self.bandwidth_gbs:.1f} GB/s", "",
-                 "| phase | past | seq | MB read | contender | median ms | vs best peer | % of roofline |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 f"{self.weight_bytes / 1e6:.1f} MB; memory bandwidth (triad) {self.bandwidth_gbs:.1f} GB/s before "
+                 "and after; each point's roofline is the triad timed in its own rounds", "",
+                 "| phase | past | seq | MB read | triad / read GB/s | contender | median ms | vs best peer | "
+                 "% of roofline | % of read |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for p in self.points:
             for r in p.results:
                 ratio = f"{r.ratio_to_best_peer:.2f}x" if r.ratio_to_best_peer is not None else "-"
                 if r.name == p.best_peer:
                     ratio += " (best peer)"
-                roof = f"{p.pct_of_roofline(r):.0f}%" if p.phase == "decode" else "-"
-                lines.append(f"| {p.phase} | {p.past} | {p.seq} | {p.bytes_read / 1e6:.1f} | {r.name} | "
-                             f"{r.median_ms:.3f} | {ratio} | {roof} |")
+                roof, read = (f"{p.pct_of_roofline(r):.0f}%", f"{p.pct_of_read(r):.0f}%") if p.phase == "decode" \
+                    else ("-", "-")
+                lines.append(f"| {p.phase} | {p.past} | {p.seq} | {p.bytes_read / 1e6:.1f} | "
+                             f"{p.triad_gbs:.1f} / {p.read_gbs:.1f} | {r.name} | {r.median_ms:.3f} | {ratio} | {roof} | "
+                             f"{read} |")
         return "\n".join(lines)
 
 
@@ -153,11 +175,66 @@ def weight_bytes(model: onnx.ModelProto) -> int:
 def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
     """GB/s of a[i] = b[i] + s * c[i] over three float32 arrays of `mib` MiB each, compiled
     for `target` (parallel over its cores, vectorised): 12 bytes moved per element, as
-    STREAM counts them (the write-allocate read not counted)."""
-    import tvm
+    STREAM counts them (the write-allocate read not counted). The best of `repeat` calls."""
+    probe = BandwidthProbe(target, mib, read=False)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        probe.triad()
+        best = min(best, time.perf_counter() - t0)
+    return probe.gbs("triad", best * 1e3)
+
+
+class BandwidthProbe:
+    """The memory kernels bench --decode times beside its contenders (BenchOptions.probes):
+    `triad` (as triad_bandwidth) and `read`, a sum of one float32 array of 3 x `mib` MiB (the
+    triad's footprint), each core summing its contiguous third-of-cores share with 4 vector
+    accumulators. Both compiled for `target` and checked once on their data."""
+
+    def __init__(self, target, mib: int = 64, read: bool = True):
+        import tvm
+
+        self.n = (mib << 20) // 4
+        dev = tvm.cpu(0)
+        tgt = target.tvm_target()
+        rng = np.random.default_rng(0)
+        self._triad = tvm.compile(_triad_kernel(self.n), target=tgt)["main"]
+        self._bc = [tvm.runtime.tensor(rng.standard_normal(self.n, dtype=np.float32), dev) for _ in range(2)]
+        self._a = tvm.runtime.tensor(np.empty(self.n, np.float32), dev)
+        self.triad()
+        b, c = (x.numpy()[:64] for x in self._bc)
+        np.testing.assert_allclose(self._a.numpy()[:64], b + 3 * c, rtol=1e-6)
+        self.read_bytes = 0
+        if read:
+            cores = max(1, int(target.target_json.get("num-cores", 1)))
+            rows = 3 * self.n // (cores * _LANES * 4) * 4  # whole groups of 4 vectors per core
+            self._read = tvm.compile(_read_kernel(cores, rows), target=tgt)["main"]
+            arr = rng.integers(-4, 5, (cores, rows, _LANES)).astype(np.float32)  # small ints: the sum is exact
+            self._src = tvm.runtime.tensor(arr, dev)
+            self._sum = tvm.runtime.tensor(np.zeros((cores, _LANES), np.float32), dev)
+            self.read()
+            np.testing.assert_array_equal(self._sum.numpy(), arr.sum(axis=1))
+            self.read_bytes = arr.nbytes
+
+    def triad(self) -> None:
+        self._triad(*self._bc, self._a)
+
+    def read(self) -> None:
+        self._read(self._src, self._sum)
+
+    def gbs(self, kind: str, ms: float) -> float:
+        return (12 * self.n if kind == "triad" else self.read_bytes) / (ms * 1e-3) / 1e9
+
+    def probes(self) -> dict:
+        return {"bandwidth: triad": self.triad, "bandwidth: read": self.read}
+
+
+_LANES = 16  # float32 lanes of the read's accumulators (one AVX-512 vector; narrower ISAs split it)
+
+
+def _triad_kernel(n: int):
     from tvm import s_tir, te, tirx
 
-    n = (mib << 20) // 4
     b = te.placeholder((n,), "float32", name="b")
     c = te.placeholder((n,), "float32", name="c")
     a = te.compute((n,), lambda i: b[i] + tirx.const(3.0, "float32") * c[i], name="a")
@@ -166,19 +243,26 @@ def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
     outer, inner = sch.split(i, factors=[None, 64])
     sch.parallel(outer)
     sch.vectorize(inner)
-    lib = tvm.compile(sch.mod, target=target.tvm_target())
-    dev = tvm.cpu(0)
-    rng = np.random.default_rng(0)
-    bufs = [tvm.runtime.tensor(rng.standard_normal(n, dtype=np.float32), dev) for _ in range(2)]
-    out = tvm.runtime.tensor(np.empty(n, np.float32), dev)
-    lib["main"](*bufs, out)
-    np.testing.assert_allclose(out.numpy()[:64], bufs[0].numpy()[:64] + 3 * bufs[1].numpy()[:64], rtol=1e-6)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        lib["main"](*bufs, out)
-        best = min(best, time.perf_counter() - t0)
-    return 12 * n / best / 1e9
+    return sch.mod
+
+
+def _read_kernel(cores: int, rows: int):
+    """out[t, v] = sum over k of x[t, k, v]: core t streams its own (rows, lanes) block once,
+    4 partial sums (an rfactor over k mod 4) so the adds' latency does not bound the read."""
+    from tvm import s_tir, te
+
+    x = te.placeholder((cores, rows, _LANES), "float32", name="x")
+    k = te.reduce_axis((0, rows), "k")
+    out = te.compute((cores, _LANES), lambda t, v: te.sum(x[t, k, v], axis=k), name="out")
+    sch = s_tir.Schedule(te.create_prim_func([x, out]))
+    t, v, kk = sch.get_loops(sch.get_sblock("out"))
+    ko, ki = sch.split(kk, factors=[None, 4])
+    sch.reorder(t, ko, ki, v)
+    rf = sch.rfactor(ki, 0)
+    t_rf = sch.get_loops(rf)[0]
+    sch.parallel(t_rf)
+    sch.vectorize(sch.get_loops(rf)[-1])
+    return sch.mod
 
 
 class LoopArtifact(Contender):
@@ -307,23 +391,21 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
     cache = cache_layout(model)
     wbytes = weight_bytes(model)
     bandwidth = [triad_bandwidth(target, opts.stream_mib)]
+    probe = BandwidthProbe(target, opts.stream_mib)
     plan = [("decode", p, 1) for p in opts.pasts] + ([("prefill", 0, opts.prompt)] if opts.prompt else [])
     points, notes, threads = [], [], 1
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
         loop = [LoopArtifact(_loop_artifact(opts, model, Path(tmp)))] if opts.loop and \
             {"untuned", "tuned"} & set(opts.against) else []
         for phase, past, seq in plan:
-            point, threads = _point(opts, cache, wbytes, phase, past, seq, loop, notes)
+            point, threads = _point(opts, cache, wbytes, phase, past, seq, loop, probe, notes)
             points.append(point)
     bandwidth.append(triad_bandwidth(target, opts.stream_mib))
-    bw = max(bandwidth)
-    for p in points:
-        p.roofline_ms = p.bytes_read / (bw * 1e9) * 1e3
-    return DecodeReport(str(opts.model), target.name, threads, wbytes, bw, points, notes, host_facts())
+    return DecodeReport(str(opts.model), target.name, threads, wbytes, max(bandwidth), points, notes, host_facts())
 
 
 def _point(opts: DecodeOptions, cache: _Cache, wbytes: int, phase: str, past: int, seq: int, loop: list,
-           notes: list) -> tuple[DecodePoint, int]:
+           probe: BandwidthProbe, notes: list) -> tuple[DecodePoint, int]:
     extra = list(loop)
     from blockforge.compile.decode.inplace import KEY as INPLACE
 
@@ -331,7 +413,10 @@ def _point(opts: DecodeOptions, cache: _Cache, wbytes: int, phase: str, past: in
         extra.append(InplaceStep(loop[0].mod, past))
     rep = bench(BenchOptions(model=opts.model, target=opts.target, against=opts.against, repeat=opts.repeat,
                              warmup=opts.warmup, shape=shapes(cache, past, seq), tuning_db=opts.tuning_db,
-                             gemm_n=256, extra=tuple(extra)))  # the SGEMM ceiling is not this report's roofline
+                             gemm_n=256, extra=tuple(extra), probes=probe.probes()))  # (the SGEMM
+    # ceiling is not this report's roofline)
     notes += [f"{phase} P={past}: {n}" for n in rep.notes]
     cached = sum(int(np.prod((1, s.dims[1], past, s.dims[3]))) * np.dtype(s.dtype).itemsize for s in cache.past)
-    return DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, 0.0), rep.threads
+    gbs = {k.split(": ")[1]: probe.gbs(k.split(": ")[1], float(np.median(v))) for k, v in rep.probes.items()}
+    return DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, gbs["triad"],
+                       gbs["read"]), rep.threads

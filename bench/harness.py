@@ -56,6 +56,10 @@ class BenchOptions:
     profile: bool = False
     gemm_n: int = 2048
     precision: str = "fp32"  # targets.precision: blockforge's builds; OpenVINO gets the matching hint
+    # name -> a callable timed in the same interleaved rounds as the contenders, neither checked nor
+    # ranked: what a report relates the contenders to under the same machine state (bench --decode's
+    # memory bandwidth); their samples are the report's `probes`
+    probes: dict = field(default_factory=dict)
     extra: tuple = ()  # contenders outside the registry, after its rows (bench --decode's loop artifact)
 
 
@@ -255,10 +259,15 @@ def bench(opts: BenchOptions) -> BenchReport:
                 runners[name] = runner
         if not runners:
             raise BlockforgeError("no contender could run the model: " + "; ".join(bm.notes))
-        samples = measure_interleaved(runners, opts.repeat, opts.warmup)
+        clash = set(opts.probes) & set(runners)
+        if clash:
+            raise ValueError(f"probe(s) named like a contender: {sorted(clash)}")
+        samples = measure_interleaved({**runners, **opts.probes}, opts.repeat, opts.warmup)
+        probes = {k: samples.pop(k) for k in opts.probes}
         profile = {k: profile_vm(r) for k, r in runners.items() if opts.profile and isinstance(r, TvmRunner)}
     ceiling = sgemm_ceiling(opts.gemm_n)
     results, best = summarize(samples, set(PEERS), flops, ceiling)
     return BenchReport(str(opts.model), target.name, session.dims, threads, flops, ceiling, results, best, profile,
                        bm.notes, host_facts(), unchecked=ref.unchecked,
-                       precision=precision if precision != "float" or opts.precision == "fp32" else opts.precision)
+                       precision=precision if precision != "float" or opts.precision == "fp32" else opts.precision,
+                       probes=probes)

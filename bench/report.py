@@ -110,6 +110,7 @@ class BenchReport:
     host: dict = field(default_factory=dict)  # cpu_model, physical_cores, machine, versions of every engine
     unchecked: list[str] = field(default_factory=list)  # outputs no reference computed: times of unverified results
     precision: str = "float"  # "int8": a quantized model (GFLOP/s are then int8 ops/s)
+    probes: dict[str, list[float]] = field(default_factory=dict)  # BenchOptions.probes' samples, ms
 
     @property
     def headline(self) -> dict | None:

@@ -148,6 +148,21 @@ def test_missing_or_refusing_peers_are_notes(tiny_mha, monkeypatch):
         bench(BenchOptions(model=tiny_mha, against=("ort", "openvino"), shape={"batch": 1, "seq": 16}, repeat=3))
 
 
+def test_probes_are_timed_in_the_rounds_and_never_ranked(tiny_mha):
+    """A probe (bench --decode's memory bandwidth) runs in every interleaved round beside the
+    contenders, its samples in report.probes, never a result row or the best peer; a probe named
+    like a contender is refused."""
+    calls = []
+    rep = bench(BenchOptions(model=tiny_mha, against=("ort",), shape={"batch": 1, "seq": 16}, repeat=4, warmup=1,
+                             gemm_n=128, probes={"p": lambda: calls.append(1)}))
+    assert [r.name for r in rep.results] == ["ort"] and rep.best_peer == "ort"
+    assert len(rep.probes["p"]) == 4 and all(t >= 0 for t in rep.probes["p"])
+    assert len(calls) == 4 + 1  # its 4 samples, in one round (burst 5 >= 4), after 1 warm-up call
+    with pytest.raises(ValueError, match="probe.*named like a contender.*'ort'"):
+        bench(BenchOptions(model=tiny_mha, against=("ort",), shape={"batch": 1, "seq": 16}, repeat=3, gemm_n=128,
+                           probes={"ort": lambda: None}))
+
+
 def _foreign(tmp_path, name: str, nodes: list, outputs: list, dtype=None, inits=()) -> str:
     """A small foreign model (no blockforge spec: ONNX Runtime is the reference), x (2, 8)."""
     import onnx

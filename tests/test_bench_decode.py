@@ -44,9 +44,9 @@ def test_bench_decode_cli(tmp_path):
     r = cli("bench", "--decode", model, "--past", "16,40", "--prompt", "4", "--repeat", "3",
             "--against", "ort,untuned", "--json", tmp_path / "d.json", cwd=tmp_path)
     assert r.rc == 0, r.text
-    assert "| decode | 40 | 1 |" in r.out and "| prefill | 0 | 4 |" in r.out and "memory bandwidth (triad)" in r.out, r.out
+    assert "| decode | 40 | 1 | " in r.out and "| prefill | 0 | 4 |" in r.out and "memory bandwidth (triad)" in r.out, r.out
     d = json.loads((tmp_path / "d.json").read_text())
-    assert d["schema"] == "blockforge.bench-decode/1" and d["bandwidth_gbs"] > 0
+    assert d["schema"] == "blockforge.bench-decode/2" and d["bandwidth_gbs"] > 0
     assert [(p["phase"], p["past"], p["seq"]) for p in d["points"]] == [("decode", 16, 1), ("decode", 40, 1),
                                                                       ("prefill", 0, 4)]
     # bytes read: the weights (no embedding tables) plus the whole cache, 2 layers x K, V
@@ -58,9 +58,20 @@ def test_bench_decode_cli(tmp_path):
         # (the buffers' P + 1 rows) checked against ORT's like every row's
         extra = {"in-place step"} if p["phase"] == "decode" else set()
         assert {x["name"] for x in p["results"]} == {"ort", "untuned", "loop artifact"} | extra, r.out
+        # each point's roofline: its bytes over the triad timed in the point's own rounds; the read beside it
+        assert p["triad_gbs"] > 0 and p["read_gbs"] > 0
+        assert abs(p["roofline_ms"] - p["bytes_read"] / (p["triad_gbs"] * 1e9) * 1e3) < 1e-9
         for x in p["results"]:
             want = 100 * p["roofline_ms"] / x["median_ms"]
-            assert (x["pct_of_roofline"] is None) if p["phase"] == "prefill" else abs(x["pct_of_roofline"] - want) < 1e-6
+            read = 100 * p["bytes_read"] / (p["read_gbs"] * 1e9) * 1e3 / x["median_ms"]
+            if p["phase"] == "prefill":
+                assert x["pct_of_roofline"] is None and x["pct_of_read"] is None
+            else:
+                assert abs(x["pct_of_roofline"] - want) < 1e-6 and abs(x["pct_of_read"] - read) < 1e-6
+    assert len({p["triad_gbs"] for p in d["points"]}) == 3, "one bandwidth per point, not one per run"
+    # the probes are timed, not ranked: no row of theirs, in the table or the results
+    assert "bandwidth:" not in r.out and all(not x["name"].startswith("bandwidth") for p in d["points"]
+                                             for x in p["results"]), r.out
 
 
 def test_bench_decode_refusals(tmp_path):
