@@ -188,7 +188,7 @@ def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
 class BandwidthProbe:
     """The memory kernels bench --decode times beside its contenders (BenchOptions.probes):
     `triad` (as triad_bandwidth) and `read`, a sum of one float32 array of 3 x `mib` MiB (the
-    triad's footprint), each core summing its contiguous third-of-cores share with 4 vector
+    triad's footprint), each core summing its own contiguous share with 4 vector
     accumulators. Both compiled for `target` and checked once on their data."""
 
     def __init__(self, target, mib: int = 64, read: bool = True):
@@ -209,7 +209,7 @@ class BandwidthProbe:
             cores = max(1, int(target.target_json.get("num-cores", 1)))
             rows = 3 * self.n // (cores * _LANES * 4) * 4  # whole groups of 4 vectors per core
             self._read = tvm.compile(_read_kernel(cores, rows), target=tgt)["main"]
-            arr = rng.integers(-4, 5, (cores, rows, _LANES)).astype(np.float32)  # small ints: the sum is exact
+            arr = rng.integers(-4, 5, (cores, rows, _LANES), dtype=np.int8).astype(np.float32)  # small ints: exact sums
             self._src = tvm.runtime.tensor(arr, dev)
             self._sum = tvm.runtime.tensor(np.zeros((cores, _LANES), np.float32), dev)
             self.read()
