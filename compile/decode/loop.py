@@ -180,9 +180,15 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
         except Exception as e:
             raise BlockforgeError(f"compiled module failed to run (step {step}): {error_line(e, last=True)}") from None
         t1 = time.perf_counter()
-        outs = dict(zip((s.name for s in out_sigs), out if len(out_sigs) > 1 else [out]))
-        if len(outs) != len(out_sigs):
-            raise BlockforgeError(f"compiled module returned {len(outs)} outputs, the model declares {len(out_sigs)}")
+        vals = out if len(out_sigs) > 1 else [out]
+        if len(vals) != len(out_sigs):
+            raise BlockforgeError(f"compiled module returned {len(vals)} outputs, the model declares {len(out_sigs)}")
+        # An in-place step's presents are its capacity buffers: taken out of the returned tuple
+        # only at the last step. This bookkeeping runs right after the step has streamed every
+        # weight through the caches: GPT-2 small, 24 present objects 0.12 ms, a copy of the
+        # logits 0.11 ms of the loop's 0.59 ms per token (a 16.5 ms step).
+        last = step == opts.steps - 1
+        outs = {s.name: vals[i] for i, s in enumerate(out_sigs) if caps is None or last or s.name not in presents}
         if caps is None:
             bound = {d: n for s in in_sigs for d, n in zip(s.dims, args[s.name].shape) if isinstance(d, str)}
             check_outputs(out_sigs, {k: _Meta(v) for k, v in outs.items()}, bound)
@@ -194,7 +200,8 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
                           {k: _Meta(v) for k, v in outs.items() if k not in presents}, bound)
         tok = None
         if feed:
-            tok = _next_tokens(feed, host, outs[feed.logits].numpy())
+            logits = outs[feed.logits]
+            tok = _next_tokens(feed, host, np.from_dlpack(logits) if on_cpu else logits.numpy())  # (a view: read here only)
             for n in fed:
                 args[n] = tvm.runtime.tensor(np.ascontiguousarray(host[n]), dev)
         if caps is None:
@@ -224,7 +231,7 @@ def decode(mod, inputs: dict[str, np.ndarray], opts: DecodeOptions, on_step=None
         result.steps.append(rec)
         if on_step:
             on_step(rec)
-        if step == opts.steps - 1:
+        if last:
             result.outputs = {k: v.numpy() for k, v in outs.items()}
             if fn is ip_fn and ip_fn is not None:  # the presents: the buffers' filled rows
                 for p in pairing.pairs:
