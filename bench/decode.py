@@ -176,13 +176,7 @@ def triad_bandwidth(target, mib: int = 64, repeat: int = 10) -> float:
     """GB/s of a[i] = b[i] + s * c[i] over three float32 arrays of `mib` MiB each, compiled
     for `target` (parallel over its cores, vectorised): 12 bytes moved per element, as
     STREAM counts them (the write-allocate read not counted). The best of `repeat` calls."""
-    probe = BandwidthProbe(target, mib, read=False)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        probe.triad()
-        best = min(best, time.perf_counter() - t0)
-    return probe.gbs("triad", best * 1e3)
+    return BandwidthProbe(target, mib, read=False).best("triad", repeat)
 
 
 class BandwidthProbe:
@@ -224,6 +218,16 @@ class BandwidthProbe:
 
     def gbs(self, kind: str, ms: float) -> float:
         return (12 * self.n if kind == "triad" else self.read_bytes) / (ms * 1e-3) / 1e9
+
+    def best(self, kind: str, repeat: int = 10) -> float:
+        """GB/s of the fastest of `repeat` calls of `kind` ("triad" or "read")."""
+        fn = self.triad if kind == "triad" else self.read
+        fastest = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            fastest = min(fastest, time.perf_counter() - t0)
+        return self.gbs(kind, fastest * 1e3)
 
     def probes(self) -> dict:
         return {"bandwidth: triad": self.triad, "bandwidth: read": self.read}
@@ -390,8 +394,8 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
     model = load_model(opts.model)
     cache = cache_layout(model)
     wbytes = weight_bytes(model)
-    bandwidth = [triad_bandwidth(target, opts.stream_mib)]
     probe = BandwidthProbe(target, opts.stream_mib)
+    bandwidth = [probe.best("triad")]
     plan = [("decode", p, 1) for p in opts.pasts] + ([("prefill", 0, opts.prompt)] if opts.prompt else [])
     points, notes, threads = [], [], 1
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
@@ -400,7 +404,7 @@ def bench_decode(opts: DecodeOptions) -> DecodeReport:
         for phase, past, seq in plan:
             point, threads = _point(opts, cache, wbytes, phase, past, seq, loop, probe, notes)
             points.append(point)
-    bandwidth.append(triad_bandwidth(target, opts.stream_mib))
+    bandwidth.append(probe.best("triad"))
     return DecodeReport(str(opts.model), target.name, threads, wbytes, max(bandwidth), points, notes, host_facts())
 
 
