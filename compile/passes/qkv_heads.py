@@ -11,9 +11,10 @@ Legalized, that is a split kernel (a copy of x) and one injective kernel per par
 reshape/transpose index arithmetic (flattened div/mod per element) and concat (a select per
 element) are scalar: Llama-style GQA 5.7% of kernel time, GPT-2 2.2% (issue #20, quiet profile
 of 2026-12-01c). Here every layout / slice / negate / concat step from x is traced as index
-arrays (numpy, static shapes), so whatever op sequence an exporter wrote is recognised by what
-it computes: each output the rest of the graph reads is x's columns [o, o + H d) as (B, H, S, d),
-(B, H, d, S) or (B, S, H, d), optionally rotated. All of one x's outputs come from one kernel:
+arrays (numpy; a symbolic dim, seq in a decoder's one build, at two sample values: _groups), so
+whatever op sequence an exporter wrote is recognised by what it computes: each output the rest of
+the graph reads is x's columns [o, o + H d) as (B, H, S, d), (B, H, d, S) or (B, S, H, d),
+optionally rotated. All of one x's outputs come from one kernel:
 rows (b, s) parallel, x's row read once, each head's row (and its RoPE halves) vectorised.
 """
 
