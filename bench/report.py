@@ -134,6 +134,7 @@ class BenchReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["probes"]  # an API channel (bench --decode's bandwidths, in its own JSON), not bench's schema
         d["schema"] = SCHEMA
         d["headline"] = self.headline
         return d

@@ -142,6 +142,22 @@ def test_a_symbolic_seq_gets_the_same_kernel_with_a_tail():
         np.testing.assert_array_equal(v, heads(x[..., (H + HKV) * D:], HKV, seq))
 
 
+def test_symbolic_dims_that_do_not_fit_at_the_samples_leave_the_graph_alone():
+    """A static (2, 3, 4) viewed as (a, b, c, d), all four free (ONNX's reshape with negative and
+    extended dims): at the sample values the view's size is not 24, so nothing is traced (before:
+    numpy's reshape raised inside the pass and the build failed)."""
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+    dims = [tvm.tirx.Var(n, "int64") for n in "abcd"]
+    like = relax.Var("like", relax.TensorType(dims, "float32"))  # defines the four dims, as a match_cast does
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, like]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.reshape(x, dims))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(qkv_heads_pass()(mod), mod)
+
+
 def test_gpt2_split_and_key_transpose_become_one_kernel():
     mod = _gpt2_module()
     new = qkv_heads_pass()(mod)

@@ -223,6 +223,8 @@ class _Plan:
                     return None
                 a = Traced(x, np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp),
                            np.ones(shp, np.int8))
+            if int(np.prod(out)) != a.idx.size:  # symbolic dims at samples that do not fit each other
+                return None
             return Traced(a.root, a.idx.reshape(out), a.sign.reshape(out), a.rope)
         if a is None and op != "relax.concat":
             return None
@@ -247,8 +249,11 @@ class _Plan:
             if not ts or any(t is None or not t.root.same_as(ts[0].root) or t.rope is not ts[0].rope for t in ts):
                 return None
             ax = int(e.attrs.axis)
-            return Traced(ts[0].root, np.concatenate([t.idx for t in ts], ax),
-                          np.concatenate([t.sign for t in ts], ax), ts[0].rope)
+            try:
+                return Traced(ts[0].root, np.concatenate([t.idx for t in ts], ax),
+                              np.concatenate([t.sign for t in ts], ax), ts[0].rope)
+            except ValueError:  # the parts' other dims differ (symbolic dims at their samples)
+                return None
         return None
 
     def _rope(self, var, add) -> Traced | None:
