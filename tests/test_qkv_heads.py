@@ -144,8 +144,9 @@ def test_a_symbolic_seq_gets_the_same_kernel_with_a_tail():
 
 def test_symbolic_dims_that_do_not_fit_at_the_samples_leave_the_graph_alone():
     """A static (2, 3, 4) viewed as (a, b, c, d), all four free (ONNX's reshape with negative and
-    extended dims): at the sample values the view's size is not 24, so nothing is traced (before:
-    numpy's reshape raised inside the pass and the build failed)."""
+    extended dims): at the sample values the view's size is not 24; an equal split of a free width
+    in 3 (43 at the first samples). Nothing is traced there (before: numpy raised inside the pass
+    and the build failed)."""
     x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
     dims = [tvm.tirx.Var(n, "int64") for n in "abcd"]
     like = relax.Var("like", relax.TensorType(dims, "float32"))  # defines the four dims, as a match_cast does
@@ -153,6 +154,19 @@ def test_symbolic_dims_that_do_not_fit_at_the_samples_leave_the_graph_alone():
     with bb.function("main", [x, like]):
         with bb.dataflow():
             out = bb.emit_output(relax.op.reshape(x, dims))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(qkv_heads_pass()(mod), mod)
+    # the same for an equal split of a free width (3 parts of 43 columns at the first samples)
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((1, 5, n), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, 3, axis=2))
+            q = bb.emit(relax.op.permute_dims(relax.op.reshape(relax.TupleGetItem(parts, 0), [1, 5, 1, n // 3]),
+                                              [0, 2, 1, 3]))
+            out = bb.emit_output(q)
         bb.emit_func_output(out)
     mod = bb.get()
     tvm.ir.assert_structural_equal(qkv_heads_pass()(mod), mod)

@@ -191,7 +191,11 @@ class _Plan:
             return None
         if e not in self.memo:
             self.memo[e] = None  # no cycles in dataflow, but be safe
-            self.memo[e] = self._trace(e)
+            try:
+                self.memo[e] = self._trace(e)
+            except ValueError:  # numpy refused the shapes: at samples, free dims that do not fit each other
+                if not self.sample:
+                    raise
         return self.memo[e]
 
     def _trace(self, var) -> Traced | None:
@@ -223,8 +227,6 @@ class _Plan:
                     return None
                 a = Traced(x, np.arange(int(np.prod(shp)), dtype=np.int32).reshape(shp),
                            np.ones(shp, np.int8))
-            if int(np.prod(out)) != a.idx.size:  # symbolic dims at samples that do not fit each other
-                return None
             return Traced(a.root, a.idx.reshape(out), a.sign.reshape(out), a.rope)
         if a is None and op != "relax.concat":
             return None
@@ -249,11 +251,8 @@ class _Plan:
             if not ts or any(t is None or not t.root.same_as(ts[0].root) or t.rope is not ts[0].rope for t in ts):
                 return None
             ax = int(e.attrs.axis)
-            try:
-                return Traced(ts[0].root, np.concatenate([t.idx for t in ts], ax),
-                              np.concatenate([t.sign for t in ts], ax), ts[0].rope)
-            except ValueError:  # the parts' other dims differ (symbolic dims at their samples)
-                return None
+            return Traced(ts[0].root, np.concatenate([t.idx for t in ts], ax),
+                          np.concatenate([t.sign for t in ts], ax), ts[0].rope)
         return None
 
     def _rope(self, var, add) -> Traced | None:
@@ -513,8 +512,12 @@ def _groups(func) -> list:
         return _Plan(func).groups()
     if len(syms) > len(_SAMPLES[0]):
         return []
-    found = [_Plan(func, {v: tvm.tirx.const(n, str(v.ty.dtype)) for v, n in zip(syms, vals)}).groups()
-             for vals in _SAMPLES]
+    found = []
+    for vals in _SAMPLES:
+        try:
+            found.append(_Plan(func, {v: tvm.tirx.const(n, str(v.ty.dtype)) for v, n in zip(syms, vals)}).groups())
+        except ValueError:  # past the traces (their own refusals are None): shapes the samples make unfit
+            return []
     key = lambda g: (g[0], tuple(g[1]), tuple(g[4]))  # noqa: E731  (x, outputs, sinks)
     other = {key(g) for g in found[1]}
     return [g for g in found[0] if key(g) in other]
