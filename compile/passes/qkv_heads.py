@@ -286,7 +286,7 @@ class _Plan:
         return None
 
     def _table(self, c, shape) -> bool:
-        """cos/sin: float32, static, broadcastable as (1 or B, 1, S, d), not traced from x."""
+        """cos/sin: float32, broadcastable as (1 or B, 1, S, d) (S free or not), not traced from x."""
         shp = self._shape(getattr(c.ty, "shape", None))
         if shp is None or getattr(c.ty, "dtype", None) != "float32" or len(shp) > 4 or self.trace(c) is not None:
             return False

@@ -2,7 +2,7 @@
 main ran before 93b36ed), and the build bound at P = 0, seq = S; interleaved, medians."""
 import sys
 from pathlib import Path
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: decode_entries
 import numpy as np, onnx
 import blockforge
 from decode_entries import _feeds, _check, _ort
