@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# int8 BERT-base MHA and encoder block (export --quantize dynamic | static --per-channel) against ORT
+# and OpenVINO on the same files, seq 128 and 512, 2 threads, quiet.
+cd /work/main
+NB="env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE"
+echo "== start $(date -u) load: $(cat /proc/loadavg)"; git log --oneline -1 | cut -c1-60
+for s in 128 512; do for b in mha block; do for q in dynamic static; do
+  echo "== $b $q seq $s $(date -u) load: $(cat /proc/loadavg)"
+  $NB .venv/bin/blockforge bench /tmp/i8/${b}_${q}.onnx --shape batch=1,seq=$s --against ort,openvino,untuned --repeat 20 \
+     --json /work/main/benchmarks/results/quiet-2026-12-06/int8/${b}_${q}_seq${s}.json --force 2>&1 | grep -v -i warn
+done; done; done
+echo "== end $(date -u) load: $(cat /proc/loadavg)"
