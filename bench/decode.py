@@ -230,7 +230,12 @@ class BandwidthProbe:
         return self.gbs(kind, fastest * 1e3)
 
     def probes(self) -> dict:
-        return {"bandwidth: triad": self.triad, "bandwidth: read": self.read}
+        """BenchOptions.probes: each kind under a name no contender has."""
+        return {f"bandwidth: {k}": fn for k, fn in (("triad", self.triad), ("read", self.read))}
+
+    def medians(self, samples: dict) -> dict[str, float]:
+        """kind -> GB/s of the median of its samples (ms) in a report's probes."""
+        return {k: self.gbs(k, float(np.median(samples[f"bandwidth: {k}"]))) for k in ("triad", "read")}
 
 
 _LANES = 16  # float32 lanes of the read's accumulators (one AVX-512 vector; narrower ISAs split it)
@@ -421,6 +426,6 @@ def _point(opts: DecodeOptions, cache: _Cache, wbytes: int, phase: str, past: in
     # ceiling is not this report's roofline)
     notes += [f"{phase} P={past}: {n}" for n in rep.notes]
     cached = sum(int(np.prod((1, s.dims[1], past, s.dims[3]))) * np.dtype(s.dtype).itemsize for s in cache.past)
-    gbs = {k.split(": ")[1]: probe.gbs(k.split(": ")[1], float(np.median(v))) for k, v in rep.probes.items()}
+    gbs = probe.medians(rep.probes)
     return DecodePoint(phase, past, seq, wbytes + cached, rep.results, rep.best_peer, gbs["triad"],
                        gbs["read"]), rep.threads
