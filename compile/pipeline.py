@@ -96,6 +96,9 @@ ABLATIONS = {
     "split-affine": "a combined projection's per-part bias add and scalar scale after its split (Whisper's q/v "
                     "biases, the query's d**-0.5) folded into the projection's weights and one bias "
                     "(compile/passes/split_affine.py; left out: an elementwise kernel per part after the split)",
+    "elementwise": "a kernel of elementwise steps only (a residual add of symbolic rows) inlined, rows parallel, "
+                   "the row vectorised (compile/schedule/elementwise.py; left out: float modules leave it to "
+                   "TVM's serial scalar loop, int8 modules still schedule theirs)",
     "qkv-heads": "the combined QKV projection's split, head transposes and RoPE as one row kernel "
                  "(compile/passes/qkv_heads.py; left out: a split copy and a scalar kernel per part)",
 }
@@ -266,7 +269,9 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     mode = "off" if "panel-prefetch" in without else settings.panel_prefetch()
     if mode != "few-rows":
         rules = [CPUMatmul(prefetch=mode == "all", rows=None) if isinstance(r, CPUMatmul) else r for r in rules]
-    return rules + ([CPUElementwise()] if int8 else []) + ([] if "conv-gemm" in without else [CPUIm2col()])
+    # CPUIm2col before CPUElementwise: an im2col kernel is elementwise too, and wants its own
+    return (rules + ([] if "conv-gemm" in without else [CPUIm2col()])
+            + ([CPUElementwise()] if int8 or "elementwise" not in without else []))
 
 
 def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Callable[[], list]:

@@ -57,3 +57,26 @@ def test_patch_conv_ablation_keeps_the_conv_and_the_numbers():
         outs[bool(without)] = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-4, atol=1e-4)
 
+
+
+@tvm.script.ir_module
+class Residual:
+    @R.function
+    def main(x: R.Tensor((1, "seq", 64), "float32"), r: R.Tensor((1, "seq", 64), "float32")):
+        return R.add(x, r)
+
+
+def test_elementwise_ablation_schedules_a_float_residual_add():
+    """A lone float add over symbolic rows: parallel rows with CPUElementwise, TVM's serial
+    loop without it (what float builds ran before); the same numbers at a row count that
+    ends mid-vector nowhere and at one row."""
+    rng = np.random.default_rng(1)
+    for without in (set(), {"elementwise"}):
+        sched, _ = run_phases(Residual, HOST, stop_after="schedule", without=without)
+        kernel = next(f for gv, f in sched.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+        assert ("T.parallel" in kernel.script()) != bool(without), kernel.script()
+        vm = relax.VirtualMachine(build(Residual, HOST, without=without).executable, tvm.cpu())
+        for seq in (1, 37):
+            x, r = (rng.standard_normal((1, seq, 64)).astype("float32") for _ in range(2))
+            got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(r)).numpy()
+            np.testing.assert_array_equal(got, x + r)

@@ -518,8 +518,9 @@ def test_qdq_imported_as_written_where_no_vnni(qdq_ffn, monkeypatch):
     assert not has_int8_matmul(open_model(qdq_ffn, "x86-64-avx512", {"batch": 1, "seq": 16}).relax())
 
 
-def test_elementwise_chains_scheduled_in_int8_modules_only():
-    """CPUElementwise joins the rules only where int8-gemm ran: float builds keep theirs."""
+def test_elementwise_chains_scheduled_in_every_cpu_module():
+    """CPUElementwise is the last CPU rule of float and int8 builds; the `elementwise` ablation
+    takes it out of float builds only (int8 chains had it from the start: their A/Bs)."""
     from tvm import te
 
     from blockforge.compile.schedule.elementwise import CPUElementwise
@@ -527,8 +528,9 @@ def test_elementwise_chains_scheduled_in_int8_modules_only():
     from blockforge.targets import resolve
 
     host = resolve('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}')
-    assert not any(isinstance(r, CPUElementwise) for r in default_rules(host))
-    assert any(isinstance(r, CPUElementwise) for r in default_rules(host, int8=True))
+    assert isinstance(default_rules(host)[-1], CPUElementwise)
+    assert not any(isinstance(r, CPUElementwise) for r in default_rules(host, frozenset({"elementwise"})))
+    assert isinstance(default_rules(host, frozenset({"elementwise"}), int8=True)[-1], CPUElementwise)
     x = te.placeholder((tvm.tirx.Var("m", "int64"), 64), "float32", name="x")
     q = te.compute(x.shape, lambda i, j: te.round(x[i, j] * 3.0).astype("int8"), name="q")
     y = te.compute(x.shape, lambda i, j: q[i, j].astype("float32") * 0.5, name="y")

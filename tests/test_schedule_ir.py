@@ -14,6 +14,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from tvm.script import tirx as T  # noqa: E402
 
+from blockforge.compile.schedule.elementwise import CPUElementwise
 from blockforge.compile.schedule.matmul import CPUMatmul
 from blockforge.compile.schedule.matvec import CPUMatvec
 from blockforge.compile.schedule.reduction import CPURowReduction
@@ -318,3 +319,68 @@ def test_cpu_rules_leave_other_targets_alone(rule):
     before = {CPUMatmul: matmul_before, CPUMatvec: matvec_before}.get(type(rule), softmax_before)
     assert rule.apply(before, cuda, False) is None
     assert rule.apply(before, AVX512, False) is not None
+
+
+@T.prim_func(s_tir=True)
+def residual_add_before(var_x: T.handle, var_r: T.handle, var_y: T.handle):
+    """A decoder's residual add as TVM legalizes it: one serial block over (1, seq, 768)."""
+    T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+    seq = T.int64()
+    x = T.match_buffer(var_x, (T.int64(1), seq, T.int64(768)))
+    r = T.match_buffer(var_r, (T.int64(1), seq, T.int64(768)))
+    y = T.match_buffer(var_y, (T.int64(1), seq, T.int64(768)))
+    for ax0, ax1, ax2 in T.grid(T.int64(1), seq, T.int64(768)):
+        with T.sblock("T_add"):
+            v0, v1, v2 = T.axis.remap("SSS", [ax0, ax1, ax2])
+            y[v0, v1, v2] = x[v0, v1, v2] + r[v0, v1, v2]
+
+
+def _residual_add_expected(lanes):
+    @T.prim_func(s_tir=True)
+    def main(var_x: T.handle, var_r: T.handle, var_y: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        seq = T.int64()
+        x = T.match_buffer(var_x, (T.int64(1), seq, T.int64(768)))
+        r = T.match_buffer(var_r, (T.int64(1), seq, T.int64(768)))
+        y = T.match_buffer(var_y, (T.int64(1), seq, T.int64(768)))
+        for ax0_ax1_fused in T.parallel(seq):
+            for ax2_0 in range(T.int64(768 // lanes)):
+                for ax2_1 in T.vectorized(T.int64(lanes)):
+                    with T.sblock("T_add"):
+                        v0 = T.axis.spatial(T.int64(1), T.int64(0))
+                        v1 = T.axis.spatial(seq, ax0_ax1_fused)
+                        v2 = T.axis.spatial(T.int64(768), ax2_0 * T.int64(lanes) + ax2_1)
+                        T.reads(x[v0, v1, v2], r[v0, v1, v2])
+                        T.writes(y[v0, v1, v2])
+                        y[v0, v1, v2] = x[v0, v1, v2] + r[v0, v1, v2]
+
+    return main
+
+
+@pytest.mark.parametrize("target, lanes", [(AVX512, 16), (AVX2, 8)])
+def test_elementwise_symbolic_rows_parallel_and_vectorised(target, lanes):
+    """A float residual add over symbolic rows (a decoder's one-build prompt): TVM left it a
+    serial scalar loop; CPUElementwise runs the rows on every core, each row in vectors."""
+    tvm.ir.assert_structural_equal(_schedule(CPUElementwise(), residual_add_before, target),
+                                   _residual_add_expected(lanes))
+
+
+@pytest.mark.parametrize("rows, parallel", [(1, False), (16, False), (21, False), (22, True), (128, True)])
+def test_elementwise_parallel_only_above_min_parallel(rows, parallel):
+    """Under MIN_PARALLEL elements (16384: 21 rows of 768 are 16128) one core runs the kernel:
+    a parallel launch costs more than the add. Vectorised either way."""
+    from blockforge.compile.schedule.elementwise import MIN_PARALLEL
+
+    assert (rows * 768 >= MIN_PARALLEL) == parallel
+    from tvm import te
+
+    x, r = (te.placeholder((1, rows, 768), "float32", name=n) for n in "xr")
+    y = te.compute(x.shape, lambda a, b, c: x[a, b, c] + r[a, b, c], name="T_add")
+    text = _schedule(CPUElementwise(), te.create_prim_func([x, r, y]), AVX512).script()
+    assert ("T.parallel" in text) == parallel, text
+    assert "T.vectorized(16)" in text.replace("T.int64(16)", "16"), text
+
+
+def test_elementwise_rule_refuses_reductions():
+    """A kernel with a reduction is a row reduction's or a GEMM's, never CPUElementwise's."""
+    assert CPUElementwise().apply(softmax_before.with_attr("global_symbol", "main"), AVX512, False) is None

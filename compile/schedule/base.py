@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
@@ -101,13 +102,16 @@ def block_alive(sch, b) -> bool:
         return False
 
 
-def schedule_elementwise(sch, block, lanes: int) -> None:
+def schedule_elementwise(sch, block, lanes: int, min_parallel: int = 0) -> None:
+    """The innermost loop vectorised (when lanes divide it), the loops outside it fused and
+    parallel -- unless the block's static element count is under min_parallel."""
     loops = sch.get_loops(block)
-    ext = const_int(sch.get(loops[-1]).extent)
-    if ext is not None and ext % lanes == 0:
+    exts = [const_int(sch.get(lp).extent) for lp in loops]
+    if exts[-1] is not None and exts[-1] % lanes == 0:
         _, vi = sch.split(loops[-1], [None, lanes])
         sch.vectorize(vi)
-    if len(loops) > 1:
+    small = None not in exts and int(np.prod(exts, dtype=np.int64)) < min_parallel
+    if len(loops) > 1 and not small:
         sch.parallel(sch.fuse(*loops[:-1]))
 
 
