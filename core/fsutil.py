@@ -501,6 +501,25 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+# Temporary outputs a failed block could not remove: a child may still be writing in them (ld,
+# orphaned when a signal killed its g++ driver, linking module.so into an artifact's temporary
+# directory while rmtree ran: the clean-clone CI of dd4a621 found one left). The CLI removes them
+# again once it has ended its children (cli._dispatch).
+_LEFTOVERS: list[Path] = []
+
+
+def _discard(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        _LEFTOVERS.append(tmp)
+
+
+def remove_leftovers() -> None:
+    """Remove what _discard could not (call after the process's children have ended)."""
+    while _LEFTOVERS:
+        shutil.rmtree(_LEFTOVERS.pop(), ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool] | None = None,
                      what: str = "output", force: bool = False) -> Iterator[Path]:
@@ -556,5 +575,5 @@ def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool]
             raise BlockforgeError(f"{dest}: other processes keep replacing this output; giving up")
         _fsync_dir(dest.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         raise

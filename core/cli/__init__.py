@@ -108,7 +108,7 @@ def end_children(since: float, grace_s: float = CHILD_GRACE_S) -> list[int]:
 
 def _dispatch(args, log) -> int:
     from blockforge.errors import stop_deferred
-    from blockforge.fsutil import private_temp_root
+    from blockforge.fsutil import private_temp_root, remove_leftovers
 
     started = time.time()
     try:
@@ -118,6 +118,7 @@ def _dispatch(args, log) -> int:
             finally:
                 with stop_deferred():
                     end_children(started)  # before the temporary root goes: they may write in it
+                    remove_leftovers()  # outputs' temporaries a child was still writing in
     except BlockforgeError as e:
         if _stop_requested():
             return _stopped()

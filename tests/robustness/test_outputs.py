@@ -413,3 +413,32 @@ def test_dump_ir_writes_never_follow_a_planted_link(base, tmp_path):
 def test_case_count():
     print(json.dumps({"read_only": len(READ_ONLY_CASES), "wrong_kind": len(WRONG_KIND_CASES),
                       "policy": len(POLICY_TABLE), "named": 6}))
+
+
+def test_a_temporary_output_a_child_still_writes_in_is_removed_after_the_children(tmp_path, monkeypatch):
+    """A signal unwinds atomic_directory while a linker (orphaned by its killed g++ driver) still
+    writes module.so into the temporary directory: the first rmtree leaves it (the clean-clone CI
+    of dd4a621 found `.art.*.tmp` beside the artifact); the CLI removes it again once its children
+    ended (cli._dispatch -> fsutil.remove_leftovers)."""
+    from blockforge import fsutil
+
+    real = fsutil.shutil.rmtree
+    calls = []
+
+    def racing_rmtree(path, ignore_errors=False):
+        calls.append(Path(path))
+        real(path, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # the child writes again while the first removal runs
+            Path(path).mkdir()
+            (Path(path) / "module.so").write_bytes(b"\x7fELF")
+
+    monkeypatch.setattr(fsutil.shutil, "rmtree", racing_rmtree)
+    dest = tmp_path / "art"
+    with contextlib.suppress(KeyboardInterrupt):
+        with fsutil.atomic_directory(dest, what="artifact") as tmp:
+            (tmp / "manifest.json").write_text("{}")
+            raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.iterdir()] == [tmp.name], "the racing write is there before the children end"
+    fsutil.remove_leftovers()
+    assert list(tmp_path.iterdir()) == [], "a temporary output left after the children ended"
+    assert not fsutil._LEFTOVERS
