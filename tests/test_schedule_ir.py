@@ -369,11 +369,11 @@ def test_elementwise_symbolic_rows_parallel_and_vectorised(target, lanes):
 def test_elementwise_parallel_only_above_min_parallel(rows, parallel):
     """Under MIN_PARALLEL elements (16384: 21 rows of 768 are 16128) one core runs the kernel:
     a parallel launch costs more than the add. Vectorised either way."""
+    from tvm import te
+
     from blockforge.compile.schedule.elementwise import MIN_PARALLEL
 
     assert (rows * 768 >= MIN_PARALLEL) == parallel
-    from tvm import te
-
     x, r = (te.placeholder((1, rows, 768), "float32", name=n) for n in "xr")
     y = te.compute(x.shape, lambda a, b, c: x[a, b, c] + r[a, b, c], name="T_add")
     text = _schedule(CPUElementwise(), te.create_prim_func([x, r, y]), AVX512).script()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
 
-import numpy as np
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
@@ -110,7 +110,7 @@ def schedule_elementwise(sch, block, lanes: int, min_parallel: int = 0) -> None:
     if exts[-1] is not None and exts[-1] % lanes == 0:
         _, vi = sch.split(loops[-1], [None, lanes])
         sch.vectorize(vi)
-    small = None not in exts and int(np.prod(exts, dtype=np.int64)) < min_parallel
+    small = None not in exts and math.prod(exts) < min_parallel
     if len(loops) > 1 and not small:
         sch.parallel(sch.fuse(*loops[:-1]))
 

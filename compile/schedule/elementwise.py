@@ -24,9 +24,10 @@ class CPUElementwise(CPURule):
     full buffer per step (the QDQ BERT-base FFN's gelu chain 0.52 ms). Float modules had their
     lone elementwise kernels left to TVM's serial scalar loop too: a residual add whose rows are
     symbolic (a decoder's one-build prompt; a reshape beside it made CPURowReduction take the
-    static build's), 1.23 ms of GPT-2's prompt at seq 128; with it the prompt ran 1.8% faster
-    (three of four interleaved A/Bs of 60 rounds on Zen 4, `elementwise` ablation), of which
-    vectorising alone gave nothing: the parallel rows did."""
+    static build's), 1.23 ms of GPT-2's prompt at seq 128; with it the prompt ran 0.979-0.992x
+    (40 interleaved rounds in each of three build orders on Zen 4, `elementwise` ablation:
+    benchmarks/results/quiet-2026-12-06b/prefill_orders.log), of which vectorising alone gave
+    nothing (two exploration A/Bs): the parallel rows did."""
 
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         if not has_root(sch):
