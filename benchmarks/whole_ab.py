@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     from blockforge.bench.harness import measure_interleaved
     from blockforge.compile.session import open_model
     from blockforge.compile.pipeline import build
+    from blockforge.graph.parity import model_precision, tolerance_kind
+    from blockforge.graph.tolerance import compare, output_tolerance
     from blockforge.targets import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--without-first", action="store_true",
                     help="build the ablated module first (two identical builds measured 1.067x apart, the first "
                          "built slower: run both orders)")
+    ap.add_argument("--abba", action="store_true",
+                    help="four builds in one process, new / without / without / new, all interleaved: the ratio "
+                         "of each pair and their geometric mean (the build-order effect cancels)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time in thread CPU time (run with TVM_NUM_THREADS=1; no peers): a loaded machine's "
                          "descheduling and worker wake-ups then do not count")
@@ -55,19 +60,30 @@ def main(argv=None) -> int:
     if peers and OpenVino().available():
         runners["openvino"] = OpenVino().make_runner(bm, feeds, threads, precision="f32")
     builds = [("new", set()), (f"without {a.ab}", set(a.ab.split(",")))]
-    for label, without in (builds[::-1] if a.without_first else builds):
+    builds = builds[::-1] if a.without_first else builds
+    if a.abba:  # both orders in one process: new, without, without, new (each build's order effect cancels)
+        builds = builds + [(f"{k} (2)", w) for k, w in builds[::-1]]
+    for label, without in builds:
         # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
         vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
                                   tvm.cpu())
         t = [tvm.runtime.tensor(x) for x in feeds.values()]
         got = vm["main"](*t)
         got = got[0] if not hasattr(got, "numpy") else got  # a tuple of outputs (a decoder's logits, presents)
-        np.testing.assert_allclose(got.numpy(), want, rtol=2e-3, atol=2e-3)
+        # the row bench and verify hold this output to (a quantized model: the int8 parity row)
+        tol = output_tolerance(want.dtype, tolerance_kind(model), model_precision(model))
+        c = compare(label, "output 0", got.numpy(), want, tol)
+        if not c.passed:
+            raise SystemExit(f"{label}: output 0 differs from ORT beyond {tol}: {c}")
         runners[label] = (lambda f=vm["main"], t=t: f(*t))
     ms = {k: float(np.median(v)) for k, v in measure_interleaved(runners, a.repeat, warmup=1,
                                                                          clock=time.thread_time if a.cpu_time else time.perf_counter).items()}
     best = min((v for k, v in ms.items() if k in ("ort", "openvino")), default=None)
     print({k: round(v, 2) for k, v in ms.items()})
+    if a.abba:
+        first, second = ms["new"] / ms[f"without {a.ab}"], ms["new (2)"] / ms[f"without {a.ab} (2)"]
+        print(f"new / without {a.ab}: {first:.3f} (new built first), {second:.3f} (new built last), "
+              f"geometric mean {np.sqrt(first * second):.3f}")
     print(f"new / without {a.ab}: {ms['new'] / ms[f'without {a.ab}']:.3f}"
           + (f"; new / best peer {ms['new'] / best:.3f}; without / best peer {ms[f'without {a.ab}'] / best:.3f}"
              if best else ""), "load", os.getloadavg())

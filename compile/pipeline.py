@@ -1,6 +1,6 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
-    [fp32-compute (CPU, float16 models)] -> [fuse-attention (CPU)]
+    [fp32-compute (CPU, float16 models)] -> [int8-combine (as int8-gemm)] -> [fuse-attention (CPU)]
     -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 dotprod, quantized models)] -> [bf16-gemm (--precision bf16)]
     -> [conv-gemm (CPU, convolutions)] -> optimize
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
@@ -61,6 +61,9 @@ ABLATIONS = {
                   "(left out: such matmuls stay unpacked)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
+    "int8-combine": "parallel int8 projections of one quantized activation (ORT dynamic quantization's per-head "
+                    "MatMulIntegers) as one int8 GEMM and a split, before fuse-attention (compile/quant/combine.py; "
+                    "left out: a GEMM, an attention call and a K^T transpose per head, and a concat of the heads)",
     "int8-qdq-epilogue": "a QDQ model's requantize / bias / gelu chain after an int8 GEMM computed in the "
                          "kernel's epilogue, writing the next GEMM's int8 input (compile/quant/gemm.py POST_STEPS; "
                          "left out: the GEMM writes float32 and a second kernel re-quantizes it)",
@@ -177,6 +180,12 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True, st
         # The database: tuned tiles per kernel (compile/quant/tiles.py).
         return [int8_gemm(isa, target.tvm_target(), database, post=post, stack=stack)]
     return passes
+
+
+def _int8_combine() -> list:
+    from blockforge.compile.quant.combine import int8_combine
+
+    return [int8_combine()]
 
 
 def _bf16_gemm(without: frozenset[str]) -> Callable[[], list]:
@@ -393,6 +402,10 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # attention kernel then computes in float32 too (fused in float16, its scores
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
+    isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
+    if isa is not None and "int8-combine" not in without:
+        # before fuse-attention: the per-head attentions then read an even split it can merge
+        out.append(Phase("int8-combine", _int8_combine))
     if cpu and default_schedules and fuse:
         # --precision bf16: the attention products on VDPBF16PS too (resolve_precision has
         # checked the target has AVX512_BF16)
@@ -400,7 +413,6 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("fuse-attention", _fuse_attention(target, database, without, bf16)))
     if kv_inplace and cpu:
         out.append(Phase("kv-inplace", _kv_inplace))
-    isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without,
                                                  "int8-stack-tiles" not in without)))

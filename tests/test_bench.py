@@ -277,6 +277,50 @@ def test_bench_cli_json_plot_profile(tmp_path):
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_profile_is_each_kernels_median_after_a_pause_and_warmup():
+    """profile_vm: a pause and an uninstrumented warm-up first, then each kernel's median
+    over the runs: one run whose first kernel waited for another engine's spinning workers
+    (int8 MHA at seq 512 after ORT: the range kernel read 18x its own time) does not move it."""
+    from blockforge.bench.harness import QUIET_S, profile_vm
+
+    clock = [0.0]
+    events = []
+    # run r's cost of each kernel (a fake clock): run 0 of "range" is the slow one
+    cost = {"range": [40.0, 1.0, 1.0, 1.2, 1.0], "gemm": [5.0, 5.0, 5.5, 5.0, 5.0]}
+
+    class FakeVM:
+        hook = None
+
+        def set_instrument(self, f):
+            events.append("hook" if f else "unhook")
+            self.hook = f
+
+    class Runner:
+        vm = FakeVM()
+        dev = type("D", (), {"sync": lambda self: None})()
+        run = -1
+
+        def __call__(self):
+            if self.vm.hook is None:
+                events.append("warmup")
+                return
+            self.run += 1
+            for name in ("range", "gemm", "range", "vm.builtin.alloc"):
+                self.vm.hook(None, name, True, None)
+                clock[0] += cost.get(name, [9.0] * 5)[self.run] / 2 if name == "range" else \
+                    cost.get(name, [9.0] * 5)[self.run]
+                self.vm.hook(None, name, False, None)
+
+    slept = []
+    rows = profile_vm(Runner(), runs=5, warmup=1, clock=lambda: clock[0] / 1e3,
+                      sleep=lambda s: (slept.append(s), events.append("sleep")))
+    assert slept == [QUIET_S] and events[:3] == ["sleep", "warmup", "hook"] and events[-1] == "unhook"
+    got = {r.name: (r.calls, round(r.total_ms, 6)) for r in rows}
+    assert got == {"range": (2, 1.0), "gemm": (1, 5.0)}  # medians; the builtin is not a kernel
+    assert [r.name for r in rows] == ["gemm", "range"]
+    assert sum(r.pct for r in rows) == pytest.approx(100.0)
+
+
 def test_kernel_classes_name_where_the_time_goes():
     """bench --profile's classes, from kernel names as the compiled models have them."""
     from blockforge.bench.report import KernelProfile, class_shares, kernel_class
