@@ -16,9 +16,11 @@ from blockforge.compile.quant.intrin import has_vnni  # noqa: E402
 ZNVER4 = '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}'
 
 
-def _parts_module(ws: list[np.ndarray], zps: list[int], seq, scales=None, bias=True):
+def _parts_module(ws: list[np.ndarray], zps: list[int], seq, bias=True, concat=True):
     """y_i = (astype(x, int32) - zp_x) @ (W_i - zp_i), z_i = astype(y_i, f32) * (s_x * s_i) + b_i,
-    returned as a tuple; each part its own activation expression, as TVM's importer writes them."""
+    each part its own activation expression, as TVM's importer writes them; returned concatenated
+    in reverse order (as the heads' concat, the order the combined columns must follow), or as a
+    tuple (concat False: no heads' concat to order them by)."""
     from tvm import relax
 
     rng = np.random.default_rng(0)
@@ -43,7 +45,7 @@ def _parts_module(ws: list[np.ndarray], zps: list[int], seq, scales=None, bias=T
                 if bias:
                     z = bb.emit(relax.op.add(z, relax.const(rng.standard_normal(w.shape[1]).astype(np.float32))))
                 outs.append(z)
-            out = bb.emit_output(relax.Tuple(outs))
+            out = bb.emit_output(relax.op.concat(outs[::-1], axis=-1) if concat else relax.Tuple(outs))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -57,7 +59,8 @@ def _run(mod, seq, seed=0):
     rng = np.random.default_rng(seed)
     k = int(mod["main"].params[0].ty.shape[-1])
     args = [rng.integers(0, 256, (1, seq, k)).astype(np.uint8), np.array(131, np.uint8), np.array(0.02, np.float32)]
-    return [o.numpy() for o in vm["main"](*[tvm.runtime.tensor(a) for a in args])]
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    return [o.numpy() for o in out] if isinstance(out, (list, tuple)) or not hasattr(out, "numpy") else [out.numpy()]
 
 
 def _matmuls(mod) -> int:
@@ -66,8 +69,9 @@ def _matmuls(mod) -> int:
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_parts_become_one_gemm_and_a_split_with_the_same_numbers(bias):
-    """Three projections (n = 16, 16, 32) of one activation: one matmul, a split at 16 and 32,
-    every part's output bit for bit what it was (the same integer sums, scales and biases)."""
+    """Three projections (n = 16, 16, 32) of one activation, concatenated in reverse: one matmul
+    whose columns follow the concat, a split at 32 and 48, the output bit for bit what it was (the
+    same integer sums, scales and biases)."""
     from blockforge.compile.quant.combine import int8_combine
 
     rng = np.random.default_rng(1)
@@ -91,6 +95,16 @@ def test_weights_without_one_int8_range_stay_apart():
     w1 = rng.integers(0, 256, (32, 16)).astype(np.int32)
     w2 = rng.integers(0, 256, (32, 16)).astype(np.int32)
     mod = _parts_module([w1, w2], [0, 255], 8)
+    tvm.ir.assert_structural_equal(int8_combine()(mod), mod)
+
+
+def test_parts_without_a_heads_concat_stay_apart():
+    """Projections of one activation whose results no concat gathers (a Hugging Face model's
+    q/k/v, heads split by reshapes): left as they were (their split would cost, nothing gained)."""
+    from blockforge.compile.quant.combine import int8_combine
+
+    ws = [np.random.default_rng(5).integers(-128, 128, (32, 16)).astype(np.int8) for _ in range(3)]
+    mod = _parts_module(ws, [0, 0, 0], 8, concat=False)
     tvm.ir.assert_structural_equal(int8_combine()(mod), mod)
 
 
