@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # int8 BERT-base FFN, MHA and encoder block (export --quantize dynamic | static --per-channel) against
-# ORT and OpenVINO on the same files, seq 128 and 512, 2 threads, quiet; after int8-combine (b3d1cb9).
+# ORT and OpenVINO on the same files, seq 128 and 512, 2 threads, quiet; after int8-combine.
 # The models: blockforge export ffn|mha|block --d-model 768 --heads 12 --d-ff 3072 --activation gelu
 #             --quantize dynamic | static --per-channel -o /tmp/i8/{kind}_{mode}.onnx
 cd /work/main
