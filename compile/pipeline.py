@@ -61,6 +61,10 @@ ABLATIONS = {
                   "(left out: such matmuls stay unpacked)",
     "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
+    "attention-heads": "self-attention's per-head projections, one combined GEMM split into 3h items, regrouped "
+                       "into a GEMM per role in the heads' order, so fuse-attention merges the heads into one call "
+                       "(compile/attention/heads.py; left out: an attention call and a K^T transpose per head, the "
+                       "split and the concat of the heads)",
     "int8-combine": "parallel int8 projections of one quantized activation (ORT dynamic quantization's per-head "
                     "MatMulIntegers) as one int8 GEMM and a split, before fuse-attention (compile/quant/combine.py; "
                     "left out: a GEMM, an attention call and a K^T transpose per head, and a concat of the heads)",
@@ -153,9 +157,12 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
     def passes() -> list:
         from blockforge.compile.attention.fuse import fuse_attention
 
+        from blockforge.compile.attention.heads import regroup_heads
+
         # Before optimize: fast_math turns softmax into a call_tir the matcher
         # would no longer see. Tile choices come from the database's records.
-        return [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
+        regroup = [] if "attention-heads" in without else [regroup_heads()]
+        return regroup + [fuse_attention(target.tvm_target(), database, balance="attention-qtile" not in without,
                                key_rows="attention-key-rows" not in without, key_tail="attention-key-tail" not in without,
                                exp2="attention-exp2" not in without, bf16=bf16,
                                gqa_rows="attention-gqa-rows" not in without,

@@ -19,8 +19,8 @@ ZNVER4 = '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num
 def _parts_module(ws: list[np.ndarray], zps: list[int], seq, bias=True, concat=True):
     """y_i = (astype(x, int32) - zp_x) @ (W_i - zp_i), z_i = astype(y_i, f32) * (s_x * s_i) + b_i,
     each part its own activation expression, as TVM's importer writes them; returned concatenated
-    in reverse order (as the heads' concat, the order the combined columns must follow), or as a
-    tuple (concat False: no heads' concat to order them by)."""
+    in reverse order through a matmul each (as the heads' concat of P V, the order the combined
+    columns must follow), or as a tuple (concat False: no heads' concat to order them by)."""
     from tvm import relax
 
     rng = np.random.default_rng(0)
@@ -45,6 +45,9 @@ def _parts_module(ws: list[np.ndarray], zps: list[int], seq, bias=True, concat=T
                 if bias:
                     z = bb.emit(relax.op.add(z, relax.const(rng.standard_normal(w.shape[1]).astype(np.float32))))
                 outs.append(z)
+            if concat:  # as heads: each part through a matmul (here by the identity: exact) into the concat
+                outs = [bb.emit(relax.op.matmul(z, relax.const(np.eye(w.shape[1], dtype=np.float32))))
+                        for z, w in zip(outs, ws)]
             out = bb.emit_output(relax.op.concat(outs[::-1], axis=-1) if concat else relax.Tuple(outs))
         bb.emit_func_output(out)
     return bb.get()
@@ -64,7 +67,8 @@ def _run(mod, seq, seed=0):
 
 
 def _matmuls(mod) -> int:
-    return mod["main"].script().count("R.matmul(")
+    """The int32 matmuls (the parts' projections; not the float identity matmuls after them)."""
+    return mod["main"].script().count('out_dtype="int32")')
 
 
 @pytest.mark.parametrize("bias", [True, False])

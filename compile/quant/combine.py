@@ -146,49 +146,18 @@ def find_groups(func) -> list[_Group]:
     return out
 
 
-def _concat_slot(f, var, depth: int = 24):
-    """(concat var, field index, hops, first user's op) of the first concat reached forward from
-    var through its users (a head's Q, K^T or V through its attention), else None."""
-    from tvm import relax
-
-    from blockforge.compile.quant.rewrite import _call
-
-    users = f.users.get(var, [])
-    first_op = getattr(getattr(f.values.get(users[0]), "op", None), "name", None) if len(users) == 1 else None
-    frontier = [var]
-    for hops in range(1, depth + 1):
-        nxt = []
-        for v in frontier:
-            for u in f.users.get(v, []):
-                uv = f.values.get(u)
-                if _call(uv, "relax.concat") and isinstance(uv.args[0], relax.Tuple):
-                    idx = [i for i, x in enumerate(uv.args[0].fields) if x.same_as(v)]
-                    return (u, idx[0], hops, first_op) if len(idx) == 1 else None
-                nxt.append(u)
-        frontier = nxt
-    return None
-
-
 def _by_role(f, g: _Group) -> list[_Group]:
-    """The group in the order its results are concatenated: the heads' order, which
-    fuse-attention's merge of the heads checks (head i reads split item i; TVM's importer bound an
-    ORT-quantized MHA's per-head projections in reverse head order). Self-attention's q, k and v
-    projections all read one activation: they come apart by role (the path to the heads' concat:
-    Q through Q K^T, K through its transpose, V straight into P V), one combined GEMM per role.
-    Parts that do not all reach one concat at distinct places per role are left apart: the
-    q/k/v projections of a Hugging Face BERT (each 768 wide, heads split by reshapes) gain nothing
-    from one GEMM and pay its split (BERT-base int8 dynamic, whole: 1.035x slower combined,
-    combine_ab.log)."""
-    slots = [_concat_slot(f, p.out) for p in g.parts]
-    if any(s is None for s in slots) or len({s[0] for s in slots}) != 1:
-        return []
-    roles: dict = {}
-    for s, p in zip(slots, g.parts):
-        roles.setdefault((s[2], s[3]), []).append((s[1], p))
-    places = [sorted(i for i, _ in members) for members in roles.values()]
-    if any(len(set(pl)) != len(pl) or pl != places[0] for pl in places):
-        return []
-    return [_Group([p for _, p in sorted(members, key=lambda t: t[0])]) for members in roles.values()]
+    """The group per role, each in the order its results are concatenated (attention/heads.by_role:
+    the heads' order, which fuse-attention's merge of the heads checks; TVM's importer bound an
+    ORT-quantized MHA's per-head projections in reverse head order; self-attention's q, k and v
+    projections all read one activation and come apart by role). Parts that do not all reach one
+    concat at distinct places per role are left apart: the q/k/v projections of a Hugging Face
+    BERT (each 768 wide, heads split by reshapes) gain nothing from one GEMM and pay its split
+    (BERT-base int8 dynamic, whole: 1.035x slower combined, combine_ab_b3d1cb9.log)."""
+    from blockforge.compile.attention.heads import by_role
+
+    roles = by_role(f.values, f.users, [p.out for p in g.parts])
+    return [] if roles is None else [_Group([g.parts[i] for i in role]) for role in roles]
 
 
 def _ready(f, e, pos: dict, at: int, depth: int = 2) -> bool:
