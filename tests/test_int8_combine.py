@@ -16,11 +16,13 @@ from blockforge.compile.quant.intrin import has_vnni  # noqa: E402
 ZNVER4 = '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4", "num-cores": 2}'
 
 
-def _parts_module(ws: list[np.ndarray], zps: list[int], seq, bias=True, concat=True):
+def _parts_module(ws: list[np.ndarray], zps: list[int], seq, bias=True, concat=True, interleaved=False):
     """y_i = (astype(x, int32) - zp_x) @ (W_i - zp_i), z_i = astype(y_i, f32) * (s_x * s_i) + b_i,
     each part its own activation expression, as TVM's importer writes them; returned concatenated
     in reverse order through a matmul each (as the heads' concat of P V, the order the combined
-    columns must follow), or as a tuple (concat False: no heads' concat to order them by)."""
+    columns must follow), or as a tuple (concat False: no heads' concat to order them by).
+    interleaved: each part's activations, matmul and epilogue bound before the next part's (the
+    last part's activations then come after the first part's output)."""
     from tvm import relax
 
     rng = np.random.default_rng(0)
@@ -31,20 +33,25 @@ def _parts_module(ws: list[np.ndarray], zps: list[int], seq, bias=True, concat=T
     sx = relax.Var("sx", relax.TensorType([], "float32"))
     with bb.function("main", [x, zp, sx]):
         with bb.dataflow():
-            ys = []
-            for w, z in zip(ws, zps):
+            def project(w, z):
                 a32 = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), relax.op.astype(zp, "int32")))
                 w32 = bb.emit(relax.op.subtract(relax.const(w.astype(np.int32)),
                                                 relax.op.astype(relax.const(z, "int32"), "int32")))
-                ys.append(bb.emit(relax.op.matmul(a32, w32, out_dtype="int32")))
-            outs = []
-            for i, (y, w) in enumerate(zip(ys, ws)):  # the epilogues after every matmul, as imported
+                return bb.emit(relax.op.matmul(a32, w32, out_dtype="int32"))
+
+            def epilogue(i, y, w):
                 c = bb.emit(relax.op.astype(y, "float32"))
                 s = bb.emit(relax.op.multiply(sx, relax.const(np.float32(0.01 * (i + 1)))))
                 z = bb.emit(relax.op.multiply(c, s))
                 if bias:
                     z = bb.emit(relax.op.add(z, relax.const(rng.standard_normal(w.shape[1]).astype(np.float32))))
-                outs.append(z)
+                return z
+
+            if interleaved:
+                outs = [epilogue(i, project(w, z), w) for i, (w, z) in enumerate(zip(ws, zps))]
+            else:  # every matmul, then the epilogues, as TVM's importer binds them
+                ys = [project(w, z) for w, z in zip(ws, zps)]
+                outs = [epilogue(i, y, w) for i, (y, w) in enumerate(zip(ys, ws))]
             if concat:  # as heads: each part through a matmul (here by the identity: exact) into the concat
                 outs = [bb.emit(relax.op.matmul(z, relax.const(np.eye(w.shape[1], dtype=np.float32))))
                         for z, w in zip(outs, ws)]
@@ -71,8 +78,8 @@ def _matmuls(mod) -> int:
     return mod["main"].script().count('out_dtype="int32")')
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_parts_become_one_gemm_and_a_split_with_the_same_numbers(bias):
+@pytest.mark.parametrize("bias, interleaved", [(True, False), (False, False), (True, True)])
+def test_parts_become_one_gemm_and_a_split_with_the_same_numbers(bias, interleaved):
     """Three projections (n = 16, 16, 32) of one activation, concatenated in reverse: one matmul
     whose columns follow the concat, a split at 32 and 48, the output bit for bit what it was (the
     same integer sums, scales and biases)."""
@@ -80,7 +87,7 @@ def test_parts_become_one_gemm_and_a_split_with_the_same_numbers(bias):
 
     rng = np.random.default_rng(1)
     ws = [rng.integers(-128, 128, (32, n)).astype(np.int8) for n in (16, 16, 32)]
-    mod = _parts_module(ws, [0, 0, 0], tvm.tirx.Var("seq", "int64"), bias=bias)
+    mod = _parts_module(ws, [0, 0, 0], tvm.tirx.Var("seq", "int64"), bias=bias, interleaved=interleaved)
     new = int8_combine()(mod)
     assert _matmuls(mod) == 3 and _matmuls(new) == 1
     assert "R.split(" in new["main"].script()

@@ -211,7 +211,8 @@ def int8_combine():
             bb = self.builder_
             ns = [p.w.shape[1] for p in g.parts]
             w = np.concatenate([p.w for p in g.parts], axis=1).astype(np.int32)
-            act = self.visit_expr(g.parts[0].act)
+            # (the parts' activations are one expression; the earliest-bound part's is bound here)
+            act = self.visit_expr(min(g.parts, key=lambda p: p.pos).act)
             y = bb.emit(relax.op.matmul(act, relax.const(w), out_dtype="int32"))
             c = bb.emit(relax.op.astype(y, "float32"))
             scales = []
