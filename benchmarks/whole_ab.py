@@ -4,6 +4,9 @@ ORT and OpenVINO f32 (outputs checked against ORT first); prints median ms, the 
     nice .venv/bin/python benchmarks/whole_ab.py MODEL.onnx --dims s33=1 --ab row-tiles [--repeat 10]
     (T5-base encoder: --dims s33=1,s50=128,s6=1 --ab fuse-attention)
     TVM_NUM_THREADS=1 ... --cpu-time: one core, thread CPU time, no peers (a loaded machine)
+    --abba: four builds (new, without, without, new), the geometric mean of the two pairs: two
+    identical builds have read up to 1.067x apart by build order alone
+(outputs are held to the row bench and verify use: graph/tolerance.output_tolerance)
 """
 from __future__ import annotations
 

@@ -359,3 +359,19 @@ def test_whole_ab_on_a_decoder_with_presents(tmp_path):
     out = _run("whole_ab.py", model, "--dims", "batch=1,seq=1,past=16,past_seq=17", "--ab", "attention-key-rows",
                "--repeat", 2, "--no-peers", cwd=tmp_path)
     assert "new / without attention-key-rows:" in out, out
+
+
+def test_whole_ab_abba_on_a_quantized_model(tmp_path):
+    """--abba: four builds, both pairs and their geometric mean; a quantized model's outputs are
+    held to the int8 parity row (the script asserted rtol 2e-3 before, which int8 fails by design)."""
+    pytest.importorskip("onnxruntime.quantization")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from blockforge.graph import MHASpec, export
+
+    fp32 = export(MHASpec(d_model=64, heads=4), tmp_path / "mha.onnx").model_path
+    quantize_dynamic(str(fp32), str(tmp_path / "mha_q.onnx"), weight_type=QuantType.QInt8)
+    out = _run("whole_ab.py", tmp_path / "mha_q.onnx", "--dims", "batch=1,seq=16", "--ab", "int8-combine",
+               "--repeat", 2, "--no-peers", "--abba", cwd=tmp_path)
+    assert "'new (2)'" in out and "'without int8-combine (2)'" in out, out
+    assert "(new built first)" in out and "(new built last)" in out and "geometric mean" in out, out
