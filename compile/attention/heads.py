@@ -26,11 +26,9 @@ import logging
 
 import numpy as np
 
+from blockforge.compile.attention.match import _is_call as _call
+
 _log = logging.getLogger("blockforge.attention")
-
-
-def _call(e, name) -> bool:
-    return getattr(getattr(e, "op", None), "name", None) == name
 
 
 def graph(func):

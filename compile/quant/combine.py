@@ -99,12 +99,12 @@ def _same(a, b) -> bool:
     return a.same_as(b) or tvm_ffi.structural_equal(a, b)
 
 
-def find_groups(func) -> list[_Group]:
+def find_groups(f) -> list[_Group]:
     """Groups of >= 2 int8 projections reading the same quantized activation (the same x8 and
-    zero point), with the same leading dims, scale kind and bias presence, in binding order."""
-    from blockforge.compile.quant.rewrite import _Finder, _shape
+    zero point), with the same leading dims, scale kind and bias presence, in binding order;
+    f: the function's rewrite._Finder."""
+    from blockforge.compile.quant.rewrite import _shape
 
-    f = _Finder(func)
     pos = {v: i for i, v in enumerate(f.values)}
     groups: list[_Group] = []
     for var, value in f.values.items():
@@ -250,10 +250,10 @@ def int8_combine():
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            groups = find_groups(func)
+            f = _Finder(func)
+            groups = find_groups(f)
             if not groups:
                 continue
-            f = _Finder(func)
             m.values = f.values
             m.pos = {v: i for i, v in enumerate(f.values)}
             m.bound = set(func.params)

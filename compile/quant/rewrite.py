@@ -117,17 +117,10 @@ class _Finder:
     def __init__(self, func, isa: str = "vnni", post: bool = True):
         from tvm import relax
 
+        from blockforge.compile.attention.heads import graph
+
         self.isa, self.post = isa, post
-        self.values, self.users = {}, {}  # var -> value; var -> the binding vars that read it
-        for block in func.body.blocks:
-            for b in block.bindings:
-                if isinstance(b, relax.VarBinding):
-                    self.values[b.var] = b.value
-                    seen = []
-                    relax.analysis.post_order_visit(
-                        b.value, lambda e, seen=seen: seen.append(e) if isinstance(e, relax.Var) else None)
-                    for v in dict.fromkeys(seen):
-                        self.users.setdefault(v, []).append(b.var)
+        self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
         self.dataflow = relax.DataflowVar
 
     def value(self, e):
