@@ -71,6 +71,9 @@ ABLATIONS = {
     "int8-qdq-epilogue": "a QDQ model's requantize / bias / gelu chain after an int8 GEMM computed in the "
                          "kernel's epilogue, writing the next GEMM's int8 input (compile/quant/gemm.py POST_STEPS; "
                          "left out: the GEMM writes float32 and a second kernel re-quantizes it)",
+    "int8-lut-tail": "a QDQ epilogue's gelu and quantize after its last requantize read from a 256-byte table "
+                     "of the levels with VPERMI2B (AVX512_VBMI targets; compile/quant/gemm.py lut_tail; left out: "
+                     "gelu and the quantize's division per element)",
     "int8-stack-tiles": "the untuned int8 VNNI GEMM's micro-tile sized so its accumulators (5 x 3 vectors, 960 B) "
                         "are a stack alloca (compile/quant/gemm.py STACK_BYTES; left out: the 6 x 4 tile, 1536 B, "
                         "a workspace alloc/free per row tile)",
@@ -178,14 +181,15 @@ def target_int8_isa(target: ResolvedTarget) -> str | None:
     return isa.name if isa is not None else None
 
 
-def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True, stack: bool = True) -> Callable[[], list]:
+def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True, stack: bool = True,
+               lut: bool = True) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.quant.rewrite import int8_gemm
 
         # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would
         # no longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
         # The database: tuned tiles per kernel (compile/quant/tiles.py).
-        return [int8_gemm(isa, target.tvm_target(), database, post=post, stack=stack)]
+        return [int8_gemm(isa, target.tvm_target(), database, post=post, stack=stack, lut=lut)]
     return passes
 
 
@@ -422,7 +426,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("kv-inplace", _kv_inplace))
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without,
-                                                 "int8-stack-tiles" not in without)))
+                                                 "int8-stack-tiles" not in without, "int8-lut-tail" not in without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:

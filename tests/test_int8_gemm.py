@@ -6,6 +6,7 @@ quantize_dynamic model of a blockforge FFN, against ORT running the same file.""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -414,6 +415,73 @@ def test_qdq_chain_in_the_epilogue_is_exact(m, last):
         assert (got == hi).any() and (got == last[2]).any(), np.unique(got)
 
 
+# A QDQ gelu FFN's first epilogue (gemm.lut_tail): after the second requantize, gelu and the
+# quantize of the next GEMM's input are a function of the level, read from a 256-byte table.
+_GELU_POST = (("qdq", 0.03, 2, "int8"), ("bias",), ("qdq", 0.04, -3, "int8"), ("gelu",))
+
+
+def _lut_spec(post, m=16, k=64, **kw):
+    return gemm.Int8GemmSpec(k=k, n=48, m=m, scale="column", bias=True, post=post, **kw)
+
+
+def test_lut_tail_starts_after_the_last_per_tensor_requantize():
+    q8 = ("q", 0.01, 7, "uint8")
+    assert gemm.lut_tail(_lut_spec(_GELU_POST + (q8,))) == 2
+    assert gemm.lut_tail(_lut_spec((("qdq", 0.03, 0, "int8"), ("gelu",), q8))) == 0
+    assert gemm.lut_tail(_lut_spec(_GELU_POST)) is None  # float out: not a byte table
+    assert gemm.lut_tail(_lut_spec(_POST)) is None  # relu: a few instructions, no table
+    assert gemm.lut_tail(_lut_spec((("qdq", 0.03, 0, "int8"), ("gelu",), ("bias",), q8))) is None  # per column
+    assert gemm.lut_tail(_lut_spec(_GELU_POST + (q8,), isa="sdot")) is None  # VPERMI2B is x86's
+    assert gemm.has_lut(ZNVER4) and not gemm.has_lut(SKYLAKE)  # AVX512_VBMI
+    assert not gemm.has_lut(tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"}))  # VNNI, no VBMI
+
+
+def test_lut_kernel_fills_the_table_once_and_reads_it_with_vpermi2b():
+    """The table loop is the root's first statement, before the parallel tiles; the function's
+    parameters are the per-element kernel's; each 16 outputs are two byte permutes (no gather,
+    no gelu division per element)."""
+    spec = _lut_spec(_GELU_POST + (("q", 0.01, 7, "uint8"),), m=512, k=256)  # (parallel: PARALLEL_MACS)
+    plain, lut = gemm.kernel(spec), gemm.kernel(spec, lut=True)
+    assert len(lut.params) == len(plain.params)
+    root = lut.body.block.body
+    assert isinstance(root, tvm.tirx.SeqStmt) and isinstance(root[0], tvm.tirx.For), root
+    assert int(root[0].extent) == 16 and "lut" in str(root[0]) and "T.parallel" not in root[0].script()
+    assert "T.parallel" in root[1].script()
+    asm = {name: tvm.compile(tvm.IRModule({"main": f}), target=ZNVER4).mod.inspect_source("s")
+           for name, f in (("plain", plain), ("lut", lut))}
+    perms = len(re.findall(r"\bvperm[it]2b\b", asm["lut"]))
+    assert perms == 2 * 5 * 3, perms  # two per 16 outputs of the 5 x 3 tile
+    assert "vpgather" not in asm["lut"] and "vperm" not in asm["plain"].replace("vpermq", "")
+    # the table's gelu divides 256 values once; per element, two requantizes' divisions are left
+    assert asm["lut"].count("vdivps") < asm["plain"].count("vdivps")
+
+
+@pytest.mark.parametrize("m, out", [(13, "uint8"), (None, "int8"), (20, "uint8")])
+def test_lut_tail_is_bit_exact_with_the_per_element_epilogue(m, out):
+    """Every level (both clips), ragged / symbolic / whole row tiles, uint8 (levels above 127
+    wrap in the byte table) and int8 out: the table's bytes are the per-element floats."""
+    _need_vnni_host()
+    if not gemm.has_lut(_host()):
+        pytest.skip("this CPU has no AVX512_VBMI: the table is not built for it")
+    rng = np.random.default_rng(12)
+    last = ("q", 0.01, 7, "uint8") if out == "uint8" else ("q", 0.012, -20, "int8")
+    spec = _lut_spec(_GELU_POST + (last,), m=m)
+    rows = m or 9
+    a = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 48), dtype=np.int8)
+    scale = rng.uniform(2e-5, 6e-5, 48).astype(np.float32)  # about +-8 before the requantizes: both clip
+    bias = rng.standard_normal(48).astype(np.float32)
+    args = [a, gemm.pack_weights(w), gemm.column_sums(w), np.array(128, np.int32), scale, bias]
+    outs = []
+    for lut in (False, True):
+        lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, lut=lut)}), target=_host())
+        o = tvm.runtime.tensor(np.zeros((rows, 48), out))
+        lib["main"](*[tvm.runtime.tensor(x) for x in args], o)
+        outs.append(o.numpy())
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert len(np.unique(outs[0])) > 40, np.unique(outs[0])  # many levels, not a constant
+
+
 def test_post_steps_refused_where_they_cannot_be_computed():
     with pytest.raises(ValueError, match="last step"):
         gemm.Int8GemmSpec(k=64, n=64, scale="scalar", post=(("q", 0.1, 0, "int8"), ("relu",)))
@@ -460,12 +528,21 @@ def test_qdq_ffn_chain_between_the_gemms_is_in_the_kernels(qdq_gelu_ffn, seq, mo
     assert text.count('dtype="uint8") = R.astype(') == 1, text
     off, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm", without={"int8-qdq-epilogue"})
     assert all(not sp.post for sp in gemm.kernel_specs(off)) and "R.nn.gelu" in off["main"].script()
+
+    def tables(without):  # kernels that fill the epilogue's byte table (gemm.lut_tail)
+        m, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm", without=without)
+        return sum('"lut"' in f.script() for _, f in m.functions_items()
+                   if isinstance(f, tvm.tirx.PrimFunc) and gemm.is_kernel(f))
+
+    assert tables(frozenset()) == (1 if gemm.has_lut(s.target.tvm_target()) else 0)
+    assert tables(frozenset({"int8-lut-tail"})) == 0
     vms = [relax.VirtualMachine(s.build(without=w).executable, tvm.cpu())
-           for w in (frozenset(), frozenset({"int8-qdq-epilogue"}))]
+           for w in (frozenset(), frozenset({"int8-qdq-epilogue"}), frozenset({"int8-lut-tail"}))]
     for n in ((seq,) if seq else (1, 7, 16)):
         x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
-        got, unfused = (vm["main"](tvm.runtime.tensor(x)).numpy() for vm in vms)
+        got, unfused, no_table = (vm["main"](tvm.runtime.tensor(x)).numpy() for vm in vms)
         np.testing.assert_array_equal(got, unfused)
+        np.testing.assert_array_equal(got, no_table)
         ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
         assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
 

@@ -54,6 +54,8 @@ PARALLEL_MACS = 1 << 22
 # ... unless the weights alone are this many bytes: a decode step (M = 1) is bound by reading
 # them, and one core reads about half the machine's bandwidth (768 x 768 is 0.6 MB).
 PARALLEL_WEIGHT_BYTES = 1 << 18
+# The epilogue's table (lut_tail): the loop of 16 lookups the kernel marks for _permute_lookups.
+LUT_LOOP = "blockforge.int8_gemm.lut_gather"
 KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
 TILES_ATTR = KERNEL_ATTR + ".tiles"  # PrimFunc attr: the tiles it was scheduled with (describe())
 ACTIVATIONS = ("none", "relu", "gelu")
@@ -220,9 +222,30 @@ def _nv(n: int, most: int) -> int:
     return next(v for v in (most, 2, 1) if v <= most and (n // 16) % v == 0)
 
 
-def compute(spec: Int8GemmSpec, mr: int | None = None):
-    """The TE definition: (inputs, output) tensors, in the kernel's argument order; `mr` the
-    micro-tile's rows (None: the instruction's default)."""
+def lut_tail(spec: Int8GemmSpec) -> int | None:
+    """Where the epilogue's table starts: the index of the first post "qdq" step after which
+    only per-tensor steps follow (no bias), a gelu among them, ending in an 8-bit quantize;
+    else None. What comes out of a per-tensor requantize is one of 256 values, so the steps
+    after it are a function of the level: a 256-byte table the kernel fills once per call (the
+    same TE, so the same floats as per element) and reads with VPERMI2B (_permute_lookups).
+    The QDQ FFN's first GEMM (128x768x3072, >qdq >bias >qdq >gelu >q): gelu + quantize cost
+    0.17-0.18 ms of its 0.93 ms, 2 threads; read by VPGATHERDD the table cost 0.09-0.11 ms
+    (Zen 4's gather), by VPERMI2B ..."""
+    if spec.isa != "vnni" or not spec.post or spec.post[-1][0] != "q":
+        return None
+    for t, step in enumerate(spec.post):
+        rest = spec.post[t + 1:]
+        if step[0] == "qdq" and rest and ("gelu",) in rest and all(r[0] != "bias" for r in rest):
+            return t
+    return None
+
+
+def compute(spec: Int8GemmSpec, mr: int | None = None, lut: bool = False):
+    """The TE definition: (inputs, output, table) tensors, inputs in the kernel's argument
+    order; `mr` the micro-tile's rows (None: the instruction's default). With a table (`lut`
+    and lut_tail(spec)), the steps after lut_tail read it: table is (placeholder the output
+    reads, the compute that fills it), which kernel() puts inside the function; else None
+    (`lut` False: every post step per element)."""
     from tvm import te, tirx
 
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
@@ -261,9 +284,35 @@ def compute(spec: Int8GemmSpec, mr: int | None = None):
         return v + bias[j] if bias is not None and not spec.bias_in_post else v
 
     out = _activation(te.compute((m, i64(N)), epilogue, name="out"), spec.activation)
-    for step in spec.post:
+    t = lut_tail(spec) if lut else None
+    for step in spec.post if t is None else spec.post[:t]:
         out = _post_step(out, step, bias)
-    return ins, out
+    if t is None:
+        return ins, out, None
+    out, table = _table_lookup(out, spec.post[t], spec.post[t + 1:], spec.out_dtype)
+    return ins, out, table
+
+
+def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str):
+    """x requantized by `step` (a per-tensor qdq) to its level 0..255, then the `tail` steps
+    read from a table over the 256 levels (lut_tail): (output, (table placeholder, table))."""
+    from tvm import te, tirx
+
+    _, s, zp, dtype = step
+    lo, hi = _QRANGE[dtype]
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    # the level, as the qdq step's clip(round(x / s) + zp) - lo: the table's index
+    level = te.compute(x.shape, lambda i, j: (te.max(te.min(te.round(x[i, j] / f32(s)), f32(hi - zp)), f32(lo - zp))
+                                              + f32(zp - lo)).astype("int32"), name="post_level")
+    # the table: each level dequantized exactly as the qdq step's float, then the tail
+    table = te.compute((hi - lo + 1,), lambda v: (v + tirx.const(lo - zp, "int32")).astype("float32") * f32(s),
+                       name="lut_dq")
+    for st in tail:
+        table = _post_step(table, st, None)
+    # bytes, as VPERMI2B reads them (uint8 levels above 127 wrap; the lookup writes them back)
+    table = te.compute(table.shape, lambda v: table[v].astype("int8"), name="lut")
+    held = te.placeholder(table.shape, "int8", name="lut")
+    return te.compute(x.shape, lambda i, j: held[level[i, j]].astype(out_dtype), name="post_lookup"), (held, table)
 
 
 def _activation(x, kind: str):
@@ -286,23 +335,29 @@ def _post_step(x, step: tuple, bias):
 
     kind = step[0]
     if kind == "bias":
-        return te.compute(x.shape, lambda i, j: x[i, j] + bias[j], name="post_bias")
+        return te.compute(x.shape, lambda i, j: x[i, j] + bias[j], name="post_bias")  # (the table has none)
     if kind not in ("qdq", "q"):
         return _activation(x, kind)
     _, s, zp, dtype = step
     lo, hi = _QRANGE[dtype]
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
-    q = te.compute(x.shape, lambda i, j: te.max(te.min(te.round(x[i, j] / f32(s)) + f32(zp), f32(hi)),
-                                               f32(lo)).astype(dtype), name="post_q")
-    if kind == "q":
-        return q
-    return te.compute(x.shape, lambda i, j: (q[i, j].astype("int32") - tirx.const(zp, "int32")).astype("float32")
-                      * f32(s), name="post_dq")
+    if kind == "qdq":
+        # (clip(round(x / s) + zp, lo, hi) - zp) * s without the trip through int8: the same
+        # float for every finite x (integers below 2^24 add exactly; a rounded value that large
+        # clips either way), 8 instructions fewer per 16 lanes. QDQ FFN's 128x768x3072 kernel:
+        # 0.94 -> 0.86-0.90 ms, 2 threads (a reciprocal multiply instead of the division gained
+        # 2-3% more and is not exact; Markstein's exact one lost that again).
+        return te.compute(x.shape, lambda *i: te.max(te.min(te.round(x[i] / f32(s)), f32(hi - zp)),
+                                                     f32(lo - zp)) * f32(s), name="post_qdq")
+    return te.compute(x.shape, lambda *i: te.max(te.min(te.round(x[i] / f32(s)) + f32(zp), f32(hi)),
+                                                 f32(lo)).astype(dtype), name="post_q")
 
 
-def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
+def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, lut: bool = False):
     """The scheduled, tensorized PrimFunc (needs a target with the spec's instruction to build:
-    AVX-512 VNNI, or aarch64 +dotprod); `tiles` None: default_tiles (what an untuned build runs)."""
+    AVX-512 VNNI, or aarch64 +dotprod); `tiles` None: default_tiles (what an untuned build runs);
+    `lut`: the epilogue's table where lut_tail(spec) has one (the target needs AVX512_VBMI:
+    has_lut). Without it, the function MetaSchedule keys tile records by (tiles.workload)."""
     from tvm import s_tir, te
 
     from blockforge.compile.schedule.base import PARTITION_HINT
@@ -311,12 +366,14 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
     tiles = tiles or default_tiles(spec)
     if (spec.n // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
         raise ValueError(f"int8 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
-    ins, out = compute(spec, tiles.mr)
-    func = te.create_prim_func([*ins, out])
+    ins, out, table = compute(spec, tiles.mr, lut)
+    func = te.create_prim_func([*ins, *([table[0]] if table else []), out])
     sch = s_tir.Schedule(func)
     mm = sch.get_sblock("acc")
-    # The epilogue's elementwise steps (scale/bias, then the activation's) into its last block.
     steps = [b for b in sch.get_child_blocks(sch.get_sblock("root", "main")) if sch.get(b).name_hint != "acc"]
+    # The epilogue's elementwise steps (scale/bias, the activation's, the post steps) into its
+    # last block; with a table, into the level's block, the lookup after it.
+    lookup = steps.pop() if table else None
     for b in steps[:-1]:
         sch.compute_inline(b)
     ep = steps[-1]
@@ -337,6 +394,10 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
     # 1.03-1.08x slower at 5x48, one thread: 128/512x768x3072 +gelu, 128x3072x768)
     _, ejv = sch.split(ej, [None, 16])
     sch.vectorize(ejv)
+    if lookup is not None:
+        sch.reverse_compute_at(lookup, io, preserve_unit_loops=True)
+        _, lj = sch.split(sch.get_loops(lookup)[-1], [None, 16])
+        sch.annotate(lj, LUT_LOOP, 1)  # VPERMI2Bs, after scheduling (_permute_lookups)
     if tiles.split == "panels":
         # The column panels are the parallel work, the row tiles inside are serial (symbolic
         # rows: so LoopPartition, the hint, splits the guarded last tile off the full ones).
@@ -356,8 +417,121 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None):
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(ji, isa.intrin())
     f = sch.mod["main"]
+    if table:
+        f = _with_table(_permute_lookups(f), *table)
     return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
                         TILES_ATTR: tiles.describe()})
+
+
+def has_lut(target) -> bool:
+    """The target has what the epilogue's table is read with (AVX512_VBMI's VPERMI2B)."""
+    from tvm.target.codegen import target_has_features
+
+    try:
+        return bool(target_has_features("avx512vbmi", target))
+    except Exception:  # not an x86 LLVM target
+        return False
+
+
+def _permute_lookups(func):
+    """Each LUT_LOOP (16 table reads out[i, j] = table[level[i, j]]) as two VPERMI2Bs: each
+    looks 64 byte indices up in 128 bytes of the table (its two zmm), the index's bit 7 picks
+    between them. TVM's vectorizer leaves a load at a computed index to LLVM as 16 scalar
+    loads and inserts (~48 instructions) and tensorize cannot match a block whose read region
+    is data-dependent, so the loop, its block and its binding are replaced here by the vector
+    statement. (VPGATHERDD from a 1 KiB int32 table did it in one instruction, and cost more
+    than the gelu it replaced on Zen 4: 0.09-0.11 ms of the 128x768x3072 kernel.)"""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    def permute(loop):
+        realize = loop.body
+        if not isinstance(realize, tvm.s_tir.stmt.SBlockRealize) or int(loop.extent) != 16:
+            return None
+        store = realize.block.body
+        if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Cast):
+            return None
+        read = store.value.value  # table[level[i, j]]
+        if not isinstance(read, tvm.ir.TensorLoad) or not isinstance(read.indices[0], tvm.ir.TensorLoad) \
+                or str(read.source.dtype) != "int8" or int(read.source.shape[0]) != 256:
+            return None
+        if _uses(realize.predicate, loop.loop_var):
+            return None  # a guard per lane: the loop stays as it was
+        level = read.indices[0]
+        lane0 = [(loop.loop_var, tirx.const(0, str(loop.loop_var.ty)))]
+        bind = [(iv.var, _substitute(v, lane0)) for iv, v in zip(realize.block.iter_vars, realize.iter_values)]
+
+        def lanes(idx, n=16):  # the indices of the first lane, the last one as n consecutive
+            *rest, last = [_substitute(e, bind) for e in idx]
+            return [*rest, tirx.Ramp(last, tirx.const(1, str(last.ty)), n)]
+
+        byte = tirx.Cast("int8x16", tirx.BufferLoad(level.source, lanes(level.indices)))  # levels < 256: exact
+        idx = tirx.Shuffle([byte] * 4, [tirx.const(i, "int32") for i in range(64)])  # (the low 16 are used)
+        quarter = [tirx.BufferLoad(read.source, [tirx.Ramp(tirx.const(64 * q, "int32"), tirx.const(1, "int32"), 64)])
+                   for q in range(4)]
+        low, high = (tirx.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.vpermi2var.qi.512", quarter[2 * h],
+                                                idx, quarter[2 * h + 1]) for h in (0, 1))
+        picked = tirx.Select(idx < tirx.Broadcast(tirx.const(0, "int8"), 64), high, low)  # bit 7: the upper half
+        out16 = tirx.Shuffle([picked], [tirx.const(i, "int32") for i in range(16)])
+        out = tirx.BufferStore(store.buffer, tirx.reinterpret(f"{store.buffer.dtype}x16", out16), lanes(store.indices))
+        guard = _substitute(realize.predicate, bind)
+        return out if _is_true(guard) else tirx.IfThenElse(guard, out, None)
+
+    def post(s):
+        if isinstance(s, tirx.For) and LUT_LOOP in s.annotations:
+            return permute(s) or s
+        return s
+
+    return tvm_ffi.structural_map(func, (tirx.For, post))
+
+
+def _with_table(func, held, table):
+    """func with its table parameter (`held`, last but one) made a buffer of its own, filled
+    at the start by `table`'s compute: one vectorised loop over the 256 levels, once per call,
+    before the parallel tiles. (Inside the TE function itself, the table would be a producer
+    of the lookup outside the row tile, which reverse_compute_at refuses.)"""
+    from tvm import s_tir, te, tirx
+
+    tab = s_tir.Schedule(te.create_prim_func([table]))
+    blocks = tab.get_child_blocks(tab.get_sblock("root", "main"))
+    for b in blocks[:-1]:
+        tab.compute_inline(b)
+    _, lanes = tab.split(tab.get_loops(blocks[-1])[0], [None, 16])
+    tab.vectorize(lanes)
+    tf = tab.mod["main"]
+    var = func.params[-2]
+    fill = _substitute(tf.body.block.body, [(tf.params[0], var)])
+    root = func.body.block
+    block = s_tir.stmt.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                              tirx.SeqStmt([fill, root.body]), root.init,
+                              [*root.alloc_buffers, var, *tf.body.block.alloc_buffers], root.match_buffers,
+                              root.annotations)
+    params = [p for p in func.params if not p.same_as(var)]
+    return tirx.PrimFunc(params, s_tir.stmt.SBlockRealize(func.body.iter_values, func.body.predicate, block),
+                         func.ret_type, func.attrs)
+
+
+def _substitute(expr, pairs):
+    import tvm_ffi
+    from tvm import tirx
+
+    return tvm_ffi.structural_map(expr, (tirx.Var, lambda v: next((val for k, val in pairs if k.same_as(v)), v)))
+
+
+def _uses(expr, var) -> bool:
+    import tvm_ffi
+    from tvm import tirx
+
+    found = []
+    tvm_ffi.structural_walk(expr, [(tirx.Var, lambda v: found.append(v.same_as(var)))], order="pre")
+    return any(found)
+
+
+def _is_true(expr) -> bool:
+    from tvm import tirx
+
+    return isinstance(expr, tirx.IntImm) and bool(expr.value)
 
 
 def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,

@@ -288,18 +288,22 @@ class _Finder:
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
-def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True):
+def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
+              lut: bool = True):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
     (compile/quant/tiles.py), else the defaults; post False: no QDQ chain in the epilogue
     (the int8-qdq-epilogue ablation); stack False: untuned kernels on the 6 x 4 tile
-    (gemm.LEGACY_TILE, the int8-stack-tiles ablation)."""
+    (gemm.LEGACY_TILE, the int8-stack-tiles ablation); lut False: the steps after a QDQ
+    epilogue's last requantize per element, not read from a table (gemm.lut_tail, where the
+    target has AVX512_VBMI; the int8-lut-tail ablation)."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
 
     shift_for = ISAS[isa].shift
+    lut = lut and target is not None and gemm.has_lut(target)
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -321,7 +325,8 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                     _log.info("int8 gemm %s: tuned tiles %s", spec.describe(), tiles.describe())
                 elif not stack:
                     tiles = gemm.default_tiles(spec, stack=False)
-                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, tiles), f"int8_gemm_{len(self.funcs)}")
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, tiles, lut=lut),
+                                               f"int8_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 
         def emit_call(self, mt: _Match):
