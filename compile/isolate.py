@@ -164,20 +164,22 @@ def _run_checked(path: Path, cmd: list[str], what: str, verb: str, timeout: floa
     return c
 
 
-def run_ort(path: str | Path, model, inputs: dict, device: str = "cpu") -> dict:
+def run_ort(path: str | Path, model, inputs: dict, device: str = "cpu", optimize: bool = True) -> dict:
     """ONNX Runtime's outputs for the model at `path` (= `model`, as loaded), run in a child
     process under the memory limit: the model is untrusted, and ORT's session setup folds
-    constants and its run allocates whatever the graph asks for."""
+    constants and its run allocates whatever the graph asks for. optimize False: its graph
+    optimizations off (graph/ort.py session)."""
     from blockforge.graph import ort as ort_runner
 
     if not settings.isolate():
-        return ort_runner.run(model, inputs, device=device)
+        return ort_runner.run(model, inputs, device=device, optimize=optimize)
     import numpy as np
 
     path = Path(path)
     with tempfile.TemporaryDirectory(prefix="blockforge-ort-") as d:
         np.savez(Path(d) / "in.npz", **inputs)
         cmd = [sys.executable, "-m", "blockforge.compile.isolate", str(path), "--ort", d, "--device", device]
+        cmd += [] if optimize else ["--as-written"]
         # no time limit: the run is the work itself (it had none in-process either)
         _run_checked(path, cmd, "ONNX Runtime", "run in ONNX Runtime", timeout=float("inf"))
         try:
@@ -329,14 +331,14 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
-def _run_ort(model, folder: Path, device: str) -> None:
+def _run_ort(model, folder: Path, device: str, optimize: bool = True) -> None:
     import numpy as np
 
     from blockforge.graph import ort as ort_runner
 
     with np.load(folder / "in.npz", allow_pickle=False) as z:
         inputs = {k: z[k] for k in z.files}
-    outs = ort_runner.run(model, inputs, device=device)
+    outs = ort_runner.run(model, inputs, device=device, optimize=optimize)
     np.savez(folder / "out.npz", **{f"o{i}": v for i, v in enumerate(outs.values())})
     (folder / "names.json").write_text(json.dumps(list(outs)))
 
@@ -351,13 +353,14 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--out", default=None, help="folder: what the child made, for the parent (_read_back)")
     ap.add_argument("--ort", default=None, help="folder: run in ONNX Runtime, in.npz -> out.npz + names.json")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--as-written", action="store_true", help="with --ort: ORT's graph optimizations off")
     a = ap.parse_args(argv)
     _limit_memory()
     try:
         if a.ort:
             from blockforge.graph.model_io import load_model
 
-            _run_ort(load_model(a.model), Path(a.ort), a.device)
+            _run_ort(load_model(a.model), Path(a.ort), a.device, optimize=not a.as_written)
         else:
             mode = "tvm" if a.tvm else ("prepare" if a.prepare else "sizes")
             out = Path(a.out).resolve()

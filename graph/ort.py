@@ -31,10 +31,15 @@ def _gpu_present() -> bool:
     return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
 
 
-def session(model: onnx.ModelProto, *, threads: int | None = None, device: str = "cpu", spin: bool = True):
+def session(model: onnx.ModelProto, *, threads: int | None = None, device: str = "cpu", spin: bool = True,
+            optimize: bool = True):
+    """optimize False: ORT's graph optimizations off (ORT_DISABLE_ALL): the graph as written, no
+    fused kernels (a quantized model's parity spread, graph/parity.py)."""
     ort = _ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1

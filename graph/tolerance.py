@@ -154,7 +154,9 @@ class Comparison:
         return self.tol.atol / self.tol.rtol if self.tol.rtol > 0 else float("inf")
 
 
-def compare(pair: str, output: str, actual: np.ndarray, expected: np.ndarray, tol: Tolerance) -> Comparison:
+def compare(pair: str, output: str, actual: np.ndarray, expected: np.ndarray, tol: Tolerance,
+            floor: float = 0.0) -> Comparison:
+    """floor: an allowance no element's is below (within_spread's); 0: the row's alone."""
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
@@ -180,7 +182,8 @@ def compare(pair: str, output: str, actual: np.ndarray, expected: np.ndarray, to
         max_rel = float((err[nz] / np.abs(e[nz])).max()) if nz.any() else None
         return Comparison(pair, output, max_abs, max_rel, tol, rel <= tol.rel_l2, note, int(nz.sum()), int(err.size),
                           rel / tol.rel_l2, rel_l2=rel)
-    allowed = tol.atol + tol.step * (float(np.abs(e).max()) if e.size else 0.0) + tol.rtol * np.abs(e)
+    allowed = np.maximum(tol.atol + tol.step * (float(np.abs(e).max()) if e.size else 0.0) + tol.rtol * np.abs(e),
+                         floor)
     big = (tol.rtol * np.abs(e) >= tol.atol) & (e != 0)  # where rtol, not atol, sets the allowance
     rel_count = int(big.sum())
     max_rel = float((err[big] / np.abs(e[big])).max()) if rel_count else None
@@ -212,3 +215,36 @@ def compare_accuracy(pair: str, output: str, actual: np.ndarray, expected: np.nd
     note = f"{precision} vs float: rel L2 err {c.rel_l2:.2e} {'<=' if ok else '>'} gate {gate:g}"
     return replace(c, passed=ok, note="; ".join(filter(None, [c.note, note])), precision=precision, gate=gate,
                    tol_used=c.rel_l2 / gate)
+
+
+# int8 parity against ORT's own spread. ORT runs a quantized file two ways that are both the
+# file's computation: with its graph optimizations (fused int8 kernels: what bench and verify
+# run) and as written (ORT_DISABLE_ALL). Where a value lies on a rounding tie they part by whole
+# requantize steps, and so may blockforge. An output beyond the int8 row but no farther from
+# ORT than ORT's two runs are from each other is as close as the reference is to itself: it
+# passes, and says so. Measured: BERT-base QDQ MHA at seq 512 (its softmax output quantized at
+# a scale calibrated on 32-token batches): ORT optimized vs as written 1.91x the row (184 of
+# 393,216 elements beyond it), blockforge vs ORT 1.91x (685). At most SPREAD_CAP x the row's
+# step allowance: farther apart, one of ORT's runs is broken, not rounded.
+SPREAD_CAP = 4.0
+
+
+def within_spread(c: Comparison, actual: np.ndarray, expected: np.ndarray, written: np.ndarray) -> Comparison:
+    """A failed elementwise int8 row `c` (actual against ORT's optimized run `expected`)
+    judged again with ORT's spread, max |expected - written| (`written`: ORT's run as written),
+    as the least allowance of every element (capped at SPREAD_CAP times the row's steps)."""
+    e, w = np.asarray(expected, np.float64), np.asarray(written, np.float64)
+    if c.passed or c.tol.step <= 0 or c.tol.rel_l2 is not None or e.shape != w.shape or not e.size \
+            or not (np.isfinite(e).all() and np.isfinite(w).all()):
+        return c
+    spread = float(np.abs(e - w).max())
+    cap = SPREAD_CAP * c.tol.step * float(np.abs(e).max())
+    again = compare(c.pair, c.output, actual, expected, c.tol, floor=min(spread, cap))
+    spread_note = (f"ONNX Runtime's own spread on this file (optimized vs as written): max {spread:.2e}"
+                   + (f", capped at {SPREAD_CAP:g}x the row's steps" if spread > cap else ""))
+    if again.passed:
+        note = f"beyond the int8 row ({c.tol_used:.3g}x) but within {spread_note}"
+    else:
+        note = f"beyond the int8 row ({c.tol_used:.3g}x) and beyond {spread_note}"
+    # tol_used stays the row's: the figure the user compares with the row
+    return replace(c, passed=again.passed, note="; ".join(filter(None, [c.note, note])))
