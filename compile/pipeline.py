@@ -71,6 +71,9 @@ ABLATIONS = {
     "int8-qdq-epilogue": "a QDQ model's requantize / bias / gelu chain after an int8 GEMM computed in the "
                          "kernel's epilogue, writing the next GEMM's int8 input (compile/quant/gemm.py POST_STEPS; "
                          "left out: the GEMM writes float32 and a second kernel re-quantizes it)",
+    "concat-stack": "a concat along the last axis of equal parts (a QDQ MHA's heads, rotate_half) as a stack on "
+                    "a new axis and a reshape, so the vectorised kernel reads whole vectors (compile/passes/"
+                    "concat_stack.py; left out: masked gathers per element)",
     "int8-lut-tail": "a QDQ epilogue's gelu and quantize after its last requantize read from a 256-byte table "
                      "of the levels with VPERMI2B (AVX512_VBMI targets; compile/quant/gemm.py lut_tail; left out: "
                      "gelu and the quantize's division per element)",
@@ -231,6 +234,10 @@ def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None)
             from blockforge.compile.schedule.base import vector_lanes
 
             norms.append(qkv_heads_pass(vector_lanes(cpu_target.tvm_target())))
+        if cpu_target is not None and "concat-stack" not in without:  # (a CPU vectorisation matter)
+            from blockforge.compile.passes.concat_stack import concat_stack_pass
+
+            norms.append(concat_stack_pass())
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
                 fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),
                 relax.transform.FoldConstant()]
