@@ -55,7 +55,7 @@ PARALLEL_MACS = 1 << 22
 # them, and one core reads about half the machine's bandwidth (768 x 768 is 0.6 MB).
 PARALLEL_WEIGHT_BYTES = 1 << 18
 # The epilogue's table (lut_tail): the loop of 16 lookups the kernel marks for _permute_lookups.
-LUT_LOOP = "blockforge.int8_gemm.lut_gather"
+LUT_LOOP = "blockforge.int8_gemm.lut_lookup"
 KERNEL_ATTR = "blockforge.int8_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
 TILES_ATTR = KERNEL_ATTR + ".tiles"  # PrimFunc attr: the tiles it was scheduled with (describe())
 ACTIVATIONS = ("none", "relu", "gelu")
@@ -230,10 +230,11 @@ def lut_tail(spec: Int8GemmSpec) -> int | None:
     same TE, so the same floats as per element) and reads with VPERMI2B (_permute_lookups).
     The QDQ FFN's first GEMM (128x768x3072, >qdq >bias >qdq >gelu >q): gelu + quantize cost
     0.17-0.18 ms of its 0.93 ms, 2 threads; read by VPGATHERDD the table cost 0.09-0.11 ms
-    (Zen 4's gather), by VPERMI2B the kernel takes 0.76-0.78 ms against 0.87-0.89 per element
-    (the FFN as ORT's quantize_static writes it: 0.96x at seq 128, 0.92x at 512). blockforge's
-    own `export --quantize static` leaves the bias Add in float (no requantize after it): its
-    gelu reads a per-column value and stays per element."""
+    (Zen 4's gather), by VPERMI2B the kernel takes 0.76-0.78 ms against 0.87-0.89 per element;
+    the FFN as ORT's quantize_static writes it, with / without, two runs: 0.96x and 1.00x at
+    seq 128, 0.92x and 0.94x at 512. blockforge's own `export --quantize static` leaves the bias
+    Add in float (no requantize after it): its gelu reads a per-column value and stays per
+    element."""
     if spec.isa != "vnni" or not spec.post or spec.post[-1][0] != "q":
         return None
     for t, step in enumerate(spec.post):
