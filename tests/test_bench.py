@@ -333,3 +333,17 @@ def test_kernel_classes_name_where_the_time_goes():
     assert {n: kernel_class(n) for n in cases} == cases
     shares = class_shares([KernelProfile("matmul", 1, 3.0, 0), KernelProfile("layer_norm", 1, 1.0, 0)])
     assert shares == {"GEMM": 75.0, "attention": 0.0, "conv": 0.0, "elementwise/norm": 25.0, "other": 0.0}
+
+
+def test_profile_says_what_its_kernels_sum_to_against_the_median():
+    """bench --profile's header line: the kernels' sum against the contender's median, and a
+    warning where the instrumented run overstates it (many small kernels)."""
+    from blockforge.bench.report import PROFILE_OVERSTATES, KernelProfile, profile_sum_line
+
+    ks = [KernelProfile("int8_gemm_0", 3, 4.0, 50.0), KernelProfile("fused_softmax", 12, 4.0, 50.0)]
+    close = profile_sum_line(ks, 7.8)
+    assert "kernels sum to 8.000 ms per run, 1.03x the median (7.800 ms), 15 calls" in close
+    assert "read the shares" not in close
+    far = profile_sum_line(ks, 8.0 / (PROFILE_OVERSTATES + 0.3))
+    assert "read the shares, not the milliseconds" in far
+    assert profile_sum_line(ks, None) == "" and profile_sum_line([], 5.0) == ""
