@@ -157,8 +157,8 @@ class BenchReport:
         for name, kernels in self.profile.items():
             by_class = ", ".join(f"{c} {v:.0f}%" for c, v in class_shares(kernels).items() if v >= 0.5)
             lines += ["", f"profile of {name} (per run; by class: {by_class}):", ""]
-            lines += [line for line in [profile_sum_line(kernels, next(
-                (r.median_ms for r in self.results if r.name == name), None))] if line]
+            total = profile_sum_line(kernels, next((r.median_ms for r in self.results if r.name == name), None))
+            lines += [total, ""] if total else []
             lines += ["| kernel | calls | ms | % |", "|---|---|---|---|"]
             lines += [f"| {k.name} | {k.calls} | {k.total_ms:.3f} | {k.pct:.1f}% |" for k in kernels]
         return "\n".join(lines)
@@ -182,7 +182,7 @@ def profile_sum_line(kernels: list[KernelProfile], median_ms: float | None) -> s
     if ratio > PROFILE_OVERSTATES:
         line += ("; each call's instrumentation (a device sync, a Python callback) counts in its kernel, so read "
                  "the shares, not the milliseconds")
-    return line + "\n"
+    return line
 
 
 def case_label(r: BenchReport) -> str:

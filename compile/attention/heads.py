@@ -33,20 +33,16 @@ _log = logging.getLogger("blockforge.attention")
 
 def graph(func):
     """(values, users) of a Relax function's bindings: var -> value, var -> the binding vars
-    reading it (each once, in binding order)."""
+    reading it (each once, in binding order; passes/exprs.users_of without the function's
+    result as a reader)."""
     from tvm import relax
 
-    values, users = {}, {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if isinstance(b, relax.VarBinding):
-                values[b.var] = b.value
-                seen = []
-                relax.analysis.post_order_visit(b.value, lambda e, seen=seen: seen.append(e)
-                                                if isinstance(e, relax.Var) else None)
-                for v in dict.fromkeys(seen):
-                    users.setdefault(v, []).append(b.var)
-    return values, users
+    from blockforge.compile.passes.exprs import users_of
+
+    values = {b.var: b.value for block in func.body.blocks for b in block.bindings
+              if isinstance(b, relax.VarBinding)}
+    users = {v: [u for u in us if u is not None] for v, us in users_of(func).items()}
+    return values, {v: us for v, us in users.items() if us}
 
 
 def concat_slot(values: dict, users: dict, var, depth: int = 24):

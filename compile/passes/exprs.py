@@ -1,4 +1,4 @@
-"""Small Relax expression helpers the rewrite passes share."""
+"""Small Relax (and TIR) expression helpers the rewrite passes share."""
 
 from __future__ import annotations
 
@@ -55,3 +55,19 @@ def users_of(func) -> dict:
     for v in relax.analysis.free_vars(func.body.body):
         users.setdefault(v, []).append(None)
     return users
+
+
+def substitute_vars(node, pairs):
+    """A TIR node with each var of `pairs` ((var, value), ...) replaced by its value."""
+    import tvm_ffi
+
+    return tvm_ffi.structural_map(node, (tvm.tirx.Var, lambda v: next((val for k, val in pairs if k.same_as(v)), v)))
+
+
+def var_count(node, var) -> int:
+    """How many times a TIR node refers to `var` (a loop var, a buffer's data var)."""
+    import tvm_ffi
+
+    n = [0]
+    tvm_ffi.structural_walk(node, (tvm.tirx.Var, lambda v: n.__setitem__(0, n[0] + v.same_as(var))))
+    return n[0]

@@ -28,6 +28,8 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from blockforge.compile.passes.exprs import substitute_vars
+
 # Loop annotation CPUMatmul puts on the micro-tile's row loop of a prepacked GEMM (value: the
 # panel width NR in elements).
 PREFETCH_LOOP = "blockforge.panel_prefetch"
@@ -38,14 +40,6 @@ def _all(root, kind) -> list:
     out = []
     tvm_ffi.structural_walk(root, [(kind, out.append)], order="pre")
     return out
-
-
-def _substitute(expr, pairs):
-    """expr with each var of `pairs` ((var, value), ...) replaced by its value."""
-    def var(v):
-        return next((val for k, val in pairs if k.same_as(v)), v)
-
-    return tvm_ffi.structural_map(expr, (tirx.Var, var))
 
 
 def _update_block(stmt):
@@ -76,9 +70,9 @@ def _prefetch_for(loop: tirx.For):
     # block vars -> the loops' values, at the tile's first row (this loop's var = 0) and column
     # (every loop inside it = 0)
     zero = [(f.loop_var, tirx.const(0, str(f.extent.ty))) for f in [loop, *_all(loop.body, tirx.For)]]
-    bind = [(iv.var, _substitute(v, zero)) for iv, v in zip(block.iter_vars, realize.iter_values)]
+    bind = [(iv.var, substitute_vars(v, zero)) for iv, v in zip(block.iter_vars, realize.iter_values)]
     ana = tvm.sym.Analyzer()
-    idx = [ana.simplify(_substitute(i, bind)) for i in load.indices]
+    idx = [ana.simplify(substitute_vars(i, bind)) for i in load.indices]
     rows = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
     if len(rows) < 2:
         return None

@@ -38,15 +38,6 @@ def _symbolic(buffer) -> bool:
     return any(not isinstance(e, tirx.IntImm) for e in buffer.shape)
 
 
-def _count(stmt, buf) -> int:
-    import tvm_ffi
-    from tvm import tirx
-
-    n = [0]
-    tvm_ffi.structural_walk(stmt, (tirx.Var, lambda v: n.__setitem__(0, n[0] + v.same_as(buf))))
-    return n[0]
-
-
 class _Scope:
     """What the statements after an allocation do with its buffer."""
 
@@ -55,6 +46,8 @@ class _Scope:
         import tvm_ffi
         from tvm import tirx
 
+        from blockforge.compile.passes.exprs import var_count
+
         self.lets, self.loads, self.stores = {}, [], []
         for s in stmts:
             tvm_ffi.structural_walk(s, [(tirx.LetStmt, lambda x: self.lets.__setitem__(x.var, x.value)),
@@ -62,18 +55,20 @@ class _Scope:
                                         (tirx.BufferStore, lambda x: self.stores.append(x) if x.buffer.same_as(buf) else None)])
         # every mention of the buffer is one of those accesses: no view, no address taken
         zero = tirx.IntImm("int64", 0)
-        per_load = _count(tirx.BufferLoad(buf, [zero]), buf)
-        per_store = _count(tirx.BufferStore(buf, tirx.BufferLoad(buf, [zero]), [zero]), buf) - per_load
-        self.escaped = sum(_count(s, buf) for s in stmts) != per_load * len(self.loads) + per_store * len(self.stores)
+        per_load = var_count(tirx.BufferLoad(buf, [zero]), buf)
+        per_store = var_count(tirx.BufferStore(buf, tirx.BufferLoad(buf, [zero]), [zero]), buf) - per_load
+        self.escaped = sum(var_count(s, buf) for s in stmts) != per_load * len(self.loads) + per_store * len(self.stores)
         # an element's address taken (then read past the element, by a call or a vector load)
         for s in stmts:
             tvm_ffi.structural_walk(s, (tvm.ir.Call, lambda c: self._address(c, buf)))
-        self.users = [s for s in stmts if _count(s, buf)]  # the statements of the list that touch it
+        self.users = [s for s in stmts if var_count(s, buf)]  # the statements of the list that touch it
 
     def _address(self, call, buf) -> None:
         import tvm
 
-        if isinstance(call.op, tvm.ir.Op) and call.op.name == "tirx.address_of" and any(_count(a, buf) for a in call.args):
+        from blockforge.compile.passes.exprs import var_count
+
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "tirx.address_of" and any(var_count(a, buf) for a in call.args):
             self.escaped = True
 
     def inline(self, e):

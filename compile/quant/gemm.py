@@ -449,6 +449,8 @@ def _permute_lookups(func):
     import tvm_ffi
     from tvm import tirx
 
+    from blockforge.compile.passes.exprs import substitute_vars, var_count
+
     def permute(loop):
         realize = loop.body
         if not isinstance(realize, tvm.s_tir.stmt.SBlockRealize) or int(loop.extent) != 16:
@@ -460,14 +462,14 @@ def _permute_lookups(func):
         if not isinstance(read, tvm.ir.TensorLoad) or not isinstance(read.indices[0], tvm.ir.TensorLoad) \
                 or str(read.source.dtype) != "int8" or int(read.source.shape[0]) != 256:
             return None
-        if _uses(realize.predicate, loop.loop_var):
+        if var_count(realize.predicate, loop.loop_var):
             return None  # a guard per lane: the loop stays as it was
         level = read.indices[0]
         lane0 = [(loop.loop_var, tirx.const(0, str(loop.loop_var.ty)))]
-        bind = [(iv.var, _substitute(v, lane0)) for iv, v in zip(realize.block.iter_vars, realize.iter_values)]
+        bind = [(iv.var, substitute_vars(v, lane0)) for iv, v in zip(realize.block.iter_vars, realize.iter_values)]
 
         def lanes(idx, n=16):  # the indices of the first lane, the last one as n consecutive
-            *rest, last = [_substitute(e, bind) for e in idx]
+            *rest, last = [substitute_vars(e, bind) for e in idx]
             return [*rest, tirx.Ramp(last, tirx.const(1, str(last.ty)), n)]
 
         byte = tirx.Cast("int8x16", tirx.BufferLoad(level.source, lanes(level.indices)))  # levels < 256: exact
@@ -479,7 +481,7 @@ def _permute_lookups(func):
         picked = tirx.Select(idx < tirx.Broadcast(tirx.const(0, "int8"), 64), high, low)  # bit 7: the upper half
         out16 = tirx.Shuffle([picked], [tirx.const(i, "int32") for i in range(16)])
         out = tirx.BufferStore(store.buffer, tirx.reinterpret(f"{store.buffer.dtype}x16", out16), lanes(store.indices))
-        guard = _substitute(realize.predicate, bind)
+        guard = substitute_vars(realize.predicate, bind)
         return out if _is_true(guard) else tirx.IfThenElse(guard, out, None)
 
     def post(s):
@@ -497,6 +499,8 @@ def _with_table(func, held, table):
     of the lookup outside the row tile, which reverse_compute_at refuses.)"""
     from tvm import s_tir, te, tirx
 
+    from blockforge.compile.passes.exprs import substitute_vars
+
     tab = s_tir.Schedule(te.create_prim_func([table]))
     blocks = tab.get_child_blocks(tab.get_sblock("root", "main"))
     for b in blocks[:-1]:
@@ -505,7 +509,7 @@ def _with_table(func, held, table):
     tab.vectorize(lanes)
     tf = tab.mod["main"]
     var = func.params[-2]
-    fill = _substitute(tf.body.block.body, [(tf.params[0], var)])
+    fill = substitute_vars(tf.body.block.body, [(tf.params[0], var)])
     root = func.body.block
     block = s_tir.stmt.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
                               tirx.SeqStmt([fill, root.body]), root.init,
@@ -514,22 +518,6 @@ def _with_table(func, held, table):
     params = [p for p in func.params if not p.same_as(var)]
     return tirx.PrimFunc(params, s_tir.stmt.SBlockRealize(func.body.iter_values, func.body.predicate, block),
                          func.ret_type, func.attrs)
-
-
-def _substitute(expr, pairs):
-    import tvm_ffi
-    from tvm import tirx
-
-    return tvm_ffi.structural_map(expr, (tirx.Var, lambda v: next((val for k, val in pairs if k.same_as(v)), v)))
-
-
-def _uses(expr, var) -> bool:
-    import tvm_ffi
-    from tvm import tirx
-
-    found = []
-    tvm_ffi.structural_walk(expr, [(tirx.Var, lambda v: found.append(v.same_as(var)))], order="pre")
-    return any(found)
 
 
 def _is_true(expr) -> bool:
