@@ -121,7 +121,7 @@ def _kernel_call(spec, tiles=None):
 
     m, k, n = spec.m, spec.k, spec.n
     target = resolve("host").tvm_target()
-    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, tiles, lut=gemm.has_lut(target))}), target=target)
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, tiles, gemm.epilogue_for(target))}), target=target)
     rng = np.random.default_rng(0)
     a = rng.integers(0, 256, (m, k), dtype=np.uint8)
     w = rng.integers(-128, 128, (k, n), dtype=np.int8)
@@ -299,6 +299,8 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
         calls["blockforge int8 (int8-qdq-epilogue off)"], _ = tvm_call(sq, {"int8-qdq-epilogue"})
         # gelu and the quantize per element instead of from the byte table (gemm.lut_tail)
         calls["blockforge int8 (int8-lut-tail off)"], _ = tvm_call(sq, {"int8-lut-tail"})
+        # the quantize's division per element instead of the multiply by 1 / scale (gemm.Epilogue)
+        calls["blockforge int8 (int8-recip-quantize off)"], _ = tvm_call(sq, {"int8-recip-quantize"})
     # the untuned kernels on the 6 x 4 tile (1536 B of accumulators: a workspace per row tile)
     calls["blockforge int8 (int8-stack-tiles off)"], _ = tvm_call(sq, {"int8-stack-tiles"})
     if no_avx512:

@@ -77,6 +77,9 @@ ABLATIONS = {
     "int8-lut-tail": "a QDQ epilogue's gelu and quantize after its last requantize read from a 256-byte table "
                      "of the levels with VPERMI2B (AVX512_VBMI targets; compile/quant/gemm.py lut_tail; left out: "
                      "gelu and the quantize's division per element)",
+    "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
+                           "OpenVINO quantize with a multiplier; compile/quant/gemm.py Epilogue; left out: "
+                           "x / scale per element, bit-exact with the unfused build, vdivps Zen 4's slowest op)",
     "int8-stack-tiles": "the untuned int8 VNNI GEMM's micro-tile sized so its accumulators (5 x 3 vectors, 960 B) "
                         "are a stack alloca (compile/quant/gemm.py STACK_BYTES; left out: the 6 x 4 tile, 1536 B, "
                         "a workspace alloc/free per row tile)",
@@ -184,15 +187,19 @@ def target_int8_isa(target: ResolvedTarget) -> str | None:
     return isa.name if isa is not None else None
 
 
-def _int8_gemm(isa: str, target: ResolvedTarget, database, post: bool = True, stack: bool = True,
-               lut: bool = True) -> Callable[[], list]:
+def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -> Callable[[], list]:
     def passes() -> list:
+        from blockforge.compile.quant.gemm import epilogue_for
         from blockforge.compile.quant.rewrite import int8_gemm
 
         # Before optimize: its fast_math turns gelu into a call_tir the epilogue matcher would
         # no longer see (as fuse-attention, for softmax); the int32 matmul is still one op.
         # The database: tuned tiles per kernel (compile/quant/tiles.py).
-        return [int8_gemm(isa, target.tvm_target(), database, post=post, stack=stack, lut=lut)]
+        tvm_target = target.tvm_target()
+        epilogue = epilogue_for(tvm_target, lut="int8-lut-tail" not in without,
+                                reciprocal="int8-recip-quantize" not in without)
+        return [int8_gemm(isa, tvm_target, database, post="int8-qdq-epilogue" not in without,
+                          stack="int8-stack-tiles" not in without, epilogue=epilogue)]
     return passes
 
 
@@ -432,8 +439,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if kv_inplace and cpu:
         out.append(Phase("kv-inplace", _kv_inplace))
     if isa is not None:
-        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, "int8-qdq-epilogue" not in without,
-                                                 "int8-stack-tiles" not in without, "int8-lut-tail" not in without)))
+        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, frozenset(without))))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:

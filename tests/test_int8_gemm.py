@@ -125,8 +125,8 @@ def test_spec_refuses_what_the_intrinsic_cannot_tile():
         gemm.Int8GemmSpec(k=32, n=40)
 
 
-def _run_kernel(spec, a, w, zp_a, scale=None, bias=None, rowcorr=None):
-    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=_host())
+def _run_kernel(spec, a, w, zp_a, scale=None, bias=None, rowcorr=None, epilogue=gemm.Epilogue()):
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=epilogue)}), target=_host())
     args = [a, gemm.pack_weights(w), gemm.column_sums(w), np.array(zp_a, np.int32)]
     args += [x for x in (rowcorr, scale, bias) if x is not None]
     out = tvm.runtime.tensor(np.zeros((a.shape[0], spec.n), spec.out_dtype))
@@ -392,11 +392,14 @@ def test_qdq_ffn_matches_ort_on_the_int8_kernel(qdq_ffn, monkeypatch):
 _POST = (("qdq", 0.03, 2, "int8"), ("bias",), ("qdq", 0.04, -3, "int8"), ("relu",), ("q", 0.01, -120, "int8"))
 
 
+@pytest.mark.parametrize("reciprocal", [False, True])
 @pytest.mark.parametrize("m, last", [(13, ("q", 0.01, -120, "int8")), (None, ("q", 0.01, 7, "uint8")),
                                      (12, ("qdq", 0.03, 0, "int8"))])
-def test_qdq_chain_in_the_epilogue_is_exact(m, last):
+def test_qdq_chain_in_the_epilogue_is_exact(m, last, reciprocal):
     """The POST_STEPS epilogue, bit for bit against numpy (round half to even of x / scale, + zp,
-    clipped), int8 or uint8 out or float after a last requantize; ragged, symbolic, whole tiles."""
+    clipped; or of x * (1 / scale), Epilogue.reciprocal), int8 or uint8 out or float after a
+    last requantize; ragged, symbolic, whole tiles. The reciprocal is within one level of the
+    division."""
     _need_vnni_host()
     rng = np.random.default_rng(11)
     spec = gemm.Int8GemmSpec(k=64, n=48, m=m, scale="column", bias=True, post=_POST[:-1] + (last,))
@@ -406,10 +409,17 @@ def test_qdq_chain_in_the_epilogue_is_exact(m, last):
     w = rng.integers(-128, 128, (64, 48), dtype=np.int8)
     scale = rng.uniform(2e-5, 6e-5, 48).astype(np.float32)  # pre-activations of about +-5: some clip
     bias = rng.standard_normal(48).astype(np.float32)
-    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias)
-    ref = gemm.reference(spec, a, w, 128, 0, scale, bias)
+    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias,
+                         epilogue=gemm.Epilogue(reciprocal=reciprocal))
+    ref = gemm.reference(spec, a, w, 128, 0, scale, bias, reciprocal=reciprocal)
     assert got.dtype == ref.dtype
     np.testing.assert_array_equal(got, ref)
+    divided = gemm.reference(spec, a, w, 128, 0, scale, bias)
+    # a level that moves moves by one; what follows re-rounds it onto its own grid
+    value = lambda q: (q.astype(np.float64) - last[2]) * last[1] if last[0] == "q" else q  # noqa: E731
+    steps = [st[1] for st in spec.post if st[0] in ("qdq", "q")]
+    assert np.abs(value(got) - value(divided)).max() <= (max(steps) + last[1]) * 1.0001
+    assert np.mean(got != divided) < 0.05
     if last[0] == "q":  # the clip at both ends is exercised
         lo, hi = (-128, 127) if last[3] == "int8" else (0, 255)
         assert (got == hi).any() and (got == last[2]).any(), np.unique(got)
@@ -441,7 +451,7 @@ def test_lut_kernel_fills_the_table_once_and_reads_it_with_vpermi2b():
     parameters are the per-element kernel's; each 16 outputs are two byte permutes (no gather,
     no gelu division per element)."""
     spec = _lut_spec(_GELU_POST + (("q", 0.01, 7, "uint8"),), m=512, k=256)  # (parallel: PARALLEL_MACS)
-    plain, lut = gemm.kernel(spec), gemm.kernel(spec, lut=True)
+    plain, lut = gemm.kernel(spec), gemm.kernel(spec, epilogue=gemm.Epilogue(lut=True))
     assert len(lut.params) == len(plain.params)
     root = lut.body.block.body
     assert isinstance(root, tvm.tirx.SeqStmt) and isinstance(root[0], tvm.tirx.For), root
@@ -456,10 +466,24 @@ def test_lut_kernel_fills_the_table_once_and_reads_it_with_vpermi2b():
     assert asm["lut"].count("vdivps") < asm["plain"].count("vdivps")
 
 
+def test_reciprocal_quantize_leaves_no_division_per_element():
+    """Epilogue.reciprocal: the requantize chain multiplies (vdivps, Zen 4's slowest vector op,
+    is left to the dividing kernel: three per 16 outputs of a two-requantize chain)."""
+    spec = _lut_spec(_POST, m=512, k=256)
+    asm = {r: tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=gemm.Epilogue(reciprocal=r))}),
+                          target=ZNVER4).mod.inspect_source("s") for r in (False, True)}
+    assert "vdivps" in asm[False] and "vdivps" not in asm[True]
+    assert gemm.epilogue_for(ZNVER4) == gemm.Epilogue(lut=True, reciprocal=True)
+    assert gemm.epilogue_for(SKYLAKE, reciprocal=False) == gemm.Epilogue()
+    assert gemm.epilogue_for(ZNVER4, lut=False).lut is False
+
+
+@pytest.mark.parametrize("reciprocal", [False, True])
 @pytest.mark.parametrize("m, out", [(13, "uint8"), (None, "int8"), (20, "uint8")])
-def test_lut_tail_is_bit_exact_with_the_per_element_epilogue(m, out):
+def test_lut_tail_is_bit_exact_with_the_per_element_epilogue(m, out, reciprocal):
     """Every level (both clips), ragged / symbolic / whole row tiles, uint8 (levels above 127
-    wrap in the byte table) and int8 out: the table's bytes are the per-element floats."""
+    wrap in the byte table) and int8 out: the table's bytes are the per-element floats, with
+    either quantize (the division, the reciprocal)."""
     _need_vnni_host()
     if not gemm.has_lut(_host()):
         pytest.skip("this CPU has no AVX512_VBMI: the table is not built for it")
@@ -474,7 +498,8 @@ def test_lut_tail_is_bit_exact_with_the_per_element_epilogue(m, out):
     args = [a, gemm.pack_weights(w), gemm.column_sums(w), np.array(128, np.int32), scale, bias]
     outs = []
     for lut in (False, True):
-        lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, lut=lut)}), target=_host())
+        epilogue = gemm.Epilogue(lut=lut, reciprocal=reciprocal)
+        lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=epilogue)}), target=_host())
         o = tvm.runtime.tensor(np.zeros((rows, 48), out))
         lib["main"](*[tvm.runtime.tensor(x) for x in args], o)
         outs.append(o.numpy())
@@ -503,7 +528,8 @@ def test_qdq_ffn_chain_between_the_gemms_is_in_the_kernels(qdq_gelu_ffn, seq, mo
     """A QDQ FFN (gelu): the requantize / bias / requantize / gelu / quantize chain after the
     first GEMM runs in its epilogue, which writes the second GEMM's int8 input (no float32
     512x3072 tensor through memory at BERT's seq 512); the second GEMM's chain likewise. The
-    same numbers as the unfused build (the int8-qdq-epilogue ablation) and ORT within a step."""
+    same numbers as the unfused build (the int8-qdq-epilogue ablation) where the epilogue
+    divides (the int8-recip-quantize ablation), within a step of it and of ORT as built."""
     _need_vnni_host()
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     from tvm import relax
@@ -537,14 +563,16 @@ def test_qdq_ffn_chain_between_the_gemms_is_in_the_kernels(qdq_gelu_ffn, seq, mo
     assert tables(frozenset()) == (1 if gemm.has_lut(s.target.tvm_target()) else 0)
     assert tables(frozenset({"int8-lut-tail"})) == 0
     vms = [relax.VirtualMachine(s.build(without=w).executable, tvm.cpu())
-           for w in (frozenset(), frozenset({"int8-qdq-epilogue"}), frozenset({"int8-lut-tail"}))]
+           for w in (frozenset(), frozenset({"int8-qdq-epilogue"}), frozenset({"int8-lut-tail"}),
+                     frozenset({"int8-recip-quantize"}))]
     for n in ((seq,) if seq else (1, 7, 16)):
         x = np.random.default_rng(n).standard_normal((1, n, 64)).astype(np.float32)
-        got, unfused, no_table = (vm["main"](tvm.runtime.tensor(x)).numpy() for vm in vms)
-        np.testing.assert_array_equal(got, unfused)
+        got, unfused, no_table, divided = (vm["main"](tvm.runtime.tensor(x)).numpy() for vm in vms)
+        np.testing.assert_array_equal(divided, unfused)
         np.testing.assert_array_equal(got, no_table)
         ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
-        assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+        step = float(np.abs(ref).max()) / 255
+        assert np.abs(got - ref).max() <= step and np.abs(got - unfused).max() <= step
 
 
 @pytest.mark.parametrize("bad", [-0.04, float("nan")])  # (0: the import refuses it, one line)

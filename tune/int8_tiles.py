@@ -56,7 +56,7 @@ def tune_int8_tiles(mod, db, target, builder, runner, dims: dict[str, int], job_
             cands.insert(0, default)
         built, secs = {}, {}
         for t in cands:
-            func = gemm.kernel(spec, t, lut=gemm.has_lut(tgt))  # as the int8-gemm phase builds it
+            func = gemm.kernel(spec, t, gemm.epilogue_for(tgt))  # as the int8-gemm phase builds it
             what = f"int8 GEMM {spec.describe()} tiles {t.describe()}"
             art = build_kernel(func, target, builder, what)
             s = run_kernel(art, func, target, runner, dims, what) if art is not None else None

@@ -244,12 +244,35 @@ def lut_tail(spec: Int8GemmSpec) -> int | None:
     return None
 
 
-def compute(spec: Int8GemmSpec, mr: int | None = None, lut: bool = False):
+@dataclass(frozen=True)
+class Epilogue:
+    """How kernel() computes a spec's post steps; every choice gives the same numbers within
+    one quantization level. The defaults are the function MetaSchedule keys tile records by
+    (tiles.workload): per element, dividing by the scale as TVM's legalization of
+    relax.quantize does, so bit-exact with the unfused build."""
+    lut: bool = False  # the steps after lut_tail(spec) read from a 256-byte table (has_lut)
+    # quantize as round(x * (1/s)), the reciprocal rounded to float32 once, not round(x / s):
+    # differs from the division only where x / s lies within an ulp or two of a half-integer
+    # (then by one level). What ORT's fused QDQ kernels and OpenVINO do too (a multiplier).
+    # vdivps is Zen 4's slowest vector op: the own-export QDQ FFN's first GEMM (128x768x3072,
+    # >qdq >bias >gelu >q), kernel alone, 2 threads, medians of 20 interleaved: 0.856 -> 0.831
+    # ms; the FFN (whole_ab --abba, new / dividing): 0.998 at seq 128, 0.985 at 512.
+    reciprocal: bool = False
+
+
+def epilogue_for(target, lut: bool = True, reciprocal: bool = True) -> Epilogue:
+    """The epilogue the int8-gemm phase builds on `target` (and so what tune times and the
+    benchmark runs): the table where the target can read it, the reciprocal quantize;
+    `lut` / `reciprocal` False: their ablations."""
+    return Epilogue(lut=lut and target is not None and has_lut(target), reciprocal=reciprocal)
+
+
+def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epilogue()):
     """The TE definition: (inputs, output, table) tensors, inputs in the kernel's argument
-    order; `mr` the micro-tile's rows (None: the instruction's default). With a table (`lut`
-    and lut_tail(spec)), the steps after lut_tail read it: table is (placeholder the output
-    reads, the compute that fills it), which kernel() puts inside the function; else None
-    (`lut` False: every post step per element)."""
+    order; `mr` the micro-tile's rows (None: the instruction's default). With a table
+    (epilogue.lut and lut_tail(spec)), the steps after lut_tail read it: table is
+    (placeholder the output reads, the compute that fills it), which kernel() puts inside
+    the function; else None (every post step per element)."""
     from tvm import te, tirx
 
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
@@ -278,7 +301,7 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, lut: bool = False):
     acc = te.compute((rows, i64(N)), lambda i, j: te.sum(
         a[row(i), r].astype("int32") * wp[j // 16, r // 4, j % 16, r % 4].astype("int32"), axis=r), name="acc")
 
-    def epilogue(i, j):
+    def dequantized(i, j):
         c = acc[i, j] - zpa[()] * colsum[j]
         if rowcorr is not None:
             c = c + rowcorr[i]
@@ -287,17 +310,17 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, lut: bool = False):
         v = c.astype("float32") * (scale[j] if spec.scale == "column" else scale[()])
         return v + bias[j] if bias is not None and not spec.bias_in_post else v
 
-    out = _activation(te.compute((m, i64(N)), epilogue, name="out"), spec.activation)
-    t = lut_tail(spec) if lut else None
+    out = _activation(te.compute((m, i64(N)), dequantized, name="out"), spec.activation)
+    t = lut_tail(spec) if epilogue.lut else None
     for step in spec.post if t is None else spec.post[:t]:
-        out = _post_step(out, step, bias)
+        out = _post_step(out, step, bias, epilogue.reciprocal)
     if t is None:
         return ins, out, None
-    out, table = _table_lookup(out, spec.post[t], spec.post[t + 1:], spec.out_dtype)
+    out, table = _table_lookup(out, spec.post[t], spec.post[t + 1:], spec.out_dtype, epilogue.reciprocal)
     return ins, out, table
 
 
-def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str):
+def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str, reciprocal: bool):
     """x requantized by `step` (a per-tensor qdq) to its level 0..255, then the `tail` steps
     read from a table over the 256 levels (lut_tail): (output, (table placeholder, table))."""
     from tvm import te, tirx
@@ -306,13 +329,14 @@ def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str):
     lo, hi = _QRANGE[dtype]
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     # the level, as the qdq step's clip(round(x / s) + zp) - lo: the table's index
-    level = te.compute(x.shape, lambda i, j: (te.max(te.min(te.round(x[i, j] / f32(s)), f32(hi - zp)), f32(lo - zp))
+    level = te.compute(x.shape, lambda i, j: (te.max(te.min(te.round(_scaled(x[i, j], s, reciprocal)), f32(hi - zp)),
+                                                        f32(lo - zp))
                                               + f32(zp - lo)).astype("int32"), name="post_level")
     # the table: each level dequantized exactly as the qdq step's float, then the tail
     table = te.compute((hi - lo + 1,), lambda v: (v + tirx.const(lo - zp, "int32")).astype("float32") * f32(s),
                        name="lut_dq")
     for st in tail:
-        table = _post_step(table, st, None)
+        table = _post_step(table, st, None, reciprocal)
     # bytes, as VPERMI2B reads them (uint8 levels above 127 wrap; the lookup writes them back)
     table = te.compute(table.shape, lambda v: table[v].astype("int8"), name="lut")
     held = te.placeholder(table.shape, "int8", name="lut")
@@ -331,10 +355,25 @@ def _activation(x, kind: str):
     return x
 
 
-def _post_step(x, step: tuple, bias):
+def reciprocal_scale(s: float) -> np.float32:
+    """1 / s rounded to float32 once (Epilogue.reciprocal; reference() uses the same)."""
+    return np.float32(1) / np.float32(s)
+
+
+def _scaled(x, s: float, reciprocal: bool):
+    """x / s, the quantize's quotient before rounding: divided, or times reciprocal_scale(s)."""
+    from tvm import tirx
+
+    if reciprocal:
+        return x * tirx.const(float(reciprocal_scale(s)), "float32")
+    return x / tirx.const(s, "float32")
+
+
+def _post_step(x, step: tuple, bias, reciprocal: bool = False):
     """One POST_STEPS step on the epilogue's tensor, as TVM's legalization of relax.quantize /
     dequantize computes it (round half to even of x / scale, + zp, clipped), so the fused
-    epilogue is bit-exact with the unfused build."""
+    epilogue is bit-exact with the unfused build; `reciprocal`: x times 1 / scale instead
+    (Epilogue.reciprocal)."""
     from tvm import te, tirx
 
     kind = step[0]
@@ -351,17 +390,17 @@ def _post_step(x, step: tuple, bias):
         # clips either way), 8 instructions fewer per 16 lanes. QDQ FFN's 128x768x3072 kernel:
         # 0.94 -> 0.86-0.90 ms, 2 threads (a reciprocal multiply instead of the division gained
         # 2-3% more and is not exact; Markstein's exact one lost that again).
-        return te.compute(x.shape, lambda *i: te.max(te.min(te.round(x[i] / f32(s)), f32(hi - zp)),
+        return te.compute(x.shape, lambda *i: te.max(te.min(te.round(_scaled(x[i], s, reciprocal)), f32(hi - zp)),
                                                      f32(lo - zp)) * f32(s), name="post_qdq")
-    return te.compute(x.shape, lambda *i: te.max(te.min(te.round(x[i] / f32(s)) + f32(zp), f32(hi)),
+    return te.compute(x.shape, lambda *i: te.max(te.min(te.round(_scaled(x[i], s, reciprocal)) + f32(zp), f32(hi)),
                                                  f32(lo)).astype(dtype), name="post_q")
 
 
-def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, lut: bool = False):
+def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogue = Epilogue()):
     """The scheduled, tensorized PrimFunc (needs a target with the spec's instruction to build:
     AVX-512 VNNI, or aarch64 +dotprod); `tiles` None: default_tiles (what an untuned build runs);
-    `lut`: the epilogue's table where lut_tail(spec) has one (the target needs AVX512_VBMI:
-    has_lut). Without it, the function MetaSchedule keys tile records by (tiles.workload)."""
+    `epilogue`: how the post steps are computed (what a build runs: epilogue_for(target); the
+    default is the function MetaSchedule keys tile records by, tiles.workload)."""
     from tvm import s_tir, te
 
     from blockforge.compile.schedule.base import PARTITION_HINT
@@ -370,7 +409,7 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, lut: bool = False
     tiles = tiles or default_tiles(spec)
     if (spec.n // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
         raise ValueError(f"int8 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
-    ins, out, table = compute(spec, tiles.mr, lut)
+    ins, out, table = compute(spec, tiles.mr, epilogue)
     func = te.create_prim_func([*ins, *([table[0]] if table else []), out])
     sch = s_tir.Schedule(func)
     mm = sch.get_sblock("acc")
@@ -527,9 +566,10 @@ def _is_true(expr) -> bool:
 
 
 def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,
-              scale=None, bias=None) -> np.ndarray:
+              scale=None, bias=None, reciprocal: bool = False) -> np.ndarray:
     """numpy: what the kernel computes from the unpacked operands (tests, benchmarks); `a` in
-    the spec's activation dtype (u8 for VNNI, s8 for SDOT), zp_a in the same range."""
+    the spec's activation dtype (u8 for VNNI, s8 for SDOT), zp_a in the same range;
+    `reciprocal`: as Epilogue.reciprocal quantizes."""
     c = (a.astype(np.int64) - zp_a) @ (w.astype(np.int64) - zp_w)
     if spec.scale == "none":
         return c.astype(np.int32)
@@ -547,7 +587,8 @@ def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w:
         elif step[0] in ("qdq", "q"):
             _, s, zp, dtype = step
             lo, hi = _QRANGE[dtype]
-            q = np.clip(np.round(v / np.float32(s)) + np.float32(zp), lo, hi).astype(dtype)  # half to even
+            quotient = v * reciprocal_scale(s) if reciprocal else v / np.float32(s)
+            q = np.clip(np.round(quotient) + np.float32(zp), lo, hi).astype(dtype)  # half to even
             v = q if step[0] == "q" else (q.astype(np.int32) - zp).astype(np.float32) * np.float32(s)
         else:
             raise ValueError(f"reference: post step {step!r}")

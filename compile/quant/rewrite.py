@@ -289,21 +289,22 @@ class _Finder:
 
 
 def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
-              lut: bool = True):
+              epilogue: gemm.Epilogue | None = None):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
     (compile/quant/tiles.py), else the defaults; post False: no QDQ chain in the epilogue
     (the int8-qdq-epilogue ablation); stack False: untuned kernels on the 6 x 4 tile
-    (gemm.LEGACY_TILE, the int8-stack-tiles ablation); lut False: the steps after a QDQ
-    epilogue's last requantize per element, not read from a table (gemm.lut_tail, where the
-    target has AVX512_VBMI; the int8-lut-tail ablation)."""
+    (gemm.LEGACY_TILE, the int8-stack-tiles ablation); epilogue: how the kernels compute
+    their post steps (None: gemm.epilogue_for(target), the table where the target has
+    AVX512_VBMI and the reciprocal quantize; the pipeline's int8-lut-tail and
+    int8-recip-quantize ablations turn them off)."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
 
     shift_for = ISAS[isa].shift
-    lut = lut and target is not None and gemm.has_lut(target)
+    epilogue = epilogue if epilogue is not None else gemm.epilogue_for(target)
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -325,7 +326,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                     _log.info("int8 gemm %s: tuned tiles %s", spec.describe(), tiles.describe())
                 elif not stack:
                     tiles = gemm.default_tiles(spec, stack=False)
-                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, tiles, lut=lut),
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, tiles, epilogue),
                                                f"int8_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 
