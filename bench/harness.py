@@ -17,7 +17,6 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from blockforge.graph import ort as ort_runner
 from blockforge.graph.analysis import matmul_flops
 from blockforge.graph.model_io import bind_dims, model_spec, random_inputs
 from blockforge.graph.parity import model_precision, oracle_outputs, tolerance_kind
-from blockforge.graph.tolerance import compare, compare_accuracy, output_tolerance, within_spread
+from blockforge.graph.tolerance import OrtSpread, compare, compare_accuracy, output_tolerance
 from blockforge.graph.shape import ShapeRequest
 from blockforge.compile.session import open_model
 from blockforge.logs import native_output_to_log
@@ -171,16 +170,10 @@ class Reference:
     expected: dict[str, np.ndarray] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # output name -> who computed it
     unchecked: list[str] = field(default_factory=list)
-    # () -> ORT's outputs with its graph optimizations off (a quantized model: its spread,
-    # tolerance.within_spread), run at most once, only for a blockforge row beyond the int8 row
-    as_written: Callable[[], dict] | None = None
+    # a quantized model: ORT's run with its graph optimizations off (its spread), made at most
+    # once, only for a blockforge row beyond the int8 row
+    spread: OrtSpread | None = None
     notes: list[str] = field(default_factory=list)  # what the checks passed on (the bench's notes)
-    _written: dict | None = None
-
-    def written(self) -> dict:
-        if self._written is None:
-            self._written = self.as_written() if self.as_written is not None else {}
-        return self._written
 
 
 def _reference(bm: BenchModel, inputs: dict, precision: str = "float") -> Reference:
@@ -203,7 +196,7 @@ def _reference(bm: BenchModel, inputs: dict, precision: str = "float") -> Refere
             if n in ort_outs:
                 ref.expected[n], ref.source[n] = ort_outs[n], "ONNX Runtime"
         if precision != "float":
-            ref.as_written = lambda: ort_runner.run(bm.onnx, inputs, optimize=False)
+            ref.spread = OrtSpread(lambda: ort_runner.run(bm.onnx, inputs, optimize=False))
     ref.unchecked = [n for n in names if n not in ref.expected]
     return ref
 
@@ -231,8 +224,8 @@ def _check(name: str, runner, ref: Reference, sigs, spec_kind: str | None, preci
         tol = output_tolerance(np.asarray(actual).dtype, spec_kind, build if precision == "float" else precision)
         c = compare(name, sig.name, actual, ref.expected[sig.name], tol)
         if not c.passed and precision != "float" and ref.source[sig.name] == "ONNX Runtime" \
-                and sig.name in ref.written():
-            c = within_spread(c, actual, ref.expected[sig.name], ref.written()[sig.name])
+                and ref.spread is not None:
+            c = ref.spread.judge(c, actual, ref.expected[sig.name], sig.name)
             if c.passed:
                 ref.notes.append(f"{name}: output {sig.name!r} {c.note} (timed)")
         if not c.passed:

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from blockforge.compile.pipeline import build
     from blockforge.graph.parity import model_precision, tolerance_kind
     from blockforge.graph import ort as ort_runner
-    from blockforge.graph.tolerance import compare, output_tolerance, within_spread
+    from blockforge.graph.tolerance import OrtSpread, compare, output_tolerance
     from blockforge.targets import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     builds = builds[::-1] if a.without_first else builds
     if a.abba:  # both orders in one process: new, without, without, new (each build's order effect cancels)
         builds = builds + [(f"{k} (2)", w) for k, w in builds[::-1]]
-    written = None  # ORT's run of the file as written (optimizations off), made only if a row needs it
+    # ORT's run of the file as written (optimizations off), made only if a row needs it
+    spread = OrtSpread(lambda: ort_runner.run(model, feeds, optimize=False))
     for label, without in builds:
         # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
         vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
@@ -79,9 +80,7 @@ def main(argv=None) -> int:
         tol = output_tolerance(want.dtype, tolerance_kind(model), model_precision(model))
         c = compare(label, "output 0", got.numpy(), want, tol)
         if not c.passed and model_precision(model) != "float":  # as bench: within ORT's own spread on the file
-            if written is None:
-                written = next(iter(ort_runner.run(model, feeds, optimize=False).values()))
-            c = within_spread(c, got.numpy(), want, written)
+            c = spread.judge(c, got.numpy(), want, model.graph.output[0].name)
         if not c.passed:
             raise SystemExit(f"{label}: output 0 differs from ORT beyond {tol}: {c}")
         runners[label] = (lambda f=vm["main"], t=t: f(*t))

@@ -10,7 +10,7 @@ import onnx
 from . import ort as ort_runner
 from .model_io import check_inputs, model_spec, random_inputs, signature
 from .oracle import reference_outputs
-from .tolerance import Comparison, compare, compare_accuracy, output_tolerance, within_spread
+from .tolerance import Comparison, OrtSpread, compare, compare_accuracy, output_tolerance
 from .weights import make_weights
 
 # (actual, expected): the expected side is the more trusted one.
@@ -148,21 +148,19 @@ def check_parity(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
         def ort_as_written():
             return ort_runner.run(model, inputs, device=ort_device, optimize=False)
     if ort_as_written is not None:
-        _judge_by_spread(runs, report, ort_as_written)
+        _judge_by_spread(runs, report, OrtSpread(ort_as_written))
     _note_known_deviations(model, inputs, runs, report)
     return report
 
 
-def _judge_by_spread(runs: dict, report: ParityReport, ort_as_written) -> None:
+def _judge_by_spread(runs: dict, report: ParityReport, spread: OrtSpread) -> None:
     """A quantized model's failed elementwise TVM-vs-ORT rows, judged again against ORT's own
     spread on the file (tolerance.within_spread): ORT as written runs once, only for them."""
     failed = [c for c in report.comparisons if c.pair == "tvm vs ort" and c.precision == "int8" and not c.passed
               and c.tol.rel_l2 is None]
     if not failed:
         return
-    written = ort_as_written()
-    again = {id(c): within_spread(c, runs["tvm"][c.output], runs["ort"][c.output], written[c.output])
-             for c in failed if c.output in written}
+    again = {id(c): spread.judge(c, runs["tvm"][c.output], runs["ort"][c.output]) for c in failed}
     report.comparisons = [again.get(id(c), c) for c in report.comparisons]
     if any(again[k].passed for k in again):
         report.notes.append("int8: an output beyond the int8 parity row passes where it is no farther from ONNX "

@@ -248,3 +248,26 @@ def within_spread(c: Comparison, actual: np.ndarray, expected: np.ndarray, writt
         note = f"beyond the int8 row ({c.tol_used:.3g}x) and beyond {spread_note}"
     # tol_used stays the row's: the figure the user compares with the row
     return replace(c, passed=again.passed, note="; ".join(filter(None, [c.note, note])))
+
+
+class OrtSpread:
+    """ORT's outputs on a quantized file as written (graph optimizations off), made at most once
+    and only when a row needs them: the spread within_spread allows a failed int8 row. One
+    holder for parity (verify), bench's check and whole_ab. `run`: () -> {output name: array}."""
+
+    def __init__(self, run):
+        self._run = run
+        self._outputs: dict | None = None
+
+    def outputs(self) -> dict:
+        if self._outputs is None:
+            self._outputs = self._run()
+        return self._outputs
+
+    def judge(self, c: Comparison, actual: np.ndarray, expected: np.ndarray, output: str | None = None) -> Comparison:
+        """`c` again within the spread where it failed and the as-written run has the output
+        (`output`: its name there, default c.output); a passed row never pays for the run."""
+        if c.passed:
+            return c
+        written = self.outputs().get(c.output if output is None else output)
+        return c if written is None else within_spread(c, actual, expected, written)

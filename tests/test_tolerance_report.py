@@ -122,6 +122,7 @@ def test_parity_runs_ort_as_written_only_for_a_failed_int8_row():
     """graph/parity._judge_by_spread: ORT's as-written run is asked for once, only when a
     quantized model's TVM-vs-ORT elementwise row fails; a passed one never pays for it."""
     from blockforge.graph.parity import ParityReport, _judge_by_spread
+    from blockforge.graph.tolerance import OrtSpread
 
     e = np.linspace(-1.0, 1.0, 101)
     calls = []
@@ -136,13 +137,17 @@ def test_parity_runs_ort_as_written_only_for_a_failed_int8_row():
         return ParityReport(comparisons=[replace(compare("tvm vs ort", "y", tvm, e, INT8), precision="int8")])
 
     good = report(e)
-    _judge_by_spread({"tvm": {"y": e}, "ort": {"y": e}}, good, as_written)
+    _judge_by_spread({"tvm": {"y": e}, "ort": {"y": e}}, good, OrtSpread(as_written))
     assert not calls and good.passed
     tvm = _flip(e, 10, 1.9 * INT8.step)
     bad = report(tvm)
     assert not bad.passed
-    _judge_by_spread({"tvm": {"y": tvm}, "ort": {"y": e}}, bad, as_written)
+    spread = OrtSpread(as_written)
+    _judge_by_spread({"tvm": {"y": tvm}, "ort": {"y": e}}, bad, spread)
     assert calls == [1] and bad.passed and any("within_spread" in n for n in bad.notes)
+    again = report(tvm)
+    _judge_by_spread({"tvm": {"y": tvm}, "ort": {"y": e}}, again, spread)
+    assert calls == [1] and again.passed  # the holder's run is made once, then reused
 
 
 def test_bench_times_an_int8_contender_within_ort_spread_and_says_so():
@@ -151,10 +156,11 @@ def test_bench_times_an_int8_contender_within_ort_spread_and_says_so():
     from types import SimpleNamespace
 
     from blockforge.bench.harness import Reference, _check
+    from blockforge.graph.tolerance import OrtSpread
 
     e = np.linspace(-1.0, 1.0, 101).astype(np.float32)
     ref = Reference(expected={"y": e}, source={"y": "ONNX Runtime"},
-                    as_written=lambda: {"y": _flip(e, 50, -2.0 * INT8.step)})
+                    spread=OrtSpread(lambda: {"y": _flip(e, 50, -2.0 * INT8.step)}))
     sigs = [SimpleNamespace(name="y")]
     near = SimpleNamespace(outputs=lambda: [_flip(e, 10, 1.9 * INT8.step)])
     far = SimpleNamespace(outputs=lambda: [_flip(e, 10, 3.0 * INT8.step)])

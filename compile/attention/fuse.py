@@ -122,18 +122,16 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeFuseAttention")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _Fuse(mod)
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        def plan(m, func) -> bool:
             singles, groups = find_attention(func, key_rows=key_rows)
-            if not singles and not groups:
-                continue
             m.plan = {s.out: (lambda visit, s=s: m.rw.single(s, visit)) for s in singles}
             m.plan.update({g.out: (lambda visit, g=g: m.rw.heads(g, visit)) for g in groups})
-            new = m.visit_expr(func)
-            m.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
-        out = m.builder_.get()
+            return bool(m.plan)
+
+        m = _Fuse(mod)
+        out = rewrite_functions(mod, m, plan, unused=True)
         for line in m.rw.applied:
             _log.info("fused attention: %s", line)
         return out

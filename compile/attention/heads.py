@@ -190,19 +190,18 @@ def regroup_heads():
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeRegroupHeads")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _Regroup(mod)
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        def plan(m, func) -> bool:
             values, users = graph(func)
             plans = {v: p for v, val in values.items() if (p := _plan(values, users, v, val)) is not None}
-            if not plans:
-                continue
             m.plans = plans
             m.items = {item: (s, r, h) for s, p in plans.items() for r, role in enumerate(p[3])
                        for h, (item, _) in enumerate(role)}
-            m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
-        out = m.builder_.get()
+            return bool(plans)
+
+        m = _Regroup(mod)
+        out = rewrite_functions(mod, m, plan, unused=True)
         for line in m.done:
             _log.info("per-head projections regrouped: %s", line)
         return out

@@ -157,18 +157,19 @@ def bf16_gemm(row_fit: bool = True):
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeBf16Gemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        r = _Rewrite(mod)
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        def plan(r, func) -> bool:
             f = _Finder(func)
             r.plan = dict(m for v, val in f.values.items() if (m := f.match(v, val)) is not None)
             if not row_fit:
                 r.plan = {v: replace(mt, spec=replace(mt.spec, row_fit=False)) for v, mt in r.plan.items()}
-            if r.plan:
-                r.builder_.update_func(gv, relax.analysis.remove_all_unused(r.visit_expr(func)))
+            return bool(r.plan)
+
+        r = _Rewrite(mod)
+        out = rewrite_functions(mod, r, plan, unused=True)
         for line in r.applied:
             _log.info("bf16 gemm: %s", line)
-        return r.builder_.get()
+        return out
 
     return _pass

@@ -386,11 +386,9 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                # the crops the chain slid past are left unused
-                m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
-        return m.builder_.get()
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        # (unused: the crops the chain slid past)
+        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads), unused=True)
 
     return _pass

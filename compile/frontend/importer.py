@@ -89,7 +89,6 @@ def legalize_shape_functions(mod):
     `shape_func` PrimFunc into the function but drops the PrimFunc itself, and the build then
     fails with `There is no definition of I.GlobalVar("shape_func")`. Legalizing those calls
     here, in a builder whose module keeps the PrimFuncs, leaves FoldConstant nothing to break."""
-    from tvm import relax
     from tvm.ir import Op
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -104,11 +103,9 @@ def legalize_shape_functions(mod):
                 return legalize(self.builder_, call)
             return call
 
-    m = _Lower(mod)
-    for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            m.builder_.update_func(gv, m.visit_expr(func))
-    return m.builder_.get()
+    from blockforge.compile.passes.exprs import rewrite_functions
+
+    return rewrite_functions(mod, _Lower(mod))
 
 
 def embed_weights(mod):

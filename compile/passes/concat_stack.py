@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import bound_value, op_name, static_shape
+from blockforge.compile.passes.exprs import bound_value, op_name, rewrite_functions, static_shape
 
 LANES = 16  # a part's last dim must be a whole number of these (float32 zmm; fewer lanes divide it)
 
@@ -72,11 +72,6 @@ def concat_stack_pass(lanes: int = LANES):
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConcatAsStack")
     def concat_stack(mod, _ctx):
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m = _ConcatAsStack(mod, lanes)
-                m.builder_.update_func(gv, m.visit_expr(func))
-                mod = m.builder_.get()
-        return relax.transform.DeadCodeElimination()(mod)
+        return rewrite_functions(mod, _ConcatAsStack(mod, lanes), dce=True)
 
     return concat_stack

@@ -71,3 +71,21 @@ def var_count(node, var) -> int:
     n = [0]
     tvm_ffi.structural_walk(node, (tvm.tirx.Var, lambda v: n.__setitem__(0, n[0] + v.same_as(var))))
     return n[0]
+
+
+def rewrite_functions(mod, m, plan=None, unused: bool = False, dce: bool = False):
+    """The body of a module pass that rewrites with a PyExprMutator (`m`, built on `mod`): each
+    Relax function visited where plan(m, func) says there is something to rewrite (it sets m's
+    per-function state; None: every function); `unused`: each rewritten function's unused
+    bindings removed; `dce`: the module's dead code after. `mod` itself when nothing was."""
+    changed = False
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or (plan is not None and not plan(m, func)):
+            continue
+        new = m.visit_expr(func)
+        m.builder_.update_func(gv, relax.analysis.remove_all_unused(new) if unused else new)
+        changed = True
+    if not changed:
+        return mod
+    out = m.builder_.get()
+    return relax.transform.DeadCodeElimination()(out) if dce else out

@@ -27,7 +27,7 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import const_scalar as _const_scalar, static_shape as _static
+from blockforge.compile.passes.exprs import const_scalar as _const_scalar, rewrite_functions, static_shape as _static
 
 
 def gelu(x):
@@ -132,10 +132,6 @@ def fast_math(patch_conv: bool = True, sigmoid: bool = True) -> tvm.transform.Pa
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeFastMath")
     def fast_math_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _FastActivations(mod, patch_conv, sigmoid)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(func))
-        return m.builder_.get()
+        return rewrite_functions(mod, _FastActivations(mod, patch_conv, sigmoid))
 
     return fast_math_pass

@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import bound_value, op_name as _op, static_shape as _static
+from blockforge.compile.passes.exprs import bound_value, op_name as _op, rewrite_functions, static_shape as _static
 
 
 def _use_counts(func) -> dict:
@@ -34,9 +34,13 @@ def _use_counts(func) -> dict:
 
 @mutator
 class _MatmulThroughReshape(PyExprMutator):
-    def __init__(self, mod, uses: dict):
+    def __init__(self, mod):
         super().__init__(mod)
-        self.uses = uses  # the original function's vars -> number of uses
+        self.uses: dict = {}  # the function's original vars -> number of uses (per function)
+
+    def plan(self, func) -> bool:
+        self.uses = _use_counts(func)
+        return True
 
     def _bound(self, e):
         return bound_value(self, e)
@@ -72,11 +76,6 @@ def matmul_reshape_pass() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeMatmulThroughReshape")
     def matmul_reshape(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m = _MatmulThroughReshape(mod, _use_counts(func))
-                m.builder_.update_func(gv, m.visit_expr(func))
-                mod = m.builder_.get()
-        return relax.transform.DeadCodeElimination()(mod)
+        return rewrite_functions(mod, _MatmulThroughReshape(mod), lambda m, func: m.plan(func), dce=True)
 
     return matmul_reshape

@@ -21,7 +21,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from blockforge.compile.conv.rewrite import CROP_BLOCK
-from blockforge.compile.passes.exprs import bound_value, const_scalar as _scalar, op_name as _op, static_shape
+from blockforge.compile.passes.exprs import bound_value, const_scalar as _scalar, op_name as _op, rewrite_functions, static_shape
 
 
 def _ndim(e) -> int | None:
@@ -119,11 +119,7 @@ def _rewrite_pass(mutator_cls, name: str) -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name=name)
     def rewrite(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = mutator_cls(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(m.builder_.get())
+        return rewrite_functions(mod, mutator_cls(mod), dce=True)
 
     return rewrite
 

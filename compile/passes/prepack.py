@@ -104,10 +104,8 @@ def prepack_pass(nr: int, pad: bool = True, mr: int | None = None):
     static M is computed in whole (None: guarded, ablation `row-tiles`)."""
     @tvm.transform.module_pass(opt_level=0, name="BlockforgePrepackWeights")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _Prepack(mod, nr, pad, mr)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(func))
-        return m.builder_.get()
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        return rewrite_functions(mod, _Prepack(mod, nr, pad, mr))
 
     return _pass

@@ -528,29 +528,23 @@ def qkv_heads_pass(lanes: int = 16) -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeQKVHeads")
     def qkv_heads(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _QKVHeads(mod, lanes)
-        changed = False
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            groups = _groups(func)
-            if not groups:
-                continue
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        def plan(m, func) -> bool:
+            groups = _groups(func) if isinstance(func.body, relax.SeqExpr) else []
             # per function: `emitted` is keyed by id(group), and a freed group's id may come back
             # for the next function's group (then its kernel call would be another function's var:
             # "Var lv is not defined" with a third entry, compile/decode/inplace.py)
             m.plan, m.hoist, m.hoisted, m.emitted = {}, {}, set(), {}
-            bindings = {b.var: b for blk in func.body.blocks for b in blk.bindings}
+            bindings = {b.var: b for blk in func.body.blocks for b in blk.bindings} if groups else {}
             for g in groups:
                 x, outs, pairs, shapes, sinks, hoist = g
                 grp = (x, outs, pairs, shapes)
                 for i, v in enumerate(sinks):
                     m.plan[v] = (grp, i)
                 m.hoist[id(grp)] = [bindings[v] for v in hoist]
-            m.builder_.update_func(gv, m.visit_expr(func))
-            changed = True
-        if not changed:
-            return mod
-        return relax.transform.DeadCodeElimination()(m.builder_.get())
+            return bool(groups)
+
+        return rewrite_functions(mod, _QKVHeads(mod, lanes), plan, dce=True)
 
     return qkv_heads

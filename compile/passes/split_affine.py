@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import op_name as _op, split_sections, static_shape as _static, users_of
+from blockforge.compile.passes.exprs import op_name as _op, rewrite_functions, split_sections, static_shape as _static, users_of
 
 
 def _const(e) -> np.ndarray | None:
@@ -126,11 +126,18 @@ class _Plan:
 
 @mutator
 class _Fold(PyExprMutator):
-    def __init__(self, mod, plans: dict):
+    def __init__(self, mod):
         super().__init__(mod)
-        self.plans = plans
-        self.chains = {c: (x, i) for x, (_, _, remap) in plans.items() for c, i in remap.items()}
+        self.plans: dict = {}
+        self.chains: dict = {}
         self.split_of: dict = {}  # matmul var -> the split var bound from it
+
+    def plan(self, func) -> bool:
+        """This function's folds (per function: its vars); False: none."""
+        self.plans = _Plan(func).plans() if isinstance(func.body, relax.SeqExpr) else {}
+        self.chains = {c: (x, i) for x, (_, _, remap) in self.plans.items() for c, i in remap.items()}
+        self.split_of = {}
+        return bool(self.plans)
 
     def visit_var_binding_(self, binding):
         var, value = binding.var, binding.value
@@ -159,17 +166,6 @@ def split_affine_pass() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeSplitAffine")
     def split_affine(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        changed = False
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            plans = _Plan(func).plans()
-            if not plans:
-                continue
-            m = _Fold(mod, plans)
-            m.builder_.update_func(gv, m.visit_expr(func))
-            mod = m.builder_.get()
-            changed = True
-        return relax.transform.DeadCodeElimination()(mod) if changed else mod
+        return rewrite_functions(mod, _Fold(mod), lambda m, func: m.plan(func), dce=True)
 
     return split_affine

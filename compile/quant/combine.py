@@ -246,20 +246,21 @@ def int8_combine():
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from blockforge.compile.quant.rewrite import _Finder
 
-        m = _Combine(mod)
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
+        from blockforge.compile.passes.exprs import rewrite_functions
+
+        def plan(m, func) -> bool:
             f = _Finder(func)
             groups = find_groups(f)
             if not groups:
-                continue
+                return False
             m.values = f.values
             m.pos = {v: i for i, v in enumerate(f.values)}
             m.bound = set(func.params)
             m.owner = {p.out: (g, i) for g in groups for i, p in enumerate(g.parts)}
-            m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
-        out = m.builder_.get()
+            return True
+
+        m = _Combine(mod)
+        out = rewrite_functions(mod, m, plan, unused=True)
         for line in m.combined:
             _log.info("int8 combine: %s", line)
         return out

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blockforge.compile.passes.exprs import rewrite_functions
 from blockforge.compile.passes.kernels import add_kernel
 from blockforge.compile.quant import gemm, minmax
 
@@ -399,21 +400,20 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeInt8Gemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        m = _Rewrite(mod)
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function):
-                continue
+        def plan(m, func) -> bool:
             f = _Finder(func, isa, post)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
-                continue
+                return False
             _shift_outputs(matches, shift_for)
             m.plan = {mt.out: mt for mt in matches}
             # The activations' range for their dynamic quantization, next to the int8 GEMMs.
             for r in f.ranges():
                 m.plan[r.max_var] = m.plan[r.min_var] = r
-            m.builder_.update_func(gv, relax.analysis.remove_all_unused(m.visit_expr(func)))
-        out = m.builder_.get()
+            return True
+
+        m = _Rewrite(mod)
+        out = rewrite_functions(mod, m, plan, unused=True)
         for line in m.applied:
             _log.info("int8 gemm: %s", line)
         return out
