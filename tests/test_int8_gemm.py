@@ -466,6 +466,31 @@ def test_lut_kernel_fills_the_table_once_and_reads_it_with_vpermi2b():
     assert asm["lut"].count("vdivps") < asm["plain"].count("vdivps")
 
 
+def test_reciprocal_quantize_divides_where_the_reciprocal_is_not_a_normal_float():
+    """A hostile file's subnormal scale (1 / s is inf: 0 * inf a NaN the clip cannot judge) or a
+    scale above 2^126 (a subnormal reciprocal): that step divides, and the kernel still agrees
+    with numpy both ways."""
+    assert gemm.reciprocal_scale(0.03) == np.float32(1) / np.float32(0.03)
+    assert gemm.reciprocal_scale(1e-40) is None and gemm.reciprocal_scale(1e38) is None
+    post = (("qdq", 1e-40, 0, "int8"), ("bias",), ("q", 0.01, 7, "uint8"))
+    spec = _lut_spec(post, m=12)
+    asm = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=gemm.Epilogue(reciprocal=True))}),
+                      target=ZNVER4).mod.inspect_source("s")
+    assert "vdivps" in asm  # the subnormal step's division (the last step multiplies)
+    _need_vnni_host()
+    rng = np.random.default_rng(14)
+    a = rng.integers(0, 256, (12, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 48), dtype=np.int8)
+    a[0] = 128  # zero rows: 0 / s and 0 * (1 / s) part ways on exactly these
+    scale = rng.uniform(2e-5, 6e-5, 48).astype(np.float32)
+    bias = rng.standard_normal(48).astype(np.float32)
+    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias, epilogue=gemm.Epilogue(reciprocal=True))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        want = gemm.reference(spec, a, w, 128, 0, scale, bias)
+        np.testing.assert_array_equal(gemm.reference(spec, a, w, 128, 0, scale, bias, reciprocal=True), want)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_reciprocal_quantize_leaves_no_division_per_element():
     """Epilogue.reciprocal: the requantize chain multiplies (vdivps, Zen 4's slowest vector op,
     is left to the dividing kernel: three per 16 outputs of a two-requantize chain)."""

@@ -355,17 +355,22 @@ def _activation(x, kind: str):
     return x
 
 
-def reciprocal_scale(s: float) -> np.float32:
-    """1 / s rounded to float32 once (Epilogue.reciprocal; reference() uses the same)."""
-    return np.float32(1) / np.float32(s)
+def reciprocal_scale(s: float) -> np.float32 | None:
+    """1 / s rounded to float32 once (Epilogue.reciprocal; reference() uses the same), or None
+    where that is not a normal float32 (a subnormal scale from a hostile file: 1 / s is inf and
+    0 * inf a NaN; a scale above 2^126: a subnormal reciprocal): such a step divides."""
+    with np.errstate(over="ignore", divide="ignore"):
+        r = np.float32(1) / np.float32(s)
+    return r if np.isfinite(r) and r >= np.finfo(np.float32).tiny else None
 
 
 def _scaled(x, s: float, reciprocal: bool):
     """x / s, the quantize's quotient before rounding: divided, or times reciprocal_scale(s)."""
     from tvm import tirx
 
-    if reciprocal:
-        return x * tirx.const(float(reciprocal_scale(s)), "float32")
+    r = reciprocal_scale(s) if reciprocal else None
+    if r is not None:
+        return x * tirx.const(float(r), "float32")
     return x / tirx.const(s, "float32")
 
 
@@ -587,7 +592,8 @@ def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w:
         elif step[0] in ("qdq", "q"):
             _, s, zp, dtype = step
             lo, hi = _QRANGE[dtype]
-            quotient = v * reciprocal_scale(s) if reciprocal else v / np.float32(s)
+            r = reciprocal_scale(s) if reciprocal else None
+            quotient = v * r if r is not None else v / np.float32(s)
             q = np.clip(np.round(quotient) + np.float32(zp), lo, hi).astype(dtype)  # half to even
             v = q if step[0] == "q" else (q.astype(np.int32) - zp).astype(np.float32) * np.float32(s)
         else:
