@@ -66,12 +66,12 @@ def manifest_for(model: onnx.ModelProto, data: bytes, spec: Spec | None) -> dict
 
 
 def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
-           quantize: str | None = None, per_channel: bool = False) -> ExportResult:
+           quantize: str | None = None, per_channel: bool = False, bias_adds: bool = False) -> ExportResult:
     """Build `spec`, validate it and write MODEL.onnx + MODEL.json: both or neither.
     `force`: replace symbolic links there (the links, not their targets). `quantize`:
     "dynamic" or "static" writes the model as graph/quantize.py quantizes it (static:
     calibrated on random inputs at the spec's dims); the manifest's facts are the written
-    model's, with how it was quantized."""
+    model's, with how it was quantized; `bias_adds`: QuantizeOptions.bias_adds."""
     if output == "":
         raise BlockforgeError("-o: the path is empty; name the model (MODEL.onnx) or leave -o out")
     name = default_name(spec) if not quantize else default_name(spec).replace(".onnx", f"_int8{quantize}.onnx")
@@ -87,14 +87,15 @@ def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
     if quantize:
         from .quantize import QuantizeOptions, quantize_model
 
-        opts = QuantizeOptions(model=path, output=path, mode=quantize, per_channel=per_channel,
+        opts = QuantizeOptions(model=path, output=path, mode=quantize, per_channel=per_channel, bias_adds=bias_adds,
                                shape={k: v for k, v in (("batch", spec.batch), ("seq", spec.seq)) if v}, seed=spec.seed)
         qdata, qres = quantize_model(model, opts)
         model = onnx.load_from_string(qdata)
     data = model.SerializeToString()  # weights inline: no external-data files to trust
     manifest = manifest_for(model, data, spec)
     if quantize:
-        manifest["quantization"] = {"mode": qres.mode, "per_channel": per_channel, "int8_gemms": qres.quantized_nodes,
+        manifest["quantization"] = {"mode": qres.mode, "per_channel": per_channel, "bias_adds": bias_adds,
+                                    "int8_gemms": qres.quantized_nodes,
                                     "kept_float": qres.kept_float, "calibration": qres.calibration}
     try:
         atomic_write_group({path: data, mpath: json_bytes(manifest)})

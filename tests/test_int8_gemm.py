@@ -600,6 +600,35 @@ def test_qdq_ffn_chain_between_the_gemms_is_in_the_kernels(qdq_gelu_ffn, seq, mo
         assert np.abs(got - ref).max() <= step and np.abs(got - unfused).max() <= step
 
 
+def test_bias_adds_export_puts_the_first_epilogue_on_the_table(tmp_path, monkeypatch):
+    """blockforge's own `export --quantize static --bias-adds`: the bias Add's requantize lets
+    the first GEMM's gelu and quantize come from the 256-byte table (its default recipe keeps
+    that Add float: gelu per element); the build matches ORT on the file within a step."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import FFNSpec, export
+    from blockforge.graph import ort as ort_runner
+
+    spec = FFNSpec(d_model=64, d_ff=128, activation="gelu")
+    firsts = {}
+    for bias in (False, True):
+        path = export(spec, tmp_path / f"ffn_{bias}.onnx", quantize="static", bias_adds=bias).model_path
+        s = open_model(path, "host", {"batch": 1, "seq": 16})
+        mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+        firsts[bias] = gemm.kernel_specs(mod)[0]
+    assert [st[0] for st in firsts[False].post] == ["qdq", "bias", "gelu", "q"] and gemm.lut_tail(firsts[False]) is None
+    assert [st[0] for st in firsts[True].post] == ["qdq", "bias", "qdq", "gelu", "q"]
+    assert gemm.lut_tail(firsts[True]) == 2
+    x = np.random.default_rng(3).standard_normal((1, 16, 64)).astype(np.float32)
+    got = relax.VirtualMachine(s.build().executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+    assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
 @pytest.mark.parametrize("bad", [-0.04, float("nan")])  # (0: the import refuses it, one line)
 def test_qdq_chain_with_a_bad_scale_stays_as_written(qdq_gelu_ffn, bad, tmp_path, monkeypatch):
     """An untrusted QDQ model whose requantize scale the kernel cannot take (negative, NaN)

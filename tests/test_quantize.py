@@ -51,6 +51,54 @@ def test_quantize_cli_keeps_transformer_ops_float(block, tmp_path, mode):
     assert "blockforge.spec" in props and mode in props["blockforge.quantization"]
 
 
+def test_bias_adds_quantizes_the_gemms_bias_add_and_nothing_else(block, tmp_path):
+    """`--bias-adds` (static): the Add right after each quantized MatMul gets its QDQ pair (so
+    the int8 epilogue can read gelu from its table); residual Adds, LayerNorm, Softmax and
+    Gelu stay float as without it; the file says how it was quantized."""
+    out = tmp_path / "q.onnx"
+    res = cli("quantize", str(block), "--mode", "static", "--per-channel", "--bias-adds", "-o", str(out))
+    assert res.rc == 0, res.text
+    from blockforge.graph.quantize import bias_adds, float_exclusions
+
+    src = onnx.load(str(block))
+    bias, other = bias_adds(src)
+    residual = float_exclusions(src)["residual add"]
+    # per head q/k/v (2 heads), the output projection, fc1, fc2; the two residual Adds
+    assert len(bias) == 9 and len(residual) == 2 and set(residual) <= set(other), (bias, other)
+    q = onnx.load(str(out))
+    users: dict = {}
+    for n in q.graph.node:
+        for i in n.input:
+            users.setdefault(i, set()).add(n.op_type)
+    added = {n.name: n.output[0] for n in q.graph.node if n.op_type == "Add"}
+    assert all(users.get(added[name]) == {"QuantizeLinear"} for name in bias), {n: users.get(added[n]) for n in bias}
+    assert all("QuantizeLinear" not in users.get(added[name], set()) for name in residual)
+    assert "DequantizeLinear" not in _ops_feeding(q, {"LayerNormalization", "Softmax", "Erf"})
+    props = {p.key: p.value for p in q.metadata_props}
+    assert '"bias_adds": true' in props["blockforge.quantization"]
+    assert_user_error(cli("quantize", str(block), "--mode", "dynamic", "--bias-adds", "-o", str(tmp_path / "d.onnx")),
+                      "--bias-adds is for --mode static")
+    assert_user_error(cli("export", "ffn", "--quantize", "dynamic", "--bias-adds", "-o", str(tmp_path / "x.onnx")),
+                      "--bias-adds needs --quantize static")
+
+
+def test_bias_adds_finds_only_adds_fed_by_a_gemm():
+    """A decomposed LayerNorm's epsilon Add has a constant operand too, and no GEMM before it."""
+    from blockforge.graph.quantize import bias_adds
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    b = numpy_helper.from_array(np.ones(4, np.float32), "b")
+    eps = numpy_helper.from_array(np.array(1e-5, np.float32), "eps")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             helper.make_node("Add", ["b", "y"], ["yb"], name="bias"),  # the constant first: still a bias
+             helper.make_node("Add", ["yb", "x"], ["r"], name="residual"),
+             helper.make_node("ReduceMean", ["r"], ["m"], name="mean"),
+             helper.make_node("Add", ["m", "eps"], ["me"], name="epsilon")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("me", TensorProto.FLOAT, None)], [w, b, eps])
+    assert bias_adds(helper.make_model(g)) == (["bias"], ["residual", "epsilon"])
+
+
 def test_quantize_static_calibration_npz(block, tmp_path):
     """Batches stacked on a new axis 0; the message names the file, not random inputs."""
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 32)).astype(np.float32)

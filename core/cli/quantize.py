@@ -21,6 +21,10 @@ def add(sub) -> None:
     p.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
     p.add_argument("--activation-type", choices=list(ACTIVATION_TYPES), default="s8",
                    help="static: activations int8 (S8S8, default) or uint8 (U8S8)")
+    p.add_argument("--bias-adds", action="store_true",
+                   help="static: also quantize the bias Add after each quantized MatMul (ORT's default op list): "
+                        "the int8 kernel then reads the activation after it from a table (BERT-base FFN ~10%% "
+                        "faster) at one more rounding step of error per GEMM (its rel L2 vs float 2.9e-2, not 2.4e-2)")
     add_shape(p, "batch=2,seq=32, for random calibration")
     p.add_argument("--seed", type=int, default=0, help="random calibration batches")
     p.add_argument("-o", "--output", required=True, help="OUT.onnx")
@@ -36,7 +40,8 @@ def run(a) -> int:
 
     opts = QuantizeOptions(model=Path(a.model), output=Path(a.output), mode=a.mode,
                            calibration=path_or_none(a.calibration, "--calibration"), per_channel=a.per_channel,
-                           activation_type=a.activation_type, shape=shape(a), seed=a.seed, force=a.force)
+                           activation_type=a.activation_type, shape=shape(a), seed=a.seed, force=a.force,
+                           bias_adds=a.bias_adds)
     res = quantize(opts, progress=lambda s: print(f"quantize: {s}", file=sys.stderr, flush=True))
     for note in res.notes:
         print(f"note: {note_text(note)}")
