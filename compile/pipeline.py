@@ -77,6 +77,9 @@ ABLATIONS = {
     "int8-lut-tail": "a QDQ epilogue's gelu and quantize after its last requantize read from a 256-byte table "
                      "of the levels with VPERMI2B (AVX512_VBMI targets; compile/quant/gemm.py lut_tail; left out: "
                      "gelu and the quantize's division per element)",
+    "int8-attention": "a QDQ model's attention products (MatMul of two dequantized runtime tensors: Q K^T, "
+                      "P V) on the int8 kernel, the second operand packed in the graph each call "
+                      "(compile/quant/rewrite.py match_dequantized; left out: dequantize + float32 GEMM)",
     "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
                            "OpenVINO quantize with a multiplier; compile/quant/gemm.py Epilogue; left out: "
                            "x / scale per element, bit-exact with the unfused build, vdivps Zen 4's slowest op)",
@@ -199,7 +202,8 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -
         epilogue = epilogue_for(tvm_target, lut="int8-lut-tail" not in without,
                                 reciprocal="int8-recip-quantize" not in without)
         return [int8_gemm(isa, tvm_target, database, post="int8-qdq-epilogue" not in without,
-                          stack="int8-stack-tiles" not in without, epilogue=epilogue)]
+                          stack="int8-stack-tiles" not in without, epilogue=epilogue,
+                          products="int8-attention" not in without)]
     return passes
 
 

@@ -797,3 +797,92 @@ def test_256_bit_intrinsic_is_vex_encoded_on_avxvnni_and_exact_where_it_runs():
     out = tvm.runtime.tensor(np.zeros((12, 32), np.int32))
     tvm.compile(mod, target=_host())["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(packed), out)
     np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ w.astype(np.int64))
+
+
+def _dq_matmul_module(a_shape, b_shape, b_dtype="int8", zp_b=3):
+    """matmul(dequantize(a8), dequantize(b8)) of two runtime 8-bit tensors (a QDQ attention
+    product as TVM imports it), per-tensor parameters."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType(a_shape, "int8"))
+    b = relax.Var("b", relax.TensorType(b_shape, b_dtype))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            da = bb.emit(relax.op.dequantize(a, relax.const(0.03, "float32"), relax.const(-2, "int8")))
+            db = bb.emit(relax.op.dequantize(b, relax.const(0.02, "float32"), relax.const(zp_b, b_dtype)))
+            y = bb.emit_output(relax.op.matmul(da, db))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def _int8_products(mod) -> list:
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    return gemm.kernel_specs(int8_gemm("vnni", ZNVER4)(mod))
+
+
+def test_attention_products_match_only_what_the_kernel_takes():
+    """Q K^T / P V shapes with static K % 4, N % 16, a batch of one and enough work for the
+    thread pool go on the int8 kernel (a weight zero point: the row correction); a ragged N, a
+    batch of heads, a symbolic N and a product under gemm.PARALLEL_MACS stay dequantize + float32."""
+    from tvm import tirx
+
+    (sp,) = _int8_products(_dq_matmul_module([1, 512, 64], [1, 64, 512]))
+    assert (sp.m, sp.k, sp.n, sp.scale, sp.rowcorr) == (512, 64, 512, "scalar", True)
+    (sp,) = _int8_products(_dq_matmul_module([512, 512], [512, 64], zp_b=0))
+    assert (sp.k, sp.n, sp.rowcorr) == (512, 64, False)
+    s = tirx.Var("s", "int64")
+    for a_shape, b_shape in (([1, 512, 64], [1, 64, 500]), ([2, 512, 64], [2, 64, 512]), ([1, 512, 64], [1, 64, s]),
+                             ([1, 128, 32], [1, 32, 128])):
+        assert _int8_products(_dq_matmul_module(a_shape, b_shape)) == [], (a_shape, b_shape)
+
+
+@pytest.mark.parametrize("b_dtype, zp_b", [("int8", 3), ("uint8", 131), ("int8", 0)])
+def test_attention_product_packed_at_run_time_is_the_integer_sum(b_dtype, zp_b):
+    """The runtime operand packed in the graph (gemm.pack_weights' layout) and its column sums:
+    the kernel computes sum((a - za)(b - zb)) * sa * sb, u8 operands shifted to s8 first."""
+    _need_vnni_host()
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    mod = _dq_matmul_module([1, 256, 64], [1, 64, 272], b_dtype, zp_b)
+    vm = relax.VirtualMachine(tvm.compile(int8_gemm("vnni", _host())(mod), target=_host()), tvm.cpu())
+    rng = np.random.default_rng(5)
+    a = rng.integers(-128, 128, (1, 256, 64), dtype=np.int8)
+    lo, hi = (-128, 128) if b_dtype == "int8" else (0, 256)
+    b = rng.integers(lo, hi, (1, 64, 272)).astype(b_dtype)
+    got = vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
+    exact = (a.astype(np.int64) + 2) @ (b.astype(np.int64) - zp_b)
+    want = exact.astype(np.float32) * (np.float32(0.03) * np.float32(0.02))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_qdq_mha_attention_products_on_the_int8_kernel(tmp_path, monkeypatch):
+    """blockforge's own QDQ MHA at seq 512: Q K^T and P V per head on the int8 kernel (the
+    int8-attention ablation leaves them float32), the output ORT's on the file."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import MHASpec, export
+    from blockforge.graph import ort as ort_runner
+
+    path = export(MHASpec(d_model=64, heads=2), tmp_path / "mha.onnx", quantize="static").model_path
+    s = open_model(path, "host", {"batch": 1, "seq": 512})
+
+    def products(without):
+        mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm", without=without)
+        return sorted((sp.k, sp.n) for sp in gemm.kernel_specs(mod) if sp.scale == "scalar" and sp.k != 64)
+
+    assert products(frozenset()) == [(32, 512), (32, 512), (512, 32), (512, 32)]
+    assert products(frozenset({"int8-attention"})) == []
+    x = {i.name: np.random.default_rng(i.name.__len__()).standard_normal((1, 512, 64)).astype(np.float32)
+         for i in s.inputs}
+    got = relax.VirtualMachine(s.build().executable, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(x[i.name]) for i in s.inputs]).numpy()
+    ref = next(iter(ort_runner.run(s.model, x).values()))
+    assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255

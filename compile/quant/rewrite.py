@@ -78,6 +78,9 @@ class _Match:
     # the kernel's last quantize writes the next int8 GEMM's activations already shifted to its
     # instruction's signedness (zero point + shift); `out` then keeps the model's dtype beside them
     shift_out: int = 0
+    # a runtime B (a QDQ attention product: K^T, V): the int8 (K, N) tensor packed and summed in
+    # the graph each call (`w` is then None, `zp_w` its zero point as stored, s8)
+    w_var: object | None = None
 
 
 def _shift_outputs(matches: list, shift_for) -> None:
@@ -115,12 +118,12 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func, isa: str = "vnni", post: bool = True):
+    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True):
         from tvm import relax
 
         from blockforge.compile.attention.heads import graph
 
-        self.isa, self.post = isa, post
+        self.isa, self.post, self.products = isa, post, products
         self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
         self.dataflow = relax.DataflowVar
 
@@ -242,7 +245,54 @@ class _Finder:
             break
         return out, tuple(steps), bias
 
+    def dequantized(self, e):
+        """(q, scale, zero point, dtype) of a per-tensor DequantizeLinear with constant parameters
+        that `e` is bound to, else None."""
+        v = self.value(e)
+        if not _call(v, "relax.dequantize") or _dtype(v) != "float32":
+            return None
+        qp = self.qparams(v)
+        return None if qp is None else (v.args[0], *qp)
+
+    def match_dequantized(self, var, value) -> _Match | None:
+        """MatMul(DQ(a), DQ(b)) of two runtime 8-bit tensors, per-tensor parameters: a QDQ model's
+        attention products (Q K^T, P V), which TVM imports as dequantize + float32 GEMM. On the
+        int8 kernel with b packed at run time (its K x N bytes: 32 KiB a head at BERT's 64 x 512);
+        static K % 4, N % 16 and a batch of one, else left as written."""
+        a, b = self.dequantized(value.args[0]), self.dequantized(value.args[1])
+        if a is None or b is None or self.const(b[0]) is not None:
+            return None
+        ashape, bshape = _shape(a[0]), [_static(d) for d in (_shape(b[0]) or [])]
+        if ashape is None or len(ashape) != len(bshape) or len(bshape) not in (2, 3) or None in bshape:
+            return None
+        if len(bshape) == 3 and (bshape[0] != 1 or _static(ashape[0]) != 1):
+            return None
+        k, n = bshape[-2:]
+        if _static(ashape[-1]) != k or not gemm.supported(k, n):
+            return None
+        m = 1
+        for d in ashape[:-1]:
+            m = m * d
+        rows = _static(m) if not isinstance(m, int) else m
+        if rows is not None and rows * k * n < gemm.PARALLEL_MACS:
+            # one thread (gemm.PARALLEL_MACS) plus the packing: BERT-base's QDQ MHA at seq 128
+            # (12 heads of 128x64x128) measured 1.13x the float32 products, whole_ab --abba
+            return None
+        (_, sa, za, _), (_, sb, zb, bdtype) = a, b
+        zp_w = zb - 128 if bdtype == "uint8" else zb  # stored s8 (b - 128) for the signed operand
+        out, post, bias = self.post_chain(var, n) if self.post else (var, (), None)
+        spec = gemm.Int8GemmSpec(k=k, n=n, m=_static(m) if not isinstance(m, int) else m, scale="scalar",
+                                 bias=bias is not None, rowcorr=zp_w != 0, isa=self.isa, post=post)
+        from tvm import relax
+
+        # one float scale, as the weight QDQ rewrite (compile/quant/qdq.py) makes s_x * s_w
+        scale = relax.const(np.float32(sa) * np.float32(sb), "float32")
+        return _Match(out, a[0], relax.const(za, "int32"), None, zp_w, scale, bias, [*ashape[:-1], n], spec,
+                      w_var=b[0])
+
     def match(self, var, value) -> _Match | None:
+        if _call(value, "relax.matmul") and _dtype(value) == "float32" and len(value.args) == 2:
+            return self.match_dequantized(var, value) if self.products else None
         if not _call(value, "relax.matmul") or _dtype(value) != "int32" or len(value.args) != 2:
             return None
         act = self.activations(value.args[0])
@@ -290,7 +340,7 @@ class _Finder:
 
 
 def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
-              epilogue: gemm.Epilogue | None = None):
+              epilogue: gemm.Epilogue | None = None, products: bool = True):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
@@ -299,7 +349,8 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     (gemm.LEGACY_TILE, the int8-stack-tiles ablation); epilogue: how the kernels compute
     their post steps (None: gemm.epilogue_for(target), the table where the target has
     AVX512_VBMI and the reciprocal quantize; the pipeline's int8-lut-tail and
-    int8-recip-quantize ablations turn them off)."""
+    int8-recip-quantize ablations turn them off); products False: a QDQ model's attention
+    products stay dequantize + float32 (the int8-attention ablation)."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
@@ -349,10 +400,14 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                 dt = "uint8" if shift > 0 else "int8"
                 a2 = bb.emit(relax.op.astype(relax.op.add(relax.op.astype(a2, "int32"), relax.const(shift, "int32")), dt))
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
-            n = mt.w.shape[1]
-            pad = sp.n - n  # a ragged N (GPT-2's lm_head: 50257): zero columns, cropped below
-            w = np.pad(mt.w, ((0, 0), (0, pad))) if pad else mt.w
-            args = [a2, relax.const(gemm.pack_weights(w)), relax.const(gemm.column_sums(w)), zp]
+            if mt.w_var is not None:
+                n, pad = sp.n, 0
+                args = [a2, *self.runtime_weights(mt.w_var, sp.k, sp.n), zp]
+            else:
+                n = mt.w.shape[1]
+                pad = sp.n - n  # a ragged N (GPT-2's lm_head: 50257): zero columns, cropped below
+                w = np.pad(mt.w, ((0, 0), (0, pad))) if pad else mt.w
+                args = [a2, relax.const(gemm.pack_weights(w)), relax.const(gemm.column_sums(w)), zp]
             if sp.rowcorr:
                 # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
                 rs = bb.emit(relax.op.sum(relax.op.astype(a2, "int32"), axis=[1]))
@@ -376,6 +431,20 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                 return relax.op.astype(relax.op.subtract(relax.op.astype(u, "int32"),
                                                          relax.const(mt.shift_out, "int32")), _dtype(mt.out))
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
+
+        def runtime_weights(self, b, k: int, n: int):
+            """A runtime (K, N) 8-bit operand as the kernel reads weights: packed (N/16, K/4, 16,
+            4) as gemm.pack_weights packs constants, and its column sums; u8 stored as s8 (b - 128,
+            the zero point moved alike at match time)."""
+            bb = self.builder_
+            b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([k, n])))
+            if _dtype(b) == "uint8":
+                b = bb.emit(relax.op.astype(relax.op.subtract(relax.op.astype(b, "int32"), relax.const(128, "int32")),
+                                            "int8"))
+            colsum = bb.emit(relax.op.sum(relax.op.astype(b, "int32"), axis=[0]))
+            packed = bb.emit(relax.op.permute_dims(relax.op.reshape(b, relax.ShapeExpr([k // 4, 4, n // 16, 16])),
+                                                   [2, 0, 3, 1]))
+            return packed, colsum
 
         def emit_range(self, r: _Range, var):
             bb = self.builder_
@@ -401,7 +470,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeInt8Gemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         def plan(m, func) -> bool:
-            f = _Finder(func, isa, post)
+            f = _Finder(func, isa, post, products)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 return False
