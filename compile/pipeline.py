@@ -443,7 +443,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if kv_inplace and cpu:
         out.append(Phase("kv-inplace", _kv_inplace))
     if isa is not None:
-        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, frozenset(without))))
+        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:

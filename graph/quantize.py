@@ -255,7 +255,7 @@ def quantize_model(model: onnx.ModelProto, opts: QuantizeOptions,
             excluded = float_exclusions(pre_model)
             exclude = [n for names in excluded.values() for n in names]
             ops = ["MatMul", "Gemm"]
-            if opts.bias_adds and opts.mode == "static":
+            if opts.bias_adds:  # (static only: refused above for dynamic)
                 bias, other = bias_adds(pre_model)
                 ops.append("Add")
                 exclude = list(dict.fromkeys(exclude + other))

@@ -64,6 +64,22 @@ def _static(d) -> int | None:
     return int(d.value) if isinstance(d, tirx.IntImm) else None
 
 
+def _rows(shape) -> tuple:
+    """A GEMM operand's rows, every dim but the last multiplied: (the expression, its int where
+    static, else None)."""
+    m = 1
+    for d in shape[:-1]:
+        m = m * d
+    return m, (m if isinstance(m, int) else _static(m))
+
+
+def _resigned(bb, x, shift: int, dtype: str):
+    """8-bit values moved by `shift` into `dtype` (s8 -> u8: +128; u8 -> s8: -128), exactly."""
+    from tvm import relax
+
+    return bb.emit(relax.op.astype(relax.op.add(relax.op.astype(x, "int32"), relax.const(shift, "int32")), dtype))
+
+
 @dataclass
 class _Match:
     out: object  # the var whose binding the kernel call replaces
@@ -189,10 +205,7 @@ class _Finder:
             shape = _shape(x) if x is not None else None
             if mx is None or shape is None or len(shape) < 2 or not minmax.supported(_static(shape[-1])):
                 continue
-            rows = 1
-            for d in shape[:-1]:
-                rows = rows * d
-            out.append(_Range(x, mx, v, minmax.MinMaxSpec(cols=_static(shape[-1]), rows=_static(rows))))
+            out.append(_Range(x, mx, v, minmax.MinMaxSpec(cols=_static(shape[-1]), rows=_rows(shape)[1])))
         return out
 
     def qparams(self, value) -> tuple[float, int, str] | None:
@@ -270,10 +283,7 @@ class _Finder:
         k, n = bshape[-2:]
         if _static(ashape[-1]) != k or not gemm.supported(k, n):
             return None
-        m = 1
-        for d in ashape[:-1]:
-            m = m * d
-        rows = _static(m) if not isinstance(m, int) else m
+        _, rows = _rows(ashape)
         if rows is not None and rows * k * n < gemm.PARALLEL_MACS:
             # one thread (gemm.PARALLEL_MACS) plus the packing: BERT-base's QDQ MHA at seq 128
             # (12 heads of 128x64x128) measured 1.13x the float32 products, whole_ab --abba
@@ -281,7 +291,7 @@ class _Finder:
         (_, sa, za, _), (_, sb, zb, bdtype) = a, b
         zp_w = zb - 128 if bdtype == "uint8" else zb  # stored s8 (b - 128) for the signed operand
         out, post, bias = self.post_chain(var, n) if self.post else (var, (), None)
-        spec = gemm.Int8GemmSpec(k=k, n=n, m=_static(m) if not isinstance(m, int) else m, scale="scalar",
+        spec = gemm.Int8GemmSpec(k=k, n=n, m=rows, scale="scalar",
                                  bias=bias is not None, rowcorr=zp_w != 0, isa=self.isa, post=post)
         from tvm import relax
 
@@ -303,10 +313,7 @@ class _Finder:
         k, n = wz[0].shape
         if shape is None or len(shape) < 2 or _static(shape[-1]) != k or not gemm.supported(k, gemm.padded(n)):
             return None
-        m = 1
-        for d in shape[:-1]:
-            m = m * d
-        m_static = _static(m) if not isinstance(m, int) else m
+        _, m_static = _rows(shape)
         out, scale, bias, scale_kind = var, None, None, "none"
         cast = self.only_user(var)
         if cast is not None and _call(self.values[cast], "relax.astype") and _dtype(self.values[cast]) == "float32":
@@ -386,9 +393,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
             bb, sp = self.builder_, mt.spec
             pre = self.shifted.get(mt.act)  # the GEMM before wrote these activations shifted
             act = pre[0] if pre is not None else self.visit_expr(mt.act)
-            m = 1
-            for d in _shape(act)[:-1]:
-                m = m * d
+            m, _ = _rows(_shape(act))
             a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([m, sp.k])))
             zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
             if pre is not None:
@@ -397,8 +402,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
             if shift:
                 # (a + c) - (zp + c) = a - zp: s8 -> u8 for VPDPBUSD (c = 128), u8 -> s8 for SDOT
                 # (c = -128); the column-sum term then takes the shifted zero point.
-                dt = "uint8" if shift > 0 else "int8"
-                a2 = bb.emit(relax.op.astype(relax.op.add(relax.op.astype(a2, "int32"), relax.const(shift, "int32")), dt))
+                a2 = _resigned(bb, a2, shift, "uint8" if shift > 0 else "int8")
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
             if mt.w_var is not None:
                 n, pad = sp.n, 0
@@ -439,8 +443,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
             bb = self.builder_
             b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([k, n])))
             if _dtype(b) == "uint8":
-                b = bb.emit(relax.op.astype(relax.op.subtract(relax.op.astype(b, "int32"), relax.const(128, "int32")),
-                                            "int8"))
+                b = _resigned(bb, b, -128, "int8")
             colsum = bb.emit(relax.op.sum(relax.op.astype(b, "int32"), axis=[0]))
             packed = bb.emit(relax.op.permute_dims(relax.op.reshape(b, relax.ShapeExpr([k // 4, 4, n // 16, 16])),
                                                    [2, 0, 3, 1]))
