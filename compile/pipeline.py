@@ -1,7 +1,7 @@
 """The Relax pipeline as named phases, per target kind, and the build itself.
 
     [fp32-compute (CPU, float16 models)] -> [int8-combine (as int8-gemm)] -> [fuse-attention (CPU)]
-    -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 dotprod, quantized models)] -> [bf16-gemm (--precision bf16)]
+    -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 i8mm / dotprod, quantized models)] -> [bf16-gemm (--precision bf16)]
     -> [conv-gemm (CPU, convolutions)] -> optimize
     -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
 
@@ -59,7 +59,7 @@ ABLATIONS = {
     "matvec": "the CPU rule for packed matmuls of <= 4 rows, where BLOCKFORGE_MATVEC=1 turns it on (left out: CPUMatmul's 6-row tile)",
     "pad-panels": "constant weights whose N no panel width divides padded to whole panels and cropped "
                   "(left out: such matmuls stay unpacked)",
-    "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SDOT) (left out: TVM's int32 "
+    "int8-gemm": "quantized matmuls (MatMulInteger, QDQ) on the int8 kernel (VNNI, SMMLA, SDOT) (left out: TVM's int32 "
                  "GEMM loops, or dequantize + float32 GEMM for QDQ)",
     "attention-heads": "self-attention's per-head projections, one combined GEMM split into 3h items, regrouped "
                        "into a GEMM per role in the heads' order, so fuse-attention merges the heads into one call "
@@ -83,6 +83,8 @@ ABLATIONS = {
     "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
                            "OpenVINO quantize with a multiplier; compile/quant/gemm.py Epilogue; left out: "
                            "x / scale per element, bit-exact with the unfused build, vdivps Zen 4's slowest op)",
+    "int8-i8mm": "int8 GEMMs on an +i8mm target (Armv8.6: Neoverse N2/V1, Cortex-A710) on SMMLA, 2 x 8 by "
+                 "8 x 2 per instruction (compile/quant/gemm.py mmla; left out: SDOT, 4 x 4)",
     "int8-stack-tiles": "the untuned int8 VNNI GEMM's micro-tile sized so its accumulators (5 x 3 vectors, 960 B) "
                         "are a stack alloca (compile/quant/gemm.py STACK_BYTES; left out: the 6 x 4 tile, 1536 B, "
                         "a workspace alloc/free per row tile)",
@@ -183,7 +185,7 @@ def _fuse_attention(target: ResolvedTarget, database, without: frozenset[str] = 
 
 
 def target_int8_isa(target: ResolvedTarget) -> str | None:
-    """The target's int8 dot-product instruction (AVX-512 VNNI, aarch64 SDOT), or None."""
+    """The target's int8 dot-product instruction (AVX-512 VNNI, aarch64 SMMLA or SDOT), or None."""
     from blockforge.compile.quant.isa import for_target
 
     isa = for_target(target.tvm_target())
@@ -432,6 +434,8 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         # overflowed where ORT's stay finite: tests/robustness/test_fp16_overflow.py).
         out.append(Phase("fp32-compute", _fp32_compute))
     isa = target_int8_isa(target) if int8 and cpu and default_schedules and "int8-gemm" not in without else None
+    if isa == "i8mm" and "int8-i8mm" in without:
+        isa = "sdot"  # (every +i8mm CPU has the dot product: compile/quant/arm.py has_i8mm)
     if isa is not None and "int8-combine" not in without:
         # before fuse-attention: the per-head attentions then read an even split it can merge
         out.append(Phase("int8-combine", _int8_combine))

@@ -57,6 +57,15 @@ PRESETS: dict[str, dict] = {
         "arch": "aarch64",
         "cpu_flags": ["asimddp"],
     },
+    "aarch64-linux-i8mm": {
+        "description": "64-bit ARM Linux with NEON, the int8 dot product and matrix multiply (Armv8.6+: "
+                       "Cortex-A710/X2, Neoverse N2/V1, Graviton 3; cross-compiled)",
+        "target": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon", "+dotprod", "+i8mm"],
+                   "num-cores": "<cores>"},
+        "device": "cpu",
+        "arch": "aarch64",
+        "cpu_flags": ["asimddp", "i8mm"],
+    },
     "cuda-sm80": {
         "description": "NVIDIA Ampere (A100), CUDA",
         "target": {"kind": "cuda", "arch": "sm_80", "host": {"kind": "llvm", "mcpu": "<host-cpu>"}},

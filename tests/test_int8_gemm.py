@@ -886,3 +886,33 @@ def test_qdq_mha_attention_products_on_the_int8_kernel(tmp_path, monkeypatch):
         *[tvm.runtime.tensor(x[i.name]) for i in s.inputs]).numpy()
     ref = next(iter(ort_runner.run(s.model, x).values()))
     assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+def test_projections_feeding_the_products_stay_on_the_int8_kernel(tmp_path, monkeypatch):
+    """A one-head QDQ MHA (no int8-combine split between them): the q and v projections' post
+    chains end in the quantize the attention products read ("q"), so all six GEMMs run on the
+    int8 kernel; before, the chains took that quantize as a "qdq" step and the two projections
+    fell back to TVM's int32 matmul loops. The output is ORT's on the file."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import MHASpec, export
+    from blockforge.graph import ort as ort_runner
+
+    path = export(MHASpec(d_model=64, heads=1), tmp_path / "mha.onnx", quantize="static").model_path
+    s = open_model(path, "host", {"batch": 1, "seq": 256})
+    mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+    main = mod.script().split("def main")[-1]
+    assert len(gemm.kernel_specs(mod)) == 6 and main.count("R.call_tir(cls.int8_gemm_") == 6, main
+    assert 'out_dtype="int32"' not in main.split("R.call_tir(cls.int8_gemm_")[-1]
+    q_v = [sp for sp in gemm.kernel_specs(mod) if (sp.k, sp.n) == (64, 64) and sp.post[-1][0] == "q"]
+    assert len(q_v) == 2, [sp.describe() for sp in gemm.kernel_specs(mod)]
+    x = {i.name: np.random.default_rng(len(i.name)).standard_normal((1, 256, 64)).astype(np.float32)
+         for i in s.inputs}
+    got = relax.VirtualMachine(s.build().executable, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(x[i.name]) for i in s.inputs]).numpy()
+    ref = next(iter(ort_runner.run(s.model, x).values()))
+    assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255

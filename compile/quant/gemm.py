@@ -24,6 +24,16 @@ stack alloca LLVM keeps in registers) and broadcasts 4 bytes of A per row and k-
 
 On SDOT (4 int32 lanes) the same loops run with MR = 5, NV = 1: each 16-column panel is four
 SDOTs on consecutive 16-byte quarters of the (16, 4) group.
+
+On SMMLA (`+i8mm`, isa.mmla) rows and columns go in pairs: the weights pack (N/16, K/8, 16, 8),
+so a column pair's 8 k-bytes each are 16 contiguous bytes; A is packed per call into row pairs
+(M/2, K/8, 2, 8), and the accumulator is (M/2, N/2, 2, 2), one register a 2 x 2 tile; the
+epilogue reads it back as (M, N):
+
+    Ap[ip, kp] = (A[2ip, 8kp:8kp+8], A[2ip+1, 8kp:8kp+8])      # parallel, once per call
+    for (column panel jo, row tile io) in parallel:
+        for kp < K/8: for ii < MR/2: for jc < 8: acc[ii, jc] = smmla(acc[ii, jc], Ap[ii, kp], Wp[jo, kp, 2jc:2jc+2])
+        out[i, j] = epilogue(acc[i/2, j/2, i%2, j%2])
 """
 
 from __future__ import annotations
@@ -96,16 +106,17 @@ class Int8GemmSpec:
         # (JSON gives lists: the spec is a dict key, so tuples)
         object.__setattr__(self, "post", tuple(tuple(step) for step in self.post))
         _check_post(self)
-        if self.k % 4 or self.n % 16 or self.k <= 0 or self.n <= 0:
-            raise ValueError(f"int8 GEMM needs K % 4 == 0 and N % 16 == 0, got K={self.k} N={self.n}")
+        if self.isa not in ISAS:
+            raise ValueError(f"isa: {self.isa!r}")
+        g = ISAS[self.isa].kgroup
+        if self.k % g or self.n % 16 or self.k <= 0 or self.n <= 0:
+            raise ValueError(f"int8 GEMM needs K % {g} == 0 and N % 16 == 0, got K={self.k} N={self.n}")
         if self.scale not in ("none", "scalar", "column"):
             raise ValueError(f"scale: {self.scale!r}")
         if (self.bias or self.activation != "none") and self.scale == "none":
             raise ValueError("a bias or an activation needs a float epilogue (scale)")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: {self.activation!r}")
-        if self.isa not in ISAS:
-            raise ValueError(f"isa: {self.isa!r}")
 
     @property
     def out_dtype(self) -> str:
@@ -176,6 +187,7 @@ def default_tiles(spec: "Int8GemmSpec", stack: bool = True) -> Int8Tiles:
     # A static M below the tile's rows (a decode step's M = 1) gets a tile of M rows: the
     # full tile re-reads row M-1 into MR - M dead rows (6x the VPDPBUSDs at M = 1).
     mr = mr if spec.m is None else min(mr, spec.m)
+    mr += mr % 2 if isa.mmla else 0  # rows in pairs: M = 1 computes one clamped row beside it
     return Int8Tiles(mr, nv, "panels" if spec.m is None else "tiles")
 
 
@@ -194,8 +206,8 @@ def tile_candidates(spec: "Int8GemmSpec") -> list[Int8Tiles]:
     return out
 
 
-def supported(k: int, n: int) -> bool:
-    return k > 0 and n > 0 and k % 4 == 0 and n % 16 == 0
+def supported(k: int, n: int, isa: str = "vnni") -> bool:
+    return k > 0 and n > 0 and k % ISAS[isa].kgroup == 0 and n % 16 == 0
 
 
 def padded(n: int) -> int:
@@ -203,10 +215,11 @@ def padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def pack_weights(w: np.ndarray) -> np.ndarray:
-    """(K, N) int8 -> (N/16, K/4, 16, 4) int8, the layout the intrinsic reads."""
+def pack_weights(w: np.ndarray, kgroup: int = 4) -> np.ndarray:
+    """(K, N) int8 -> (N/16, K/g, 16, g) int8, the layout the intrinsic reads (g: the ISA's
+    kgroup, 8 on SMMLA)."""
     k, n = w.shape
-    return np.ascontiguousarray(w.reshape(k // 4, 4, n // 16, 16).transpose(2, 0, 3, 1))
+    return np.ascontiguousarray(w.reshape(k // kgroup, kgroup, n // 16, 16).transpose(2, 0, 3, 1))
 
 
 def column_sums(w: np.ndarray) -> np.ndarray:
@@ -281,7 +294,8 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     isa = ISAS[spec.isa]
     mr = isa.mr if mr is None else mr
     a = te.placeholder((m, i64(K)), isa.act_dtype, name="A")
-    wp = te.placeholder((i64(N // 16), i64(K // 4), i64(16), i64(4)), "int8", name="Wp")
+    g = isa.kgroup
+    wp = te.placeholder((i64(N // 16), i64(K // g), i64(16), i64(g)), "int8", name="Wp")
     colsum = te.placeholder((i64(N),), "int32", name="colsum")
     zpa = te.placeholder((), "int32", name="zp_a")
     ins = [a, wp, colsum, zpa]
@@ -298,8 +312,11 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     rows = (m + i64(mr - 1)) // i64(mr) * i64(mr)
     ragged = spec.m is None or spec.m % mr != 0
     row = (lambda i: tirx.min(i, m - i64(1))) if ragged else (lambda i: i)
-    acc = te.compute((rows, i64(N)), lambda i, j: te.sum(
-        a[row(i), r].astype("int32") * wp[j // 16, r // 4, j % 16, r % 4].astype("int32"), axis=r), name="acc")
+    if isa.mmla:
+        acc = _mmla_acc(a, wp, rows, row, r, g)
+    else:
+        acc = te.compute((rows, i64(N)), lambda i, j: te.sum(
+            a[row(i), r].astype("int32") * wp[j // 16, r // g, j % 16, r % g].astype("int32"), axis=r), name="acc")
 
     def dequantized(i, j):
         c = acc[i, j] - zpa[()] * colsum[j]
@@ -318,6 +335,23 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
         return ins, out, None
     out, table = _table_lookup(out, spec.post[t], spec.post[t + 1:], spec.out_dtype, epilogue.reciprocal)
     return ins, out, table
+
+
+def _mmla_acc(a, wp, rows, row, r, g: int):
+    """The accumulator on a matrix instruction (isa.mmla: SMMLA's 2 x g by g x 2): A's rows
+    packed in pairs ("A_pairs", (rows/2, K/g, 2, g): the instruction's A operand is 16
+    contiguous bytes), the 2 x 2 tiles ("acc", (rows/2, N/2, 2, 2): one register each), and
+    the (rows, N) view the epilogue reads ("acc_rows", inlined into it)."""
+    from tvm import te
+
+    k = a.shape[1]
+    n = wp.shape[0] * 16
+    pairs = te.compute((rows // 2, k // g, 2, g), lambda ip, kp, di, dk: a[row(ip * 2 + di), kp * g + dk],
+                       name="A_pairs")
+    tiles = te.compute((rows // 2, n // 2, 2, 2), lambda ip, jp, di, dj: te.sum(
+        pairs[ip, r // g, di, r % g].astype("int32")
+        * wp[(jp * 2 + dj) // 16, r // g, (jp * 2 + dj) % 16, r % g].astype("int32"), axis=r), name="acc")
+    return te.compute((rows, n), lambda i, j: tiles[i // 2, j // 2, i % 2, j % 2], name="acc_rows")
 
 
 def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str, reciprocal: bool):
@@ -414,25 +448,42 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
     if (spec.n // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
         raise ValueError(f"int8 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
     ins, out, table = compute(spec, tiles.mr, epilogue)
+    if isa.mmla and tiles.mr % 2:
+        raise ValueError(f"int8 GEMM tiles {tiles.describe()}: {isa.name} takes rows in pairs")
     func = te.create_prim_func([*ins, *([table[0]] if table else []), out])
     sch = s_tir.Schedule(func)
     mm = sch.get_sblock("acc")
-    steps = [b for b in sch.get_child_blocks(sch.get_sblock("root", "main")) if sch.get(b).name_hint != "acc"]
+    steps = [b for b in sch.get_child_blocks(sch.get_sblock("root", "main"))
+             if sch.get(b).name_hint not in ("acc", "A_pairs")]
     # The epilogue's elementwise steps (scale/bias, the activation's, the post steps) into its
     # last block; with a table, into the level's block, the lookup after it.
     lookup = steps.pop() if table else None
     for b in steps[:-1]:
         sch.compute_inline(b)
     ep = steps[-1]
-    i, j, k = sch.get_loops(mm)
     nv = tiles.nv
-    io, ii = sch.split(i, [None, tiles.mr])
-    jo, jv, ji = sch.split(j, [None, nv, 16])
-    ko, ki = sch.split(k, [None, 4])
-    # A narrower instruction (SDOT: 4 lanes) covers the 16-column group in 16 / lanes steps,
-    # each on its 16 contiguous bytes of the packed group; the A broadcast is shared.
-    jq, ji = sch.split(ji, [None, isa.lanes]) if isa.lanes < 16 else (None, ji)
-    sch.reorder(jo, io, ko, ii, jv, *([jq] if jq is not None else []), ji, ki)
+    if isa.mmla:
+        # row pairs x column pairs, 8 of them per 16-column panel, one SMMLA each per k-group
+        i, j, di, dj, k = sch.get_loops(mm)
+        io, ii = sch.split(i, [None, tiles.mr // 2])
+        jo, jv, jq = sch.split(j, [None, nv, 8])
+        ko, ki = sch.split(k, [None, isa.kgroup])
+        sch.reorder(jo, io, ko, ii, jv, jq, di, dj, ki)
+        ji = di  # (tensorized below)
+        pack = sch.get_sblock("A_pairs")
+        p0, *_, pk = sch.get_loops(pack)
+        sch.vectorize(pk)  # a row's 8 bytes: one load and one store
+        if spec.m is None or _parallel(spec):
+            sch.parallel(p0)
+    else:
+        i, j, k = sch.get_loops(mm)
+        io, ii = sch.split(i, [None, tiles.mr])
+        jo, jv, ji = sch.split(j, [None, nv, 16])
+        ko, ki = sch.split(k, [None, 4])
+        # A narrower instruction (SDOT: 4 lanes) covers the 16-column group in 16 / lanes steps,
+        # each on its 16 contiguous bytes of the packed group; the A broadcast is shared.
+        jq, ji = sch.split(ji, [None, isa.lanes]) if isa.lanes < 16 else (None, ji)
+        sch.reorder(jo, io, ko, ii, jv, *([jq] if jq is not None else []), ji, ki)
     # acc stays "global" (the intrinsic's buffers are): compacted to the MR x NV*16 tile
     # under the parallel loop, it lives in registers once the loops are unrolled.
     sch.reverse_compute_at(ep, io, preserve_unit_loops=True)
@@ -461,7 +512,8 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
     if jq is not None:
         sch.unroll(jq)
     init = sch.decompose_reduction(mm, ko)
-    sch.vectorize(sch.get_loops(init)[-1])
+    zeroed = sch.get_loops(init)
+    sch.vectorize(sch.fuse(*zeroed[-2:]) if isa.mmla else zeroed[-1])  # (a 2 x 2 tile: 4 lanes)
     sch.tensorize(ji, isa.intrin())
     f = sch.mod["main"]
     if table:

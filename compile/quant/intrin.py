@@ -21,7 +21,7 @@ _LLVM = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
 def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
     """desc and impl of a `lanes` x 4 int8 dot-product intrinsic: C[i] += sum_k A[k] B[i, k]
     (i < lanes, k < 4), A's 4 bytes broadcast to every lane, B's lanes x 4 bytes as they lie.
-    VPDPBUSD (16 lanes, u8 A) here, SDOT (4 lanes, s8 A) in compile/quant/sdot.py."""
+    VPDPBUSD (16 lanes, u8 A) here, SDOT (4 lanes, s8 A) in compile/quant/arm.py."""
     from tvm.script import tirx as T
 
     v = f"int8x{lanes * 4}"  # what both instructions take: the bytes, reinterpreted

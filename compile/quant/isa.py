@@ -1,15 +1,22 @@
 """The dot-product instructions the int8 GEMM (compile/quant/gemm) is tensorized with, as data.
 
-One kernel generator, one weight layout (N/16, K/4, 16, 4) for every instruction: what
-differs is the activations' signedness, how many int32 lanes one instruction accumulates,
-the register tile and the tensor intrinsic. The int8-gemm phase picks the row from the
-target's features (its mcpu/mattr, never the build machine).
+One kernel generator, one weight layout (N/16, K/g, 16, g) for every instruction, g the bytes
+of k one instruction reads per column (4 for the dot products, 8 for SMMLA): what differs is the
+activations' signedness, how many int32 lanes one instruction accumulates, the register tile
+and the tensor intrinsic. The int8-gemm phase picks the row from the target's features (its
+mcpu/mattr, never the build machine).
 
 | isa  | instruction            | A x W        | lanes | tile (rows x 16-col panels) | accumulators     |
 |------|------------------------|--------------|-------|-----------------------------|------------------|
 | vnni | VPDPBUSD zmm (x86)     | u8 x s8      | 16    | 5 x 3 (under 1 KiB: stack)  | 15 of 32 zmm     |
 | avxvnni | {vex} VPDPBUSD ymm (x86, no AVX-512) | u8 x s8 | 8 | MR x 1 (2 per panel)   | 2 MR of 16 ymm   |
 | sdot | SDOT v.4s (aarch64)    | s8 x s8      | 4     | 5 x 1 (4 SDOTs per panel)   | 20 of 32 q regs  |
+| i8mm | SMMLA v.4s (aarch64)   | s8 x s8      | 2 x 2 | 4 x 1 (16 SMMLAs per k-step)| 16 of 32 q regs  |
+
+SMMLA (`+i8mm`, Armv8.6: Cortex-A510/A710/X2 and later, Neoverse N2/V1/V2, Graviton 3/4) is a
+matrix instruction: a 2 x 8 block of A times an 8 x 2 block of W into a 2 x 2 int32 tile, 32
+multiply-adds against SDOT's 16 (not timed on a board here: no Arm hardware). Rows go in pairs:
+its kernel packs A's rows in pairs first (compile/quant/gemm.py, `_mmla_acc`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from blockforge.compile.quant import intrin, sdot
+from blockforge.compile.quant import arm, intrin
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,9 @@ class Int8Isa:
     nv: int  # 16-column panels per micro-tile row, at most
     intrin: Callable[[], str]  # registers the tensor intrinsic (lanes x 4); its name
     has: Callable[[object], bool]  # the TVM target has the instruction
+    kgroup: int = 4  # bytes of k per column one instruction reads: the packed weights' last dim
+    mmla: bool = False  # a 2 x kgroup by kgroup x 2 matrix instruction (rows in pairs), not a dot
+    fallback: str | None = None  # the ISA a GEMM takes when K is not whole k-groups of this one
 
     def shift(self, dtype: str) -> int:
         """What to add to activations of `dtype` (and their zero point) to make them the
@@ -49,10 +59,16 @@ ISAS: dict[str, Int8Isa] = {
     # accumulators to the stack per k-step, 5 x 1 none (39 instructions, 20 SDOTs), 3 x 2 and
     # 4 x 2 spilled 8-25.
     "avxvnni": Int8Isa("avxvnni", "uint8", 8, 6, 1, intrin.vnni_8x4, intrin.has_avxvnni_only),
-    "sdot": Int8Isa("sdot", "int8", 4, 5, 1, sdot.sdot_4x4, sdot.has_dotprod),
+    # 4 rows (2 pairs) x 16 columns (8 pairs) = 16 accumulators, 2 A + 8 W registers. LLVM 22's
+    # inner loop for K=256, N=128: 26 instructions, 16 SMMLAs (512 multiply-adds; SDOT's 5 x 1:
+    # 320 in 39); 6 x 1 took 47 with 4 stack accesses, 8 x 1 103 with 17 (tests/test_i8mm_gemm.py).
+    "i8mm": Int8Isa("i8mm", "int8", 4, 4, 1, arm.smmla_2x2x8, arm.has_i8mm, kgroup=8, mmla=True,
+                    fallback="sdot"),
+    "sdot": Int8Isa("sdot", "int8", 4, 5, 1, arm.sdot_4x4, arm.has_dotprod),
 }
 
 
 def for_target(target) -> Int8Isa | None:
-    """The int8 dot-product instruction of a TVM target, or None (the phase stays off)."""
+    """The int8 dot-product instruction of a TVM target, or None (the phase stays off); the
+    first row the target has (an +i8mm target has +dotprod too: SMMLA first)."""
     return next((i for i in ISAS.values() if i.has(target)), None)

@@ -143,6 +143,16 @@ class _Finder:
         self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
         self.dataflow = relax.DataflowVar
 
+    def isa_for(self, k: int, n: int) -> str | None:
+        """The instruction a (K, N) GEMM runs on: the pass's, or its fallback where K is not
+        whole k-groups of it (SMMLA's 8 -> SDOT's 4); None: neither takes it."""
+        from blockforge.compile.quant.isa import ISAS
+
+        for isa in (self.isa, ISAS[self.isa].fallback):
+            if isa is not None and gemm.supported(k, n, isa):
+                return isa
+        return None
+
     def value(self, e):
         from tvm import relax
 
@@ -223,6 +233,16 @@ class _Finder:
             return None
         return scale, int(zp.reshape(())), dtype
 
+    def feeds_product(self, dq) -> bool:
+        """The dequantized tensor is an operand of an attention product the int8 kernel takes
+        (match_dequantized): the chain before it then ends in its quantize ("q"), whose 8-bit
+        tensor the product reads. (Taken as "qdq", the product read the quantize the chain had
+        absorbed: a one-head MHA's q and v projections fell back to TVM's int32 matmul loops.)"""
+        user = self.only_user(dq)
+        uv = self.values.get(user)
+        return self.products and uv is not None and _call(uv, "relax.matmul") and _dtype(uv) == "float32" \
+            and len(uv.args) == 2 and self.match_dequantized(user, uv) is not None
+
     def post_chain(self, out, n: int):
         """(out, steps, bias) of what follows the scaled GEMM in a QDQ model: QuantizeLinear/
         DequantizeLinear pairs, the bias add between them, gelu/relu, and a last QuantizeLinear
@@ -237,7 +257,7 @@ class _Finder:
                 dq = self.only_user(user)
                 dv = self.values.get(dq)
                 if dv is not None and _call(dv, "relax.dequantize") and _dtype(dv) == "float32" \
-                        and self.qparams(dv) == qp:
+                        and self.qparams(dv) == qp and not self.feeds_product(dq):
                     out = dq
                     steps.append(("qdq", *qp))
                     continue
@@ -281,7 +301,8 @@ class _Finder:
         if len(bshape) == 3 and (bshape[0] != 1 or _static(ashape[0]) != 1):
             return None
         k, n = bshape[-2:]
-        if _static(ashape[-1]) != k or not gemm.supported(k, n):
+        isa = self.isa_for(k, n)
+        if _static(ashape[-1]) != k or isa is None:
             return None
         _, rows = _rows(ashape)
         if rows is not None and rows * k * n < gemm.PARALLEL_MACS:
@@ -292,7 +313,7 @@ class _Finder:
         zp_w = zb - 128 if bdtype == "uint8" else zb  # stored s8 (b - 128) for the signed operand
         out, post, bias = self.post_chain(var, n) if self.post else (var, (), None)
         spec = gemm.Int8GemmSpec(k=k, n=n, m=rows, scale="scalar",
-                                 bias=bias is not None, rowcorr=zp_w != 0, isa=self.isa, post=post)
+                                 bias=bias is not None, rowcorr=zp_w != 0, isa=isa, post=post)
         from tvm import relax
 
         # one float scale, as the weight QDQ rewrite (compile/quant/qdq.py) makes s_x * s_w
@@ -311,7 +332,8 @@ class _Finder:
             return None
         shape = _shape(value.args[0])
         k, n = wz[0].shape
-        if shape is None or len(shape) < 2 or _static(shape[-1]) != k or not gemm.supported(k, gemm.padded(n)):
+        isa = self.isa_for(k, gemm.padded(n))
+        if shape is None or len(shape) < 2 or _static(shape[-1]) != k or isa is None:
             return None
         _, m_static = _rows(shape)
         out, scale, bias, scale_kind = var, None, None, "none"
@@ -342,7 +364,7 @@ class _Finder:
         if self.post and scale is not None and bias is None and activation == "none":
             out, post, bias = self.post_chain(out, n)
         spec = gemm.Int8GemmSpec(k=k, n=gemm.padded(n), m=m_static, scale=scale_kind, bias=bias is not None,
-                                 rowcorr=wz[1] != 0, activation=activation, isa=self.isa, post=post)
+                                 rowcorr=wz[1] != 0, activation=activation, isa=isa, post=post)
         return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
 
 
@@ -406,12 +428,13 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
             if mt.w_var is not None:
                 n, pad = sp.n, 0
-                args = [a2, *self.runtime_weights(mt.w_var, sp.k, sp.n), zp]
+                args = [a2, *self.runtime_weights(mt.w_var, sp.k, sp.n, ISAS[sp.isa].kgroup), zp]
             else:
                 n = mt.w.shape[1]
                 pad = sp.n - n  # a ragged N (GPT-2's lm_head: 50257): zero columns, cropped below
                 w = np.pad(mt.w, ((0, 0), (0, pad))) if pad else mt.w
-                args = [a2, relax.const(gemm.pack_weights(w)), relax.const(gemm.column_sums(w)), zp]
+                args = [a2, relax.const(gemm.pack_weights(w, ISAS[sp.isa].kgroup)),
+                        relax.const(gemm.column_sums(w)), zp]
             if sp.rowcorr:
                 # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
                 rs = bb.emit(relax.op.sum(relax.op.astype(a2, "int32"), axis=[1]))
@@ -436,16 +459,16 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                                                          relax.const(mt.shift_out, "int32")), _dtype(mt.out))
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
-        def runtime_weights(self, b, k: int, n: int):
-            """A runtime (K, N) 8-bit operand as the kernel reads weights: packed (N/16, K/4, 16,
-            4) as gemm.pack_weights packs constants, and its column sums; u8 stored as s8 (b - 128,
+        def runtime_weights(self, b, k: int, n: int, g: int):
+            """A runtime (K, N) 8-bit operand as the kernel reads weights: packed (N/16, K/g, 16,
+            g) as gemm.pack_weights packs constants, and its column sums; u8 stored as s8 (b - 128,
             the zero point moved alike at match time)."""
             bb = self.builder_
             b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([k, n])))
             if _dtype(b) == "uint8":
                 b = _resigned(bb, b, -128, "int8")
             colsum = bb.emit(relax.op.sum(relax.op.astype(b, "int32"), axis=[0]))
-            packed = bb.emit(relax.op.permute_dims(relax.op.reshape(b, relax.ShapeExpr([k // 4, 4, n // 16, 16])),
+            packed = bb.emit(relax.op.permute_dims(relax.op.reshape(b, relax.ShapeExpr([k // g, g, n // 16, 16])),
                                                    [2, 0, 3, 1]))
             return packed, colsum
 
