@@ -80,6 +80,10 @@ ABLATIONS = {
     "int8-attention": "a QDQ model's attention products (MatMul of two dequantized runtime tensors: Q K^T, "
                       "P V) on the int8 kernel, the second operand packed in the graph each call "
                       "(compile/quant/rewrite.py match_dequantized; left out: dequantize + float32 GEMM)",
+    "int8-sums": "the zero-point row and column sums of an int8 GEMM with a runtime operand (the attention "
+                 "products) on parallel vectorised kernels (compile/quant/sums.py; left out: TVM's reductions)",
+    "int8-shift-quantize": "an attention product's activations quantized straight into the instruction's "
+                           "signedness (zero point +-128; left out: an s8 <-> u8 pass over the bytes)",
     "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
                            "OpenVINO quantize with a multiplier; compile/quant/gemm.py Epilogue; left out: "
                            "x / scale per element, bit-exact with the unfused build, vdivps Zen 4's slowest op)",
@@ -205,7 +209,8 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -
                                 reciprocal="int8-recip-quantize" not in without)
         return [int8_gemm(isa, tvm_target, database, post="int8-qdq-epilogue" not in without,
                           stack="int8-stack-tiles" not in without, epilogue=epilogue,
-                          products="int8-attention" not in without)]
+                          products="int8-attention" not in without, sums_kernels="int8-sums" not in without,
+                          shift_quantize="int8-shift-quantize" not in without)]
     return passes
 
 

@@ -5,6 +5,7 @@ quantize_dynamic model of a blockforge FFN, against ORT running the same file.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 
-from blockforge.compile.quant import gemm  # noqa: E402
+from blockforge.compile.quant import gemm, sums  # noqa: E402
 from blockforge.compile.quant.intrin import has_vnni  # noqa: E402
 from llvm_ir import llvm_source, workspace_allocs  # noqa: E402
 
@@ -163,6 +164,73 @@ def test_symbolic_m_exact_int32_on_ragged_rows():
                                                            np.array(7, np.int32))], out)
             got = out.numpy()
         np.testing.assert_array_equal(got, gemm.reference(spec, a, w, 7), err_msg=f"M={m}")
+
+
+@pytest.mark.parametrize("m", [37, None])  # each batch's ragged last row tile; symbolic rows (45 at run time)
+def test_batched_kernel_is_each_batch_exactly(m):
+    """batch > 1: every tensor but scale and bias a leading (batch,) dim, one call; each batch's
+    rows its own GEMM with its own packed weights, column sums and row correction, through a
+    QDQ requantize."""
+    _need_vnni_host()
+    b, k, n, rows = 3, 64, 48, m or 45
+    spec = gemm.Int8GemmSpec(k=k, n=n, m=m, scale="scalar", rowcorr=True, batch=b, post=(("q", 0.5, 3, "int8"),))
+    assert spec.describe().startswith("3 x ")
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=gemm.epilogue_for(_host()))}), target=_host())
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, (b, rows, k), dtype=np.uint8)
+    w = rng.integers(-128, 128, (b, k, n), dtype=np.int8)
+    rowcorr = rng.integers(-1000, 1000, (b, rows)).astype(np.int32)
+    args = [a, np.stack([gemm.pack_weights(x) for x in w]), np.stack([gemm.column_sums(x) for x in w]),
+            np.array(130, np.int32), rowcorr, np.array(0.013, np.float32)]
+    out = tvm.runtime.tensor(np.zeros((b, rows, n), np.int8))
+    lib["main"](*[tvm.runtime.tensor(x) for x in args], out)
+    one = gemm.Int8GemmSpec(k=k, n=n, m=rows, scale="scalar", rowcorr=True, post=spec.post)
+    for i in range(b):  # gemm.reference is one GEMM; the row correction added to its integer sum
+        want = gemm.reference(one, a[i], w[i], 130, scale=np.float32(0.013), reciprocal=True,
+                              rowcorr=rowcorr[i])
+        np.testing.assert_array_equal(out.numpy()[i], want, err_msg=f"batch {i}")
+
+
+def test_spec_json_keeps_the_keys_of_unbatched_kernels():
+    """batch is left out of a batch-1 spec's JSON (the kernel attr, so the tuning workload's
+    hash, of every kernel before batches); a batch is kept and read back."""
+    one = gemm.Int8GemmSpec(k=64, n=64, scale="scalar")
+    assert "batch" not in json.loads(one.to_json())
+    many = gemm.Int8GemmSpec(k=64, n=64, scale="scalar", batch=12)
+    assert gemm.Int8GemmSpec(**json.loads(many.to_json())) == many
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="batch"):
+            gemm.Int8GemmSpec(k=64, n=64, batch=bad)
+
+
+@pytest.mark.parametrize("spec, shape", [
+    (sums.SumSpec("rows", 512, "int8", rows=37), (37, 512)),
+    (sums.SumSpec("rows", 64, "uint8"), (45, 64)),  # symbolic rows
+    (sums.SumSpec("cols", 64, "int8", batch=3, n=48), (3, 64, 48)),
+    (sums.SumSpec("cols", 96, "uint8", n=32), (1, 96, 32))])
+def test_eight_bit_sums_are_exact(spec, shape):
+    """The zero-point terms' row and column sums (compile/quant/sums.py), the extremes included."""
+    rng = np.random.default_rng(4)
+    lo, hi = (-128, 128) if spec.dtype == "int8" else (0, 256)
+    x = rng.integers(lo, hi, shape).astype(spec.dtype)
+    x[0] = hi - 1  # a whole row (and so a column's first element) at the top of the range
+    want = x.astype(np.int64).sum(axis=-1 if spec.axis == "rows" else -2)
+    lib = tvm.compile(tvm.IRModule({"main": sums.kernel(spec)}), target=_host())
+    out = tvm.runtime.tensor(np.zeros(want.shape, np.int32))
+    lib["main"](tvm.runtime.tensor(x), out)
+    np.testing.assert_array_equal(out.numpy(), want)
+    text = sums.kernel(spec).script()
+    assert "T.vectorized" in text
+    big = spec.rows is None if spec.axis == "rows" else spec.batch * spec.k * spec.n >= sums.PARALLEL_ELEMS
+    assert ("T.parallel" in text) == big  # (a small tensor on one thread: cheaper than waking the pool)
+
+
+def test_eight_bit_sums_refuse_what_they_cannot_vectorise():
+    for bad in (dict(axis="rows", k=24), dict(axis="cols", k=64, n=40), dict(axis="rows", k=64, dtype="int32"),
+                dict(axis="diag", k=64), dict(axis="cols", k=64, batch=0)):
+        with pytest.raises(ValueError, match="8-bit"):
+            sums.SumSpec(**bad)
+    assert sums.rows_supported(64) and not sums.rows_supported(36) and not sums.rows_supported(None)
 
 
 @pytest.mark.parametrize("rows", [13, None])
@@ -544,7 +612,6 @@ def test_post_steps_refused_where_they_cannot_be_computed():
     with pytest.raises(ValueError, match="float epilogue"):
         gemm.Int8GemmSpec(k=64, n=64, post=(("relu",),))
     sp = gemm.Int8GemmSpec(k=64, n=64, m=None, scale="column", bias=True, post=_POST)
-    import json
     assert gemm.Int8GemmSpec(**json.loads(sp.to_json())) == sp  # kernel_specs reads it back (lists -> tuples)
 
 
@@ -816,47 +883,95 @@ def _dq_matmul_module(a_shape, b_shape, b_dtype="int8", zp_b=3):
     return bb.get()
 
 
-def _int8_products(mod) -> list:
+def _int8_products(mod, batched: bool = False) -> list:
     from blockforge.compile.quant.rewrite import int8_gemm
 
-    return gemm.kernel_specs(int8_gemm("vnni", ZNVER4)(mod))
+    return gemm.kernel_specs(int8_gemm("vnni", ZNVER4, batched_products=batched)(mod))
 
 
 def test_attention_products_match_only_what_the_kernel_takes():
-    """Q K^T / P V shapes with static K % 4, N % 16, a batch of one and enough work for the
-    thread pool go on the int8 kernel (a weight zero point: the row correction); a ragged N, a
-    batch of heads, a symbolic N and a product under gemm.PARALLEL_MACS stay dequantize + float32."""
+    """Q K^T / P V shapes with static K % 4, N % 16, a batch of one (or, with batched_products,
+    the same static leading dims on both operands: one batched kernel) and enough work for the
+    thread pool go on the int8 kernel (a weight zero point: the row correction); a ragged N,
+    broadcast heads, a symbolic N and a product under gemm.PARALLEL_MACS stay dequantize + float32."""
     from tvm import tirx
 
     (sp,) = _int8_products(_dq_matmul_module([1, 512, 64], [1, 64, 512]))
-    assert (sp.m, sp.k, sp.n, sp.scale, sp.rowcorr) == (512, 64, 512, "scalar", True)
+    assert (sp.m, sp.k, sp.n, sp.scale, sp.rowcorr, sp.batch) == (512, 64, 512, "scalar", True, 1)
     (sp,) = _int8_products(_dq_matmul_module([512, 512], [512, 64], zp_b=0))
     assert (sp.k, sp.n, sp.rowcorr) == (512, 64, False)
+    heads = _dq_matmul_module([1, 12, 128, 64], [1, 12, 64, 128])  # batched heads (SDPA exports)
+    assert _int8_products(heads) == []  # not taken by default (rewrite.int8_gemm's batched_products)
+    (sp,) = _int8_products(heads, batched=True)
+    assert (sp.batch, sp.m, sp.k, sp.n) == (12, 128, 64, 128)
+    (sp,) = _int8_products(_dq_matmul_module([2, 512, 64], [2, 64, 512]), batched=True)
+    assert (sp.batch, sp.m) == (2, 512)
     s = tirx.Var("s", "int64")
-    for a_shape, b_shape in (([1, 512, 64], [1, 64, 500]), ([2, 512, 64], [2, 64, 512]), ([1, 512, 64], [1, 64, s]),
-                             ([1, 128, 32], [1, 32, 128])):
-        assert _int8_products(_dq_matmul_module(a_shape, b_shape)) == [], (a_shape, b_shape)
+    for a_shape, b_shape in (([1, 512, 64], [1, 64, 500]), ([1, 512, 64], [1, 64, s]), ([1, 128, 32], [1, 32, 128]),
+                             ([1, 4, 256, 64], [1, 1, 64, 256]), ([2, 512, 64], [1, 64, 512]),
+                             ([1, 2, 128, 32], [1, 2, 32, 128])):
+        assert _int8_products(_dq_matmul_module(a_shape, b_shape), batched=True) == [], (a_shape, b_shape)
 
 
-@pytest.mark.parametrize("b_dtype, zp_b", [("int8", 3), ("uint8", 131), ("int8", 0)])
-def test_attention_product_packed_at_run_time_is_the_integer_sum(b_dtype, zp_b):
+@pytest.mark.parametrize("b_dtype, zp_b, heads", [("int8", 3, None), ("uint8", 131, None), ("int8", 0, None),
+                                                 ("int8", 3, 3), ("uint8", 131, 3)])
+def test_attention_product_packed_at_run_time_is_the_integer_sum(b_dtype, zp_b, heads):
     """The runtime operand packed in the graph (gemm.pack_weights' layout) and its column sums:
-    the kernel computes sum((a - za)(b - zb)) * sa * sb, u8 operands shifted to s8 first."""
+    the kernel computes sum((a - za)(b - zb)) * sa * sb, u8 operands shifted to s8 first; with
+    heads, each head's product in one batched call (200 rows: a ragged last row tile each)."""
     _need_vnni_host()
     from tvm import relax
 
     from blockforge.compile.quant.rewrite import int8_gemm
 
-    mod = _dq_matmul_module([1, 256, 64], [1, 64, 272], b_dtype, zp_b)
-    vm = relax.VirtualMachine(tvm.compile(int8_gemm("vnni", _host())(mod), target=_host()), tvm.cpu())
+    lead, m = ([1], 256) if heads is None else ([1, heads], 200)
+    mod = _dq_matmul_module([*lead, m, 64], [*lead, 64, 272], b_dtype, zp_b)
+    new = int8_gemm("vnni", _host(), batched_products=True)(mod)
+    assert [sp.batch for sp in gemm.kernel_specs(new)] == [heads or 1]
+    vm = relax.VirtualMachine(tvm.compile(new, target=_host()), tvm.cpu())
     rng = np.random.default_rng(5)
-    a = rng.integers(-128, 128, (1, 256, 64), dtype=np.int8)
+    a = rng.integers(-128, 128, (*lead, m, 64), dtype=np.int8)
     lo, hi = (-128, 128) if b_dtype == "int8" else (0, 256)
-    b = rng.integers(lo, hi, (1, 64, 272)).astype(b_dtype)
+    b = rng.integers(lo, hi, (*lead, 64, 272)).astype(b_dtype)
     got = vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
     exact = (a.astype(np.int64) + 2) @ (b.astype(np.int64) - zp_b)
     want = exact.astype(np.float32) * (np.float32(0.03) * np.float32(0.02))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_product_activations_quantized_into_the_instructions_bytes():
+    """A product whose A is a per-tensor QuantizeLinear's output (P = quantize(softmax)): that
+    quantize writes u8 with its zero point + 128 for VPDPBUSD, no shift pass over the bytes
+    (quantize(x, s, zp) + 128 == quantize(x, s, zp + 128) into u8), exactly; batched heads."""
+    _need_vnni_host()
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 3, 200, 64], "float32"))
+    b = relax.Var("b", relax.TensorType([1, 3, 64, 256], "int8"))
+    with bb.function("main", [x, b]):
+        with bb.dataflow():
+            q = bb.emit(relax.op.quantize(x, relax.const(0.05, "float32"), relax.const(-2, "int8"), out_dtype="int8"))
+            da = bb.emit(relax.op.dequantize(q, relax.const(0.05, "float32"), relax.const(-2, "int8")))
+            db = bb.emit(relax.op.dequantize(b, relax.const(0.02, "float32"), relax.const(3, "int8")))
+            y = bb.emit_output(relax.op.matmul(da, db))
+        bb.emit_func_output(y)
+    new = int8_gemm("vnni", _host(), batched_products=True)(bb.get())
+    main = new.script().split("def main")[-1]
+    (quantize,) = [ln for ln in main.splitlines() if "R.quantize(" in ln]
+    assert 'out_dtype="uint8"' in quantize, main  # its zero point -2 + 128 (the numbers below)
+    assert not [ln for ln in main.splitlines() if "R.astype(" in ln and '"uint8"' in ln], main  # no shift pass
+    vm = relax.VirtualMachine(tvm.compile(new, target=_host()), tvm.cpu())
+    rng = np.random.default_rng(6)
+    xv = (rng.standard_normal((1, 3, 200, 64)) * 3).astype(np.float32)  # past the range: clipped levels too
+    bv = rng.integers(-128, 128, (1, 3, 64, 256), dtype=np.int8)
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(bv)).numpy()
+    levels = np.clip(np.round(xv / np.float32(0.05)) - 2, -128, 127).astype(np.int64)
+    exact = (levels + 2) @ (bv.astype(np.int64) - 3)
+    np.testing.assert_allclose(got, exact.astype(np.float32) * (np.float32(0.05) * np.float32(0.02)),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_qdq_mha_attention_products_on_the_int8_kernel(tmp_path, monkeypatch):

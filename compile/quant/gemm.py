@@ -101,6 +101,10 @@ class Int8GemmSpec:
     activation: str = "none"  # after the bias, in the epilogue: "none", "relu", "gelu" (fast_math's)
     isa: str = "vnni"  # the dot-product instruction (compile/quant/isa.py): "vnni" (u8 A), "sdot" (s8 A)
     post: tuple = ()  # POST_STEPS after the activation (QDQ's requantizations; see above)
+    # independent GEMMs in one call, each its own A rows and packed B (a batched-heads export's
+    # attention products, (1, h, M, K) x (1, h, K, N)): every tensor but scale and bias gets a
+    # leading (batch,) dim; the batches are an outer parallel loop
+    batch: int = 1
 
     def __post_init__(self):
         # (JSON gives lists: the spec is a dict key, so tuples)
@@ -111,6 +115,8 @@ class Int8GemmSpec:
         g = ISAS[self.isa].kgroup
         if self.k % g or self.n % 16 or self.k <= 0 or self.n <= 0:
             raise ValueError(f"int8 GEMM needs K % {g} == 0 and N % 16 == 0, got K={self.k} N={self.n}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch: {self.batch!r}")
         if self.scale not in ("none", "scalar", "column"):
             raise ValueError(f"scale: {self.scale!r}")
         if (self.bias or self.activation != "none") and self.scale == "none":
@@ -129,11 +135,14 @@ class Int8GemmSpec:
         return ("bias",) in self.post
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if d["batch"] == 1:
+            del d["batch"]  # (the specs before batches serialised without it: tuning records keep their keys)
+        return json.dumps(d, sort_keys=True)
 
     def describe(self) -> str:
         m = "M" if self.m is None else str(self.m)
-        return f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
+        return (f"{self.batch} x " if self.batch > 1 else "") + f"{m}x{self.k}x{self.n} scale={self.scale}{' +bias' if self.bias else ''}{' +rowcorr' if self.rowcorr else ''}" + \
             (f" +{self.activation}" if self.activation != "none" else "") + \
             "".join(f" >{step[0]}" + (f"({step[3]})" if len(step) > 1 else "") for step in self.post) + \
             (f" [{self.isa}]" if self.isa != "vnni" else "")
@@ -228,7 +237,7 @@ def column_sums(w: np.ndarray) -> np.ndarray:
 
 def _parallel(spec: Int8GemmSpec) -> bool:
     """Whether a static-M kernel runs on the thread pool (see PARALLEL_MACS)."""
-    return spec.m * spec.k * spec.n >= PARALLEL_MACS or spec.k * spec.n >= PARALLEL_WEIGHT_BYTES
+    return spec.batch * spec.m * spec.k * spec.n >= PARALLEL_MACS or spec.k * spec.n >= PARALLEL_WEIGHT_BYTES
 
 
 def _nv(n: int, most: int) -> int:
@@ -293,13 +302,14 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     K, N = spec.k, spec.n
     isa = ISAS[spec.isa]
     mr = isa.mr if mr is None else mr
-    a = te.placeholder((m, i64(K)), isa.act_dtype, name="A")
+    lead = (i64(spec.batch),) if spec.batch > 1 else ()  # every per-GEMM tensor's leading dim
+    a = te.placeholder((*lead, m, i64(K)), isa.act_dtype, name="A")
     g = isa.kgroup
-    wp = te.placeholder((i64(N // 16), i64(K // g), i64(16), i64(g)), "int8", name="Wp")
-    colsum = te.placeholder((i64(N),), "int32", name="colsum")
+    wp = te.placeholder((*lead, i64(N // 16), i64(K // g), i64(16), i64(g)), "int8", name="Wp")
+    colsum = te.placeholder((*lead, i64(N)), "int32", name="colsum")
     zpa = te.placeholder((), "int32", name="zp_a")
     ins = [a, wp, colsum, zpa]
-    rowcorr = te.placeholder((m,), "int32", name="rowcorr") if spec.rowcorr else None
+    rowcorr = te.placeholder((*lead, m), "int32", name="rowcorr") if spec.rowcorr else None
     scale = None
     if spec.scale != "none":
         scale = te.placeholder((i64(N),) if spec.scale == "column" else (), "float32", name="scale")
@@ -313,21 +323,22 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     ragged = spec.m is None or spec.m % mr != 0
     row = (lambda i: tirx.min(i, m - i64(1))) if ragged else (lambda i: i)
     if isa.mmla:
-        acc = _mmla_acc(a, wp, rows, row, r, g)
+        acc = _mmla_acc(a, wp, lead, rows, row, r, g)
     else:
-        acc = te.compute((rows, i64(N)), lambda i, j: te.sum(
-            a[row(i), r].astype("int32") * wp[j // 16, r // g, j % 16, r % g].astype("int32"), axis=r), name="acc")
+        acc = te.compute((*lead, rows, i64(N)), _over_rows(len(lead), lambda b, i, j: te.sum(
+            a[(*b, row(i), r)].astype("int32") * wp[(*b, j // 16, r // g, j % 16, r % g)].astype("int32"), axis=r)),
+            name="acc")
 
-    def dequantized(i, j):
-        c = acc[i, j] - zpa[()] * colsum[j]
+    def dequantized(b, i, j):
+        c = acc[(*b, i, j)] - zpa[()] * colsum[(*b, j)]
         if rowcorr is not None:
-            c = c + rowcorr[i]
+            c = c + rowcorr[(*b, i)]
         if scale is None:
             return c
         v = c.astype("float32") * (scale[j] if spec.scale == "column" else scale[()])
         return v + bias[j] if bias is not None and not spec.bias_in_post else v
 
-    out = _activation(te.compute((m, i64(N)), dequantized, name="out"), spec.activation)
+    out = _activation(te.compute((*lead, m, i64(N)), _over_rows(len(lead), dequantized), name="out"), spec.activation)
     t = lut_tail(spec) if epilogue.lut else None
     for step in spec.post if t is None else spec.post[:t]:
         out = _post_step(out, step, bias, epilogue.reciprocal)
@@ -337,21 +348,35 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     return ins, out, table
 
 
-def _mmla_acc(a, wp, rows, row, r, g: int):
+def _over_rows(batched: int, body):
+    """A TE compute body over (i, j), body(b, i, j) with b the leading batch index as a tuple
+    (empty unbatched: the loop names, and so the IR, of the kernels before batches)."""
+    return (lambda b, i, j: body((b,), i, j)) if batched else (lambda i, j: body((), i, j))
+
+
+def _mmla_acc(a, wp, lead: tuple, rows, row, r, g: int):
     """The accumulator on a matrix instruction (isa.mmla: SMMLA's 2 x g by g x 2): A's rows
     packed in pairs ("A_pairs", (rows/2, K/g, 2, g): the instruction's A operand is 16
     contiguous bytes), the 2 x 2 tiles ("acc", (rows/2, N/2, 2, 2): one register each), and
     the (rows, N) view the epilogue reads ("acc_rows", inlined into it)."""
     from tvm import te
 
-    k = a.shape[1]
-    n = wp.shape[0] * 16
-    pairs = te.compute((rows // 2, k // g, 2, g), lambda ip, kp, di, dk: a[row(ip * 2 + di), kp * g + dk],
-                       name="A_pairs")
-    tiles = te.compute((rows // 2, n // 2, 2, 2), lambda ip, jp, di, dj: te.sum(
-        pairs[ip, r // g, di, r % g].astype("int32")
-        * wp[(jp * 2 + dj) // 16, r // g, (jp * 2 + dj) % 16, r % g].astype("int32"), axis=r), name="acc")
-    return te.compute((rows, n), lambda i, j: tiles[i // 2, j // 2, i % 2, j % 2], name="acc_rows")
+    k = a.shape[-1]
+    n = wp.shape[-4] * 16
+    def pair(*x):  # (b?, ip, kp, di, dk)
+        b, (ip, kp, di, dk) = x[:-4], x[-4:]
+        return a[(*b, row(ip * 2 + di), kp * g + dk)]
+
+    def tile(*x):  # (b?, ip, jp, di, dj)
+        b, (ip, jp, di, dj) = x[:-4], x[-4:]
+        col = jp * 2 + dj
+        return te.sum(pairs[(*b, ip, r // g, di, r % g)].astype("int32")
+                      * wp[(*b, col // 16, r // g, col % 16, r % g)].astype("int32"), axis=r)
+
+    pairs = te.compute((*lead, rows // 2, k // g, 2, g), pair, name="A_pairs")
+    tiles = te.compute((*lead, rows // 2, n // 2, 2, 2), tile, name="acc")
+    return te.compute((*lead, rows, n), _over_rows(len(lead), lambda b, i, j: tiles[(*b, i // 2, j // 2, i % 2, j % 2)]),
+                      name="acc_rows")
 
 
 def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str, reciprocal: bool):
@@ -363,9 +388,9 @@ def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str, reciprocal: bool)
     lo, hi = _QRANGE[dtype]
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     # the level, as the qdq step's clip(round(x / s) + zp) - lo: the table's index
-    level = te.compute(x.shape, lambda i, j: (te.max(te.min(te.round(_scaled(x[i, j], s, reciprocal)), f32(hi - zp)),
-                                                        f32(lo - zp))
-                                              + f32(zp - lo)).astype("int32"), name="post_level")
+    level = te.compute(x.shape, _over_rows(len(x.shape) - 2, lambda b, i, j: (
+        te.max(te.min(te.round(_scaled(x[(*b, i, j)], s, reciprocal)), f32(hi - zp)), f32(lo - zp))
+        + f32(zp - lo)).astype("int32")), name="post_level")
     # the table: each level dequantized exactly as the qdq step's float, then the tail
     table = te.compute((hi - lo + 1,), lambda v: (v + tirx.const(lo - zp, "int32")).astype("float32") * f32(s),
                        name="lut_dq")
@@ -374,7 +399,8 @@ def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str, reciprocal: bool)
     # bytes, as VPERMI2B reads them (uint8 levels above 127 wrap; the lookup writes them back)
     table = te.compute(table.shape, lambda v: table[v].astype("int8"), name="lut")
     held = te.placeholder(table.shape, "int8", name="lut")
-    return te.compute(x.shape, lambda i, j: held[level[i, j]].astype(out_dtype), name="post_lookup"), (held, table)
+    lookup = _over_rows(len(x.shape) - 2, lambda b, i, j: held[level[(*b, i, j)]].astype(out_dtype))
+    return te.compute(x.shape, lookup, name="post_lookup"), (held, table)
 
 
 def _activation(x, kind: str):
@@ -417,7 +443,8 @@ def _post_step(x, step: tuple, bias, reciprocal: bool = False):
 
     kind = step[0]
     if kind == "bias":
-        return te.compute(x.shape, lambda i, j: x[i, j] + bias[j], name="post_bias")  # (the table has none)
+        return te.compute(x.shape, _over_rows(len(x.shape) - 2, lambda b, i, j: x[(*b, i, j)] + bias[j]),
+                          name="post_bias")  # (the table has none)
     if kind not in ("qdq", "q"):
         return _activation(x, kind)
     _, s, zp, dtype = step
@@ -462,9 +489,10 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
         sch.compute_inline(b)
     ep = steps[-1]
     nv = tiles.nv
+    batch = sch.get_loops(mm)[:1] if spec.batch > 1 else []  # (an outer loop, parallel with the tiles)
     if isa.mmla:
         # row pairs x column pairs, 8 of them per 16-column panel, one SMMLA each per k-group
-        i, j, di, dj, k = sch.get_loops(mm)
+        i, j, di, dj, k = sch.get_loops(mm)[len(batch):]
         io, ii = sch.split(i, [None, tiles.mr // 2])
         jo, jv, jq = sch.split(j, [None, nv, 8])
         ko, ki = sch.split(k, [None, isa.kgroup])
@@ -476,7 +504,7 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
         if spec.m is None or _parallel(spec):
             sch.parallel(p0)
     else:
-        i, j, k = sch.get_loops(mm)
+        i, j, k = sch.get_loops(mm)[len(batch):]
         io, ii = sch.split(i, [None, tiles.mr])
         jo, jv, ji = sch.split(j, [None, nv, 16])
         ko, ki = sch.split(k, [None, 4])
@@ -500,11 +528,11 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
         # The column panels are the parallel work, the row tiles inside are serial (symbolic
         # rows: so LoopPartition, the hint, splits the guarded last tile off the full ones).
         if spec.m is None or _parallel(spec):
-            sch.parallel(jo)
+            sch.parallel(sch.fuse(*batch, jo) if batch else jo)
         if spec.m is None:
             sch.annotate(io, PARTITION_HINT, 1)
     else:
-        par = sch.fuse(jo, io)
+        par = sch.fuse(*batch, jo, io)
         if _parallel(spec):
             sch.parallel(par)
     sch.unroll(ii)
@@ -622,11 +650,14 @@ def _is_true(expr) -> bool:
 
 
 def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,
-              scale=None, bias=None, reciprocal: bool = False) -> np.ndarray:
+              scale=None, bias=None, reciprocal: bool = False, rowcorr=None) -> np.ndarray:
     """numpy: what the kernel computes from the unpacked operands (tests, benchmarks); `a` in
     the spec's activation dtype (u8 for VNNI, s8 for SDOT), zp_a in the same range;
-    `reciprocal`: as Epilogue.reciprocal quantizes."""
+    `reciprocal`: as Epilogue.reciprocal quantizes; `rowcorr`: the kernel's per-row int32 input
+    as given (the pass computes it from zp_w; here added as it is)."""
     c = (a.astype(np.int64) - zp_a) @ (w.astype(np.int64) - zp_w)
+    if rowcorr is not None:
+        c = c + np.asarray(rowcorr, np.int64)[:, None]
     if spec.scale == "none":
         return c.astype(np.int32)
     v = c.astype(np.float32) * np.asarray(scale, np.float32)

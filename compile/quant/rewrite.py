@@ -29,7 +29,7 @@ import numpy as np
 
 from blockforge.compile.passes.exprs import rewrite_functions
 from blockforge.compile.passes.kernels import add_kernel
-from blockforge.compile.quant import gemm, minmax
+from blockforge.compile.quant import gemm, minmax, sums
 
 _log = logging.getLogger("blockforge.quant")
 
@@ -97,6 +97,10 @@ class _Match:
     # a runtime B (a QDQ attention product: K^T, V): the int8 (K, N) tensor packed and summed in
     # the graph each call (`w` is then None, `zp_w` its zero point as stored, s8)
     w_var: object | None = None
+    # the activations' producer where it is a per-tensor QuantizeLinear with constant parameters
+    # (x, scale, zero point, dtype): their shift to the instruction's signedness is then that
+    # quantize with its zero point moved (exact), not a pass over the 8-bit tensor
+    act_q: tuple | None = None
 
 
 def _shift_outputs(matches: list, shift_for) -> None:
@@ -134,12 +138,12 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True):
+    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True, batched: bool = False):
         from tvm import relax
 
         from blockforge.compile.attention.heads import graph
 
-        self.isa, self.post, self.products = isa, post, products
+        self.isa, self.post, self.products, self.batched = isa, post, products, batched
         self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
         self.dataflow = relax.DataflowVar
 
@@ -278,6 +282,15 @@ class _Finder:
             break
         return out, tuple(steps), bias
 
+    def quantized(self, e):
+        """(x, scale, zero point, dtype) of a per-tensor QuantizeLinear with constant parameters
+        that `e` is bound to, else None."""
+        v = self.value(e)
+        if not _call(v, "relax.quantize") or _dtype(v.args[0]) != "float32":
+            return None
+        qp = self.qparams(v)
+        return None if qp is None else (v.args[0], *qp)
+
     def dequantized(self, e):
         """(q, scale, zero point, dtype) of a per-tensor DequantizeLinear with constant parameters
         that `e` is bound to, else None."""
@@ -296,30 +309,34 @@ class _Finder:
         if a is None or b is None or self.const(b[0]) is not None:
             return None
         ashape, bshape = _shape(a[0]), [_static(d) for d in (_shape(b[0]) or [])]
-        if ashape is None or len(ashape) != len(bshape) or len(bshape) not in (2, 3) or None in bshape:
+        if ashape is None or len(ashape) != len(bshape) or len(bshape) < 2 or None in bshape:
             return None
-        if len(bshape) == 3 and (bshape[0] != 1 or _static(ashape[0]) != 1):
+        # the leading dims (a batched-heads export's (1, h)): static, the same on both operands
+        if [_static(d) for d in ashape[:-2]] != bshape[:-2]:
             return None
+        batch = int(np.prod(bshape[:-2], dtype=np.int64))
+        if batch > 1 and not self.batched:
+            return None  # (int8_gemm's batched_products: not taken by default, see there)
         k, n = bshape[-2:]
         isa = self.isa_for(k, n)
         if _static(ashape[-1]) != k or isa is None:
             return None
-        _, rows = _rows(ashape)
-        if rows is not None and rows * k * n < gemm.PARALLEL_MACS:
+        rows = _static(ashape[-2])
+        if rows is not None and batch * rows * k * n < gemm.PARALLEL_MACS:
             # one thread (gemm.PARALLEL_MACS) plus the packing: BERT-base's QDQ MHA at seq 128
-            # (12 heads of 128x64x128) measured 1.13x the float32 products, whole_ab --abba
+            # (12 heads of 128x64x128, one call each) measured 1.13x the float32 products
             return None
         (_, sa, za, _), (_, sb, zb, bdtype) = a, b
         zp_w = zb - 128 if bdtype == "uint8" else zb  # stored s8 (b - 128) for the signed operand
         out, post, bias = self.post_chain(var, n) if self.post else (var, (), None)
-        spec = gemm.Int8GemmSpec(k=k, n=n, m=rows, scale="scalar",
-                                 bias=bias is not None, rowcorr=zp_w != 0, isa=isa, post=post)
+        spec = gemm.Int8GemmSpec(k=k, n=n, m=rows, scale="scalar", bias=bias is not None, rowcorr=zp_w != 0,
+                                 isa=isa, post=post, batch=batch)
         from tvm import relax
 
         # one float scale, as the weight QDQ rewrite (compile/quant/qdq.py) makes s_x * s_w
         scale = relax.const(np.float32(sa) * np.float32(sb), "float32")
         return _Match(out, a[0], relax.const(za, "int32"), None, zp_w, scale, bias, [*ashape[:-1], n], spec,
-                      w_var=b[0])
+                      w_var=b[0], act_q=self.quantized(a[0]))
 
     def match(self, var, value) -> _Match | None:
         if _call(value, "relax.matmul") and _dtype(value) == "float32" and len(value.args) == 2:
@@ -369,7 +386,8 @@ class _Finder:
 
 
 def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
-              epilogue: gemm.Epilogue | None = None, products: bool = True):
+              epilogue: gemm.Epilogue | None = None, products: bool = True, sums_kernels: bool = True,
+              shift_quantize: bool = True, batched_products: bool = False):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
@@ -379,7 +397,16 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     their post steps (None: gemm.epilogue_for(target), the table where the target has
     AVX512_VBMI and the reciprocal quantize; the pipeline's int8-lut-tail and
     int8-recip-quantize ablations turn them off); products False: a QDQ model's attention
-    products stay dequantize + float32 (the int8-attention ablation)."""
+    products stay dequantize + float32 (the int8-attention ablation); sums_kernels False: the
+    zero-point row and column sums by TVM's reductions (int8-sums); shift_quantize False: an
+    activation's s8 <-> u8 shift as a pass, not its quantize's (int8-shift-quantize).
+
+    batched_products: a batched-heads export's products ((1, h, S, d) x (1, h, d, S): Hugging Face
+    SDPA exports) as one batched int8 kernel each. Off in the pipeline: on HF BERT-base QDQ at seq
+    512 (whole_ab --abba) it measured 1.048x and 1.005x the float32 products. A layer's two
+    products gain ~1.5 ms, but the mask add the float matmul kernel fused becomes a pass over the
+    12 x 512 x 512 scores (1 ms), and the softmax writing u8 P ran 4.0 ms where the same kernel
+    writing float32 ran 1.46 (not understood yet). What it needs: the mask in the epilogue."""
     import tvm
 
     from blockforge.compile.quant.isa import ISAS
@@ -415,8 +442,22 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
             bb, sp = self.builder_, mt.spec
             pre = self.shifted.get(mt.act)  # the GEMM before wrote these activations shifted
             act = pre[0] if pre is not None else self.visit_expr(mt.act)
+            shift = shift_for(_dtype(act))
+            if shift and pre is None and mt.act_q is not None and shift_quantize:
+                # quantize(x, s, zp) + c is quantize(x, s, zp + c) into the other signedness
+                # (clip(round(x/s) + zp, -128, 127) + 128 = clip(round(x/s) + zp + 128, 0, 255)):
+                # the quantize writes the instruction's bytes itself. A P of 12 x 512 x 512 bytes
+                # (HF BERT-base QDQ at seq 512) took 0.85 ms a layer to shift as a pass.
+                x, s, zq, _ = mt.act_q
+                to = "uint8" if shift > 0 else "int8"
+                act = bb.emit(relax.op.quantize(self.visit_expr(x), relax.const(s, "float32"),
+                                                relax.const(zq + shift, to), out_dtype=to))
+                pre = (act, shift)
             m, _ = _rows(_shape(act))
-            a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([m, sp.k])))
+            lead = [sp.batch] if sp.batch > 1 else []  # (batch, M, K): a batched kernel's rows per GEMM
+            if lead:
+                m = _shape(act)[-2]
+            a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([*lead, m, sp.k])))
             zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
             if pre is not None:
                 zp = bb.emit(relax.op.add(zp, relax.const(pre[1], "int32")))
@@ -428,7 +469,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
             if mt.w_var is not None:
                 n, pad = sp.n, 0
-                args = [a2, *self.runtime_weights(mt.w_var, sp.k, sp.n, ISAS[sp.isa].kgroup), zp]
+                args = [a2, *self.runtime_weights(mt.w_var, sp.k, sp.n, ISAS[sp.isa].kgroup, lead), zp]
             else:
                 n = mt.w.shape[1]
                 pad = sp.n - n  # a ragged N (GPT-2's lm_head: 50257): zero columns, cropped below
@@ -437,7 +478,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                         relax.const(gemm.column_sums(w)), zp]
             if sp.rowcorr:
                 # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
-                rs = bb.emit(relax.op.sum(relax.op.astype(a2, "int32"), axis=[1]))
+                rs = self.row_sums(a2, lead, m, sp.k)
                 kz = bb.emit(relax.op.multiply(zp, relax.const(sp.k, "int32")))
                 args.append(bb.emit(relax.op.multiply(relax.op.subtract(kz, rs), relax.const(mt.zp_w, "int32"))))
             for x, fill in ((mt.scale, 1.0), (mt.bias, 0.0)):
@@ -446,7 +487,8 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                     if pad and _shape(x):  # a per-column scale or the bias, to the padded N
                         x = bb.emit(relax.op.concat([x, relax.const(np.full(pad, fill, np.float32))], axis=0))
                     args.append(x)
-            y = bb.emit(relax.call_tir(self.kernel_gv(sp), args, out_ty=relax.TensorType([m, sp.n], sp.out_dtype)))
+            y = bb.emit(relax.call_tir(self.kernel_gv(sp), args,
+                                       out_ty=relax.TensorType([*lead, m, sp.n], sp.out_dtype)))
             if pad:
                 y = bb.emit(relax.op.strided_slice(y, axes=[1], begin=[0], end=[n]))
             self.applied.append(sp.describe())
@@ -459,18 +501,39 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                                                          relax.const(mt.shift_out, "int32")), _dtype(mt.out))
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
-        def runtime_weights(self, b, k: int, n: int, g: int):
+        def runtime_weights(self, b, k: int, n: int, g: int, lead: list):
             """A runtime (K, N) 8-bit operand as the kernel reads weights: packed (N/16, K/g, 16,
             g) as gemm.pack_weights packs constants, and its column sums; u8 stored as s8 (b - 128,
-            the zero point moved alike at match time)."""
+            the zero point moved alike at match time); `lead` [batch]: one such per GEMM."""
             bb = self.builder_
-            b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([k, n])))
+            b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([*lead, k, n])))
             if _dtype(b) == "uint8":
                 b = _resigned(bb, b, -128, "int8")
-            colsum = bb.emit(relax.op.sum(relax.op.astype(b, "int32"), axis=[0]))
-            packed = bb.emit(relax.op.permute_dims(relax.op.reshape(b, relax.ShapeExpr([k // g, g, n // 16, 16])),
-                                                   [2, 0, 3, 1]))
-            return packed, colsum
+            groups = relax.op.reshape(b, relax.ShapeExpr([*lead, k // g, g, n // 16, 16]))
+            o = len(lead)
+            packed = bb.emit(relax.op.permute_dims(groups, [*range(o), o + 2, o, o + 3, o + 1]))
+            if not sums_kernels:
+                return packed, bb.emit(relax.op.sum(relax.op.astype(b, "int32"), axis=[-2]))
+            spec = sums.SumSpec("cols", k, "int8", batch=lead[0] if lead else 1, n=n)
+            colsum = bb.emit(relax.call_tir(self.sum_kernel(spec), [bb.emit(relax.op.reshape(b, [spec.batch, k, n]))],
+                                            out_ty=relax.TensorType([spec.batch, n], "int32")))
+            return packed, bb.emit(relax.op.reshape(colsum, [*lead, n]))
+
+        def sum_kernel(self, spec: sums.SumSpec):
+            if spec not in self.funcs:
+                self.funcs[spec] = add_kernel(self.builder_, sums.kernel(spec), f"int8_sums_{len(self.funcs)}")
+            return self.funcs[spec]
+
+        def row_sums(self, a2, lead: list, m, k: int):
+            """The int32 row sums of the GEMM's 8-bit activations (lead + (m, k)): (lead + (m,))."""
+            bb = self.builder_
+            if not sums.rows_supported(k) or not sums_kernels:  # (K % 16: TVM's own reduction)
+                return bb.emit(relax.op.sum(relax.op.astype(a2, "int32"), axis=[-1]))
+            rows = m * lead[0] if lead else m
+            spec = sums.SumSpec("rows", k, _dtype(a2), rows=rows if isinstance(rows, int) else _static(rows))
+            flat = bb.emit(relax.op.reshape(a2, [rows, k]))
+            rs = bb.emit(relax.call_tir(self.sum_kernel(spec), [flat], out_ty=relax.TensorType([rows], "int32")))
+            return bb.emit(relax.op.reshape(rs, [*lead, m])) if lead else rs
 
         def emit_range(self, r: _Range, var):
             bb = self.builder_
@@ -496,7 +559,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeInt8Gemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         def plan(m, func) -> bool:
-            f = _Finder(func, isa, post, products)
+            f = _Finder(func, isa, post, products, batched_products)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 return False
