@@ -82,6 +82,8 @@ ABLATIONS = {
                       "(compile/quant/rewrite.py match_dequantized; left out: dequantize + float32 GEMM)",
     "int8-sums": "the zero-point row and column sums of an int8 GEMM with a runtime operand (the attention "
                  "products) on parallel vectorised kernels (compile/quant/sums.py; left out: TVM's reductions)",
+    "int8-batched-products": "a batched-heads export's attention products ((1, h, S, d) x (1, h, d, S), HF SDPA) "
+                             "as one batched int8 kernel each (left out: dequantize + float32 batched matmul)",
     "int8-shift-quantize": "an attention product's activations quantized straight into the instruction's "
                            "signedness (zero point +-128; left out: an s8 <-> u8 pass over the bytes)",
     "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
@@ -110,6 +112,9 @@ ABLATIONS = {
                             "as they are, 1-row micro-kernels where Sq has no divisor from 2 to 6)",
     "attention-key-rows": "at seq 1 the fused attention reads K as the cache holds it (left out: the graph's "
                           "per-step transpose to K^T)",
+    "nan-guard": "SDPA's where(isnan(softmax), c, softmax) as where(softmax >= 0, softmax, c), the same values "
+                 "(compile/passes/nan_guard.py; left out: TVM's select on isnan, scalarised in front of an 8-bit "
+                 "quantize)",
     "fast-sigmoid": "sigmoid as 1 / (1 + fast_exp(-x)) (fast_math; left out: TIR's sigmoid, a libm expf per element)",
     "matmul-reshape": "reshape(matmul(reshape(x, [M, K]), W), [*L, N]) as matmul(x, W), so the epilogue fuses "
                       "(compile/passes/matmul_reshape.py; left out: bias/activation/residual as separate passes)",
@@ -210,7 +215,8 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -
         return [int8_gemm(isa, tvm_target, database, post="int8-qdq-epilogue" not in without,
                           stack="int8-stack-tiles" not in without, epilogue=epilogue,
                           products="int8-attention" not in without, sums_kernels="int8-sums" not in without,
-                          shift_quantize="int8-shift-quantize" not in without)]
+                          shift_quantize="int8-shift-quantize" not in without,
+                          batched_products="int8-batched-products" not in without)]
     return passes
 
 
@@ -256,6 +262,10 @@ def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None)
             from blockforge.compile.passes.concat_stack import concat_stack_pass
 
             norms.append(concat_stack_pass())
+        if "nan-guard" not in without:  # before fast_math: the softmax is still relax.nn.softmax
+            from blockforge.compile.passes.nan_guard import nan_guard_pass
+
+            norms.append(nan_guard_pass())
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
                 fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),
                 relax.transform.FoldConstant()]

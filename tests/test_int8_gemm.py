@@ -883,15 +883,15 @@ def _dq_matmul_module(a_shape, b_shape, b_dtype="int8", zp_b=3):
     return bb.get()
 
 
-def _int8_products(mod, batched: bool = False) -> list:
+def _int8_products(mod, batched: bool = True) -> list:
     from blockforge.compile.quant.rewrite import int8_gemm
 
     return gemm.kernel_specs(int8_gemm("vnni", ZNVER4, batched_products=batched)(mod))
 
 
 def test_attention_products_match_only_what_the_kernel_takes():
-    """Q K^T / P V shapes with static K % 4, N % 16, a batch of one (or, with batched_products,
-    the same static leading dims on both operands: one batched kernel) and enough work for the
+    """Q K^T / P V shapes with static K % 4, N % 16, a batch of one or the same static leading dims
+    on both operands (batched heads: one batched kernel) and enough work for the
     thread pool go on the int8 kernel (a weight zero point: the row correction); a ragged N,
     broadcast heads, a symbolic N and a product under gemm.PARALLEL_MACS stay dequantize + float32."""
     from tvm import tirx
@@ -901,8 +901,8 @@ def test_attention_products_match_only_what_the_kernel_takes():
     (sp,) = _int8_products(_dq_matmul_module([512, 512], [512, 64], zp_b=0))
     assert (sp.k, sp.n, sp.rowcorr) == (512, 64, False)
     heads = _dq_matmul_module([1, 12, 128, 64], [1, 12, 64, 128])  # batched heads (SDPA exports)
-    assert _int8_products(heads) == []  # not taken by default (rewrite.int8_gemm's batched_products)
-    (sp,) = _int8_products(heads, batched=True)
+    assert _int8_products(heads, batched=False) == []  # the int8-batched-products ablation
+    (sp,) = _int8_products(heads)
     assert (sp.batch, sp.m, sp.k, sp.n) == (12, 128, 64, 128)
     (sp,) = _int8_products(_dq_matmul_module([2, 512, 64], [2, 64, 512]), batched=True)
     assert (sp.batch, sp.m) == (2, 512)
