@@ -26,10 +26,6 @@ def _op(e) -> str | None:
 
 @mutator
 class _NanGuards(PyExprMutator):
-    def __init__(self, mod):
-        super().__init__(mod)
-        self.rewritten = 0
-
     def _bound(self, e):
         return self.lookup_binding(e) if isinstance(e, relax.Var) else e
 
@@ -43,7 +39,6 @@ class _NanGuards(PyExprMutator):
             return call
         if getattr(p.ty, "dtype", None) not in ("float32", "float16"):
             return call
-        self.rewritten += 1
         zero = relax.const(0.0, p.ty.dtype)
         return relax.op.where(relax.op.greater_equal(p, zero), p, fill)
 

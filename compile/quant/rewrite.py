@@ -138,7 +138,7 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True, batched: bool = False):
+    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True, batched: bool = True):
         from tvm import relax
 
         from blockforge.compile.attention.heads import graph
