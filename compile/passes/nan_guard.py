@@ -17,25 +17,19 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import rewrite_functions
-
-
-def _op(e) -> str | None:
-    return getattr(getattr(e, "op", None), "name", None)
+from blockforge.compile.passes.exprs import bound_value, op_name, rewrite_functions
 
 
 @mutator
 class _NanGuards(PyExprMutator):
-    def _bound(self, e):
-        return self.lookup_binding(e) if isinstance(e, relax.Var) else e
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if _op(call) != "relax.where" or len(call.args) != 3:
+        if op_name(call) != "relax.where" or len(call.args) != 3:
             return call
         cond, fill, p = call.args
-        guard = self._bound(cond)
-        if _op(guard) != "relax.isnan" or not guard.args[0].same_as(p) or _op(self._bound(p)) != "relax.nn.softmax":
+        guard = bound_value(self, cond)
+        if op_name(guard) != "relax.isnan" or not guard.args[0].same_as(p) \
+                or op_name(bound_value(self, p)) != "relax.nn.softmax":
             return call
         if getattr(p.ty, "dtype", None) not in ("float32", "float16"):
             return call

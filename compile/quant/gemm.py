@@ -474,9 +474,9 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
     tiles = tiles or default_tiles(spec)
     if (spec.n // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
         raise ValueError(f"int8 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
-    ins, out, table = compute(spec, tiles.mr, epilogue)
     if isa.mmla and tiles.mr % 2:
         raise ValueError(f"int8 GEMM tiles {tiles.describe()}: {isa.name} takes rows in pairs")
+    ins, out, table = compute(spec, tiles.mr, epilogue)
     func = te.create_prim_func([*ins, *([table[0]] if table else []), out])
     sch = s_tir.Schedule(func)
     mm = sch.get_sblock("acc")

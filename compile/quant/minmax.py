@@ -34,6 +34,8 @@ def supported(cols: int | None) -> bool:
 def kernel(spec: MinMaxSpec):
     from tvm import s_tir, te, tirx
 
+    from blockforge.compile.schedule.base import schedule_lane_partials
+
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
     m = tirx.Var("m", "int64") if spec.rows is None else i64(spec.rows)
     x = te.placeholder((m, i64(spec.cols)), "float32", name="x")
@@ -46,17 +48,12 @@ def kernel(spec: MinMaxSpec):
     r2, rl2 = te.reduce_axis((i64(0), m), name="r2"), te.reduce_axis((i64(0), i64(LANES)), name="rl2")
     mn = te.compute((), lambda: te.min(pmin[r2, rl2], axis=[r2, rl2]), name="mn")
     sch = s_tir.Schedule(te.create_prim_func([x, mx, mn]))
+    # (a small static tensor: one thread, cheaper than waking the pool)
+    parallel = spec.rows is None or spec.rows * spec.cols >= PARALLEL_ELEMS
     for name in ("pmax", "pmin"):
         # Two parallel row loops (merging them with sch.merge put the merged loop after the
         # first final reduction, which then read pmax before it was written).
-        b = sch.get_sblock(name)
-        i, lane, k = sch.get_loops(b)
-        sch.reorder(i, k, lane)
-        if spec.rows is None or spec.rows * spec.cols >= PARALLEL_ELEMS:
-            sch.parallel(i)  # (a small static tensor: one thread, cheaper than waking the pool)
-        sch.vectorize(lane)  # while still a complete reduction block; then the init out
-        init = sch.decompose_reduction(b, k)
-        sch.vectorize(sch.get_loops(init)[-1])
+        schedule_lane_partials(sch, sch.get_sblock(name), parallel)
     f = sch.mod["main"]
     return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: json.dumps(asdict(spec))})
 

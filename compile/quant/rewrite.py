@@ -73,11 +73,18 @@ def _rows(shape) -> tuple:
     return m, (m if isinstance(m, int) else _static(m))
 
 
-def _resigned(bb, x, shift: int, dtype: str):
-    """8-bit values moved by `shift` into `dtype` (s8 -> u8: +128; u8 -> s8: -128), exactly."""
+def _shifted_dtype(shift: int) -> str:
+    """What 8-bit values are after a signedness shift: +128 makes s8 u8, -128 u8 s8."""
+    return "uint8" if shift > 0 else "int8"
+
+
+def _resigned(bb, x, shift: int):
+    """8-bit values moved by `shift` into the other signedness (s8 -> u8: +128; u8 -> s8: -128),
+    exactly."""
     from tvm import relax
 
-    return bb.emit(relax.op.astype(relax.op.add(relax.op.astype(x, "int32"), relax.const(shift, "int32")), dtype))
+    return bb.emit(relax.op.astype(relax.op.add(relax.op.astype(x, "int32"), relax.const(shift, "int32")),
+                                   _shifted_dtype(shift)))
 
 
 @dataclass
@@ -116,7 +123,7 @@ def _shift_outputs(matches: list, shift_for) -> None:
             continue
         shift = shift_for(last[3])
         if shift:
-            dtype = "uint8" if shift > 0 else "int8"
+            dtype = _shifted_dtype(shift)
             mt.spec = dataclasses.replace(mt.spec, post=mt.spec.post[:-1] + (("q", last[1], last[2] + shift, dtype),))
             mt.shift_out = shift
 
@@ -285,17 +292,17 @@ class _Finder:
     def quantized(self, e):
         """(x, scale, zero point, dtype) of a per-tensor QuantizeLinear with constant parameters
         that `e` is bound to, else None."""
-        v = self.value(e)
-        if not _call(v, "relax.quantize") or _dtype(v.args[0]) != "float32":
-            return None
-        qp = self.qparams(v)
-        return None if qp is None else (v.args[0], *qp)
+        return self._per_tensor(e, "relax.quantize")
 
     def dequantized(self, e):
         """(q, scale, zero point, dtype) of a per-tensor DequantizeLinear with constant parameters
         that `e` is bound to, else None."""
+        return self._per_tensor(e, "relax.dequantize")
+
+    def _per_tensor(self, e, op: str):
+        """(its input, scale, zero point, dtype) of a float32 <-> 8-bit `op` call `e` is bound to."""
         v = self.value(e)
-        if not _call(v, "relax.dequantize") or _dtype(v) != "float32":
+        if not _call(v, op) or _dtype(v.args[0] if op == "relax.quantize" else v) != "float32":
             return None
         qp = self.qparams(v)
         return None if qp is None else (v.args[0], *qp)
@@ -445,28 +452,25 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
             act = pre[0] if pre is not None else self.visit_expr(mt.act)
             shift = shift_for(_dtype(act))
             if shift and pre is None and mt.act_q is not None and shift_quantize:
-                # quantize(x, s, zp) + c is quantize(x, s, zp + c) into the other signedness
-                # (clip(round(x/s) + zp, -128, 127) + 128 = clip(round(x/s) + zp + 128, 0, 255)):
-                # the quantize writes the instruction's bytes itself. A P of 12 x 512 x 512 bytes
-                # (HF BERT-base QDQ at seq 512) took 0.85 ms a layer to shift as a pass.
+                # quantize(x, s, zp) + c is quantize(x, s, zp + c) into the other signedness (the
+                # identity _shift_outputs uses): the quantize writes the instruction's bytes itself.
+                # A P of 12 x 512 x 512 bytes (HF BERT-base QDQ at seq 512) took 0.85 ms a layer to
+                # shift as a pass.
                 x, s, zq, _ = mt.act_q
-                to = "uint8" if shift > 0 else "int8"
+                to = _shifted_dtype(shift)
                 act = bb.emit(relax.op.quantize(self.visit_expr(x), relax.const(s, "float32"),
                                                 relax.const(zq + shift, to), out_dtype=to))
-                pre = (act, shift)
-            m, _ = _rows(_shape(act))
+                pre, shift = (act, shift), 0
             lead = [sp.batch] if sp.batch > 1 else []  # (batch, M, K): a batched kernel's rows per GEMM
-            if lead:
-                m = _shape(act)[-2]
+            m = _shape(act)[-2] if lead else _rows(_shape(act))[0]
             a2 = bb.emit(relax.op.reshape(act, relax.ShapeExpr([*lead, m, sp.k])))
             zp = self.visit_expr(mt.zp_a) if mt.zp_a is not None else relax.const(0, "int32")
             if pre is not None:
                 zp = bb.emit(relax.op.add(zp, relax.const(pre[1], "int32")))
-            shift = shift_for(_dtype(act))
             if shift:
                 # (a + c) - (zp + c) = a - zp: s8 -> u8 for VPDPBUSD (c = 128), u8 -> s8 for SDOT
                 # (c = -128); the column-sum term then takes the shifted zero point.
-                a2 = _resigned(bb, a2, shift, "uint8" if shift > 0 else "int8")
+                a2 = _resigned(bb, a2, shift)
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
             if mt.w_var is not None:
                 n, pad = sp.n, 0
@@ -509,7 +513,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
             bb = self.builder_
             b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([*lead, k, n])))
             if _dtype(b) == "uint8":
-                b = _resigned(bb, b, -128, "int8")
+                b = _resigned(bb, b, -128)
             groups = relax.op.reshape(b, relax.ShapeExpr([*lead, k // g, g, n // 16, 16]))
             o = len(lead)
             packed = bb.emit(relax.op.permute_dims(groups, [*range(o), o + 2, o, o + 3, o + 1]))

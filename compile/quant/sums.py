@@ -49,6 +49,8 @@ def kernel(spec: SumSpec):
     """The scheduled PrimFunc: (x, out) with x (rows, k) or (batch, k, n), out int32."""
     from tvm import s_tir, te, tirx
 
+    from blockforge.compile.schedule.base import schedule_lane_partials
+
     i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  Relax shapes are int64
     if spec.axis == "rows":
         m = tirx.Var("m", "int64") if spec.rows is None else i64(spec.rows)
@@ -59,15 +61,9 @@ def kernel(spec: SumSpec):
         rl = te.reduce_axis((i64(0), i64(LANES)), name="rl")
         out = te.compute((m,), lambda i: te.sum(part[i, rl], axis=rl), name="rowsum")
         sch = s_tir.Schedule(te.create_prim_func([x, out]))
-        b = sch.get_sblock("part")
-        i, lane, k = sch.get_loops(b)
-        sch.reorder(i, k, lane)
-        if spec.rows is None or spec.rows * spec.k >= PARALLEL_ELEMS:
-            sch.parallel(i)
-        sch.vectorize(lane)
-        init = sch.decompose_reduction(b, k)
-        sch.vectorize(sch.get_loops(init)[-1])
-        sch.reverse_compute_at(sch.get_sblock("rowsum"), i)
+        part = sch.get_sblock("part")
+        schedule_lane_partials(sch, part, spec.rows is None or spec.rows * spec.k >= PARALLEL_ELEMS)
+        sch.reverse_compute_at(sch.get_sblock("rowsum"), sch.get_loops(part)[0])
     else:
         x = te.placeholder((i64(spec.batch), i64(spec.k), i64(spec.n)), spec.dtype, name="x")
         r = te.reduce_axis((i64(0), i64(spec.k)), name="r")

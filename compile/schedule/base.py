@@ -115,6 +115,18 @@ def schedule_elementwise(sch, block, lanes: int, min_parallel: int = 0) -> None:
         sch.parallel(sch.fuse(*loops[:-1]))
 
 
+def schedule_lane_partials(sch, block, parallel: bool) -> None:
+    """A row reduction into vector-lane partials, part[i, lane] = reduce over k of x[i, k*L + lane]
+    (loops i, lane, k): rows outer (parallel if asked), k, the lanes vectorised; then its init."""
+    i, lane, k = sch.get_loops(block)
+    sch.reorder(i, k, lane)
+    if parallel:
+        sch.parallel(i)
+    sch.vectorize(lane)  # while still a complete reduction block; then the init out
+    init = sch.decompose_reduction(block, k)
+    sch.vectorize(sch.get_loops(init)[-1])
+
+
 def vectorize_inner(sch, block, width: int) -> None:
     loops = sch.get_loops(block)
     inner = loops[-1]
