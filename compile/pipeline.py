@@ -86,6 +86,9 @@ ABLATIONS = {
                              "as one batched int8 kernel each (left out: dequantize + float32 batched matmul)",
     "int8-shift-quantize": "an attention product's activations quantized straight into the instruction's "
                            "signedness (zero point +-128; left out: an s8 <-> u8 pass over the bytes)",
+    "int8-gelu-segments": "an int8 epilogue's gelu per element in 32 cubic segments read with VPERMI2PS (AVX-512 "
+                          "targets; compile/quant/gelu.py; left out: fast_erf's rational gelu, a VDIVPS per 16 "
+                          "outputs)",
     "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
                            "OpenVINO quantize with a multiplier; compile/quant/gemm.py Epilogue; left out: "
                            "x / scale per element, bit-exact with the unfused build, vdivps Zen 4's slowest op)",
@@ -131,6 +134,8 @@ ABLATIONS = {
                    "TVM's serial scalar loop, int8 modules still schedule theirs)",
     "qkv-heads": "the combined QKV projection's split, head transposes and RoPE as one row kernel "
                  "(compile/passes/qkv_heads.py; left out: a split copy and a scalar kernel per part)",
+    "output-views": "a model output that reshapes an opaque kernel's result (the int8 GEMM's rows back to "
+                    "(B, S, N)) as a view of it (compile/passes/output_views.py; left out: a copy kernel)",
 }
 
 
@@ -211,7 +216,8 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -
         # The database: tuned tiles per kernel (compile/quant/tiles.py).
         tvm_target = target.tvm_target()
         epilogue = epilogue_for(tvm_target, lut="int8-lut-tail" not in without,
-                                reciprocal="int8-recip-quantize" not in without)
+                                reciprocal="int8-recip-quantize" not in without,
+                                gelu_segments="int8-gelu-segments" not in without)
         return [int8_gemm(isa, tvm_target, database, post="int8-qdq-epilogue" not in without,
                           stack="int8-stack-tiles" not in without, epilogue=epilogue,
                           products="int8-attention" not in without, sums_kernels="int8-sums" not in without,
@@ -348,17 +354,19 @@ def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Ca
     return passes
 
 
-def _lower(target: ResolvedTarget) -> Callable[[], list]:
+def _lower(target: ResolvedTarget, without: frozenset[str] = frozenset()) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.passes.zero_division import ieee_division
 
         # ieee_division again: scheduling (compute_inline) and tuning records join expressions
         # across blocks
+        from blockforge.compile.passes.output_views import output_reshape_views
         from blockforge.compile.passes.symbolic_dims import guarded_reshape_views
 
+        views = [] if "output-views" in without else [output_reshape_views()]
         lower = tvm_backend(target).dataflow_lower_passes(target.tvm_target())
-        return [ieee_division, *(guarded_reshape_views(p) if p.info.name == "RewriteDataflowReshape" else p
-                                 for p in lower)]
+        return [ieee_division, *(q for p in lower for q in ([*views, guarded_reshape_views(p)]
+                                                            if p.info.name == "RewriteDataflowReshape" else [p]))]
     return passes
 
 
@@ -485,7 +493,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
     if lift is not None:  # after every pass that changes constants; before lower's shape checks
         out.append(Phase("lift-weights", _lift_weights(lift)))
-    out += [Phase("lower", _lower(target)), Phase("finalize", _finalize(target))]
+    out += [Phase("lower", _lower(target, without)), Phase("finalize", _finalize(target))]
     return out
 
 

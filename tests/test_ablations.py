@@ -3,12 +3,15 @@ its rewrite, so benchmarks A/B one inside a whole model through the public build
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 from tvm.script import relax as R  # noqa: E402
+from tvm.script import tirx as T  # noqa: E402
 
 from blockforge.compile.schedule.ragged import CPUMatmulRaggedN  # noqa: E402
 from blockforge.compile.pipeline import build, default_rules, phases, run_phases  # noqa: E402
@@ -80,3 +83,61 @@ def test_elementwise_ablation_schedules_a_float_residual_add():
             x, r = (rng.standard_normal((1, seq, 64)).astype("float32") for _ in range(2))
             got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(r)).numpy()
             np.testing.assert_array_equal(got, x + r)
+
+
+# fmt: off
+@tvm.script.ir_module
+class OpaqueThenReshape:
+    @T.prim_func(s_tir=True)
+    def double(a: T.Buffer((T.int64(8), T.int64(16)), "float32"), b: T.Buffer((T.int64(8), T.int64(16)), "float32")):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})  # opaque, as the int8 GEMM
+        for i, j in T.grid(T.int64(8), T.int64(16)):
+            with T.sblock("b"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                b[vi, vj] = a[vi, vj] * T.float32(2)
+
+    @R.function
+    def main(x: R.Tensor((1, 8, 16), "float32")):
+        cls = OpaqueThenReshape
+        with R.dataflow():
+            flat = R.reshape(x, (8, 16))
+            y = R.call_tir(cls.double, (flat,), out_ty=R.Tensor((8, 16), "float32"))
+            z = R.reshape(y, (1, 8, 16))
+            R.output(z)
+        return z
+
+    @R.function
+    def of_input(x: R.Tensor((1, 8, 16), "float32")):
+        with R.dataflow():
+            z = R.reshape(x, (8, 16))
+            R.output(z)
+        return z
+# fmt: on
+
+
+def _reshape_kernels(mod, func: str) -> int:
+    text = mod[func].script()
+    return sum(len(re.findall(rf"(?<![\w.]){gv.name_hint}\(", text)) for gv, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and "reshape" in gv.name_hint)
+
+
+def test_output_views_make_the_output_reshape_of_a_kernel_a_view():
+    """The reshape after an opaque kernel (the int8 GEMM's rows back to (B, S, N)) is a view with
+    output-views, a copy kernel without; the same numbers; each call's output its own (the next
+    call does not write the last one's); a reshape of the function's input stays a copy (a view
+    would alias the caller's tensor)."""
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.standard_normal((1, 8, 16)).astype("float32") for _ in range(2))
+    for without in (set(), {"output-views"}):
+        low, _ = run_phases(OpaqueThenReshape, HOST, stop_after="lower", without=without)
+        assert _reshape_kernels(low, "main") == (1 if without else 0), low["main"].script()
+        assert _reshape_kernels(low, "of_input") == 1, low["of_input"].script()
+        vm = relax.VirtualMachine(build(OpaqueThenReshape, HOST, without=without).executable, tvm.cpu())
+        first = vm["main"](tvm.runtime.tensor(x1))
+        second = vm["main"](tvm.runtime.tensor(x2))
+        np.testing.assert_array_equal(first.numpy(), 2 * x1)
+        np.testing.assert_array_equal(second.numpy(), 2 * x2)
+        xin = tvm.runtime.tensor(x1)
+        out = vm["of_input"](xin)
+        xin.copyfrom(x2)
+        np.testing.assert_array_equal(out.numpy(), x1.reshape(8, 16))

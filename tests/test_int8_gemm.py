@@ -566,9 +566,63 @@ def test_reciprocal_quantize_leaves_no_division_per_element():
     asm = {r: tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=gemm.Epilogue(reciprocal=r))}),
                           target=ZNVER4).mod.inspect_source("s") for r in (False, True)}
     assert "vdivps" in asm[False] and "vdivps" not in asm[True]
-    assert gemm.epilogue_for(ZNVER4) == gemm.Epilogue(lut=True, reciprocal=True)
-    assert gemm.epilogue_for(SKYLAKE, reciprocal=False) == gemm.Epilogue()
+    assert gemm.epilogue_for(ZNVER4) == gemm.Epilogue(lut=True, reciprocal=True, gelu_segments=True)
+    assert gemm.epilogue_for(SKYLAKE, reciprocal=False, gelu_segments=False) == gemm.Epilogue()
     assert gemm.epilogue_for(ZNVER4, lut=False).lut is False
+
+
+def test_gelu_segments_within_5e7_of_the_exact_gelu():
+    """compile/quant/gelu.py in float32 as the kernel computes it, against the exact gelu: over
+    the range pre-activations take and far past the last segment, both signs, the segments'
+    edges (where the index rounds either way) and the clamp; the extremes stay finite or inf
+    as gelu's are."""
+    from scipy.special import erf
+
+    from blockforge.compile.quant import gelu
+
+    edges = np.arange(0, 33) * np.float32(1 / 6)
+    near = [np.nextafter(np.float32(e), np.float32(s * 10)) * sg for e in edges for s in (-1, 1) for sg in (-1, 1)]
+    x = np.concatenate([np.linspace(-12, 12, 400_001, dtype=np.float32),
+                        np.array(near + [gelu.T_MAX, -gelu.T_MAX], np.float32)])
+    exact = 0.5 * x.astype(np.float64) * (1 + erf(x.astype(np.float64) / np.sqrt(2)))
+    err = np.abs(gelu.reference(x) - exact)
+    assert err.max() < 5e-7, (err.max(), x[err.argmax()])
+    assert gelu.coefficients().shape == (32, 4) and gelu.coefficients().dtype == np.float32
+    assert gelu.reference(np.zeros(1, np.float32))[0] == 0
+    with np.errstate(invalid="ignore"):
+        big = gelu.reference(np.array([np.inf, -np.inf, 3e38, -3e38], np.float32))
+    assert big[0] == np.inf and big[2] == np.float32(3e38) and abs(big[1]) < 1e-6 and abs(big[3]) < 1e-6
+
+
+def test_gelu_segments_are_four_permutes_per_16_outputs_and_no_division():
+    """Epilogue.gelu_segments: each 16 outputs read their four coefficients with VPERMI2PS (or
+    its twin VPERMT2PS, LLVM's pick of which table register it overwrites) from constant tables
+    (no gather, no VDIVPS); AVX-512 targets only (AVX-VNNI CPUs have no zmm permutes); on the
+    host, the kernel agrees with gelu.reference on its own pre-activations."""
+    spec = gemm.Int8GemmSpec(k=64, n=96, m=40, scale="column", bias=True, activation="gelu")
+    tiles = gemm.default_tiles(spec)
+    asm = {g: tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=gemm.Epilogue(gelu_segments=g))}),
+                          target=ZNVER4).mod.inspect_source("s") for g in (False, True)}
+    assert "vdivps" in asm[False] and "vdivps" not in asm[True]
+    perms = {g: len(re.findall(r"\bvperm[it]2ps\b", a)) for g, a in asm.items()}
+    assert perms[False] == 0 and "vgather" not in asm[True]
+    assert perms[True] == 4 * tiles.mr * tiles.nv, (perms, tiles.describe())
+    assert gemm.epilogue_for(SKYLAKE).gelu_segments
+    alderlake = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "alderlake"})
+    assert not gemm.epilogue_for(alderlake).gelu_segments
+    assert not gemm.epilogue_for(ZNVER4, gelu_segments=False).gelu_segments
+    _need_vnni_host()
+    from blockforge.compile.quant import gelu
+
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, 256, (40, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (64, 96), dtype=np.int8)
+    scale = rng.uniform(1e-5, 6e-5, 96).astype(np.float32)  # pre-activations of about +-6
+    bias = rng.standard_normal(96).astype(np.float32)
+    got, _ = _run_kernel(spec, a, w, zp_a=128, scale=scale, bias=bias, epilogue=gemm.Epilogue(gelu_segments=True))
+    z = gemm.reference(gemm.Int8GemmSpec(k=64, n=96, scale="column", bias=True), a, w, 128, 0, scale, bias)
+    assert np.abs(z).max() > 16 / 3  # past the last segment too
+    np.testing.assert_allclose(got, gelu.reference(z), rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("reciprocal", [False, True])

@@ -280,13 +280,17 @@ class Epilogue:
     # >qdq >bias >gelu >q), kernel alone, 2 threads, medians of 20 interleaved: 0.856 -> 0.831
     # ms; the FFN (whole_ab --abba, new / dividing): 0.998 at seq 128, 0.985 at 512.
     reciprocal: bool = False
+    # gelu per element in 32 cubic segments read with VPERMI2PS (compile/quant/gelu.py; AVX-512):
+    # 13 instructions, no division, where fast_erf's takes 18 with a VDIVPS; within 5e-7 of gelu.
+    gelu_segments: bool = False
 
 
-def epilogue_for(target, lut: bool = True, reciprocal: bool = True) -> Epilogue:
+def epilogue_for(target, lut: bool = True, reciprocal: bool = True, gelu_segments: bool = True) -> Epilogue:
     """The epilogue the int8-gemm phase builds on `target` (and so what tune times and the
-    benchmark runs): the table where the target can read it, the reciprocal quantize;
-    `lut` / `reciprocal` False: their ablations."""
-    return Epilogue(lut=lut and target is not None and has_lut(target), reciprocal=reciprocal)
+    benchmark runs): the table where the target can read it, the reciprocal quantize, the
+    segmented gelu on AVX-512; `lut` / `reciprocal` / `gelu_segments` False: their ablations."""
+    return Epilogue(lut=lut and target is not None and has_lut(target), reciprocal=reciprocal,
+                    gelu_segments=gelu_segments and target is not None and _has_feature(target, "avx512f"))
 
 
 def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epilogue()):
@@ -338,10 +342,12 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
         v = c.astype("float32") * (scale[j] if spec.scale == "column" else scale[()])
         return v + bias[j] if bias is not None and not spec.bias_in_post else v
 
-    out = _activation(te.compute((*lead, m, i64(N)), _over_rows(len(lead), dequantized), name="out"), spec.activation)
+    segments = epilogue.gelu_segments
+    out = _activation(te.compute((*lead, m, i64(N)), _over_rows(len(lead), dequantized), name="out"), spec.activation,
+                      segments)
     t = lut_tail(spec) if epilogue.lut else None
     for step in spec.post if t is None else spec.post[:t]:
-        out = _post_step(out, step, bias, epilogue.reciprocal)
+        out = _post_step(out, step, bias, epilogue.reciprocal, segments)
     if t is None:
         return ins, out, None
     out, table = _table_lookup(out, spec.post[t], spec.post[t + 1:], spec.out_dtype, epilogue.reciprocal)
@@ -403,11 +409,17 @@ def _table_lookup(x, step: tuple, tail: tuple, out_dtype: str, reciprocal: bool)
     return te.compute(x.shape, lookup, name="post_lookup"), (held, table)
 
 
-def _activation(x, kind: str):
+def _activation(x, kind: str, segments: bool = False):
+    """`segments`: gelu as compile/quant/gelu.py computes it (x's last axis the epilogue's
+    columns, vectorized by 16 from a multiple of 16)."""
     if kind == "relu":
         from tvm import topi
 
         return topi.nn.relu(x)
+    if kind == "gelu" and segments:
+        from blockforge.compile.quant.gelu import gelu_segments
+
+        return gelu_segments(x)
     if kind == "gelu":
         from blockforge.compile.passes.fast_math import gelu
 
@@ -434,7 +446,7 @@ def _scaled(x, s: float, reciprocal: bool):
     return x / tirx.const(s, "float32")
 
 
-def _post_step(x, step: tuple, bias, reciprocal: bool = False):
+def _post_step(x, step: tuple, bias, reciprocal: bool = False, segments: bool = False):
     """One POST_STEPS step on the epilogue's tensor, as TVM's legalization of relax.quantize /
     dequantize computes it (round half to even of x / scale, + zp, clipped), so the fused
     epilogue is bit-exact with the unfused build; `reciprocal`: x times 1 / scale instead
@@ -446,7 +458,7 @@ def _post_step(x, step: tuple, bias, reciprocal: bool = False):
         return te.compute(x.shape, _over_rows(len(x.shape) - 2, lambda b, i, j: x[(*b, i, j)] + bias[j]),
                           name="post_bias")  # (the table has none)
     if kind not in ("qdq", "q"):
-        return _activation(x, kind)
+        return _activation(x, kind, segments)
     _, s, zp, dtype = step
     lo, hi = _QRANGE[dtype]
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
@@ -552,10 +564,14 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
 
 def has_lut(target) -> bool:
     """The target has what the epilogue's table is read with (AVX512_VBMI's VPERMI2B)."""
+    return _has_feature(target, "avx512vbmi")
+
+
+def _has_feature(target, feature: str) -> bool:
     from tvm.target.codegen import target_has_features
 
     try:
-        return bool(target_has_features("avx512vbmi", target))
+        return bool(target_has_features(feature, target))
     except Exception:  # not an x86 LLVM target
         return False
 
