@@ -105,6 +105,8 @@ ABLATIONS = {
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
     "bf16-row-fit": "a bf16 GEMM whose static M is a multiple of 4 but not of 6 (BERT's 128, 512) in 4-row x "
                     "6-vector micro-tiles (left out: 6 x 4, the last row tile partly clamped rows)",
+    "bf16-gelu-segments": "the bf16 GEMM's gelu in 32 cubic segments read with VPERMI2PS (compile/quant/gelu.py; "
+                          "left out: fast_erf's rational gelu, a VDIVPS per 16 outputs)",
     "bf16-attention": "--precision bf16's fused attention with Q K^T and P V on VDPBF16PS, softmax and sums float32 "
                       "(compile/attention/flash.py; left out: the float32 attention kernel)",
     "attention-gqa-rows": "a grouped-query decode step's fused attention one job per kv head, the group's query "
@@ -237,7 +239,7 @@ def _bf16_gemm(without: frozenset[str]) -> Callable[[], list]:
         from blockforge.compile.bf16.rewrite import bf16_gemm
 
         # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
-        return [bf16_gemm(row_fit="bf16-row-fit" not in without)]
+        return [bf16_gemm(row_fit="bf16-row-fit" not in without, gelu_segments="bf16-gelu-segments" not in without)]
     return passes
 
 

@@ -7,6 +7,7 @@ model (attention products stay float32), and the refusal of a target without AVX
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -127,6 +128,45 @@ def test_row_fit_ablation_reaches_the_kernels(tmp_path):
         mod, _ = run_phases(s.relax(), s.target, stop_after="bf16-gemm", precision="bf16", without=without)
         tiles[bool(without)] = sorted({sp.tile() for sp in gemm.kernel_specs(mod)})
     assert tiles == {False: [(4, 6)], True: [(6, 2), (6, 4)]}, tiles  # N 96: 6 x 2 vectors before
+
+
+def test_gelu_segments_in_the_write_back_and_their_ablation(tmp_path):
+    """The bf16-gemm phase's gelu is compile/quant/gelu.py's (VPERMI2PS, no VDIVPS) where the
+    write-back is 16 lanes wide; N % 16 != 0 and the ablation keep fast_erf's; on a bf16 host
+    the kernel agrees with the emulation's sums through gelu.reference."""
+    from blockforge.compile import open_model
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.quant import gelu
+    from blockforge.graph import FFNSpec, export
+
+    def asm(spec, segments=True):
+        f = gemm.kernel(spec, segments)
+        return tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target(ZNVER4)).mod.inspect_source("asm")
+
+    seg = asm(gemm.Bf16GemmSpec(k=64, n=96, m=12, bias=True, activation="gelu"))
+    perms = len(re.findall(r"\bvperm[it]2ps\b", seg))
+    assert perms >= 4 * 6 and "vdivps" not in seg, perms  # four tables x the 6-vector row
+    assert "vdivps" in asm(gemm.Bf16GemmSpec(k=64, n=96, m=12, bias=True, activation="gelu"), False)
+    assert "vdivps" in asm(gemm.Bf16GemmSpec(k=64, n=20, m=12, bias=True, activation="gelu"))
+    model = export(FFNSpec(d_model=96, d_ff=192, activation="gelu"), tmp_path / "ffn.onnx").model_path
+    s = open_model(model, ZNVER4, {"batch": 1, "seq": 16}, precision="bf16")
+    for without in (frozenset(), frozenset({"bf16-gelu-segments"})):
+        mod, _ = run_phases(s.relax(), s.target, stop_after="bf16-gemm", precision="bf16", without=without)
+        gelu_kernels = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+                        and gemm.is_kernel(f) and '"gelu"' in str(f.attrs[gemm.KERNEL_ATTR])]
+        assert len(gelu_kernels) == 1
+        assert ("vpermi2var" in gelu_kernels[0].script()) == (not without)
+    _need_bf16_host()
+    rng = np.random.default_rng(21)
+    a = rng.standard_normal((12, 64)).astype(np.float32)
+    w = (rng.standard_normal((64, 96)) * 0.4).astype(np.float32)
+    bias = rng.standard_normal(96).astype(np.float32)
+    spec = gemm.Bf16GemmSpec(k=64, n=96, m=12, bias=True, activation="gelu")
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, True)}), target=resolve("host").tvm_target())
+    got, _ = _run(spec, a, w, bias, lib)
+    z = gemm.reference(a, w, bias)
+    assert np.abs(z).max() > 16 / 3
+    np.testing.assert_allclose(got, gelu.reference(z), rtol=0, atol=2e-6 * max(1, np.abs(z).max()))
 
 
 def test_symbolic_m_on_ragged_rows():

@@ -108,8 +108,10 @@ def _round_bits(x):
     return round_bits(x).astype("uint16")
 
 
-def compute(spec: Bf16GemmSpec):
-    """The TE definition: (inputs, output) tensors, in the kernel's argument order."""
+def compute(spec: Bf16GemmSpec, gelu_segments: bool = False):
+    """The TE definition: (inputs, output) tensors, in the kernel's argument order;
+    `gelu_segments`: a gelu as compile/quant/gelu.py computes it where the write-back is
+    vectorized by 16 (N % 16 == 0), else fast_math's."""
     from tvm import te, tirx
 
     from blockforge.compile.bf16.intrin import widen
@@ -141,6 +143,10 @@ def compute(spec: Bf16GemmSpec):
         from tvm import topi
 
         out = topi.nn.relu(out)
+    elif spec.activation == "gelu" and gelu_segments and spec.n % 16 == 0:
+        from blockforge.compile.quant.gelu import gelu_segments as segmented
+
+        out = segmented(out)
     elif spec.activation == "gelu":
         from blockforge.compile.passes.fast_math import gelu
 
@@ -148,14 +154,15 @@ def compute(spec: Bf16GemmSpec):
     return ins, out
 
 
-def kernel(spec: Bf16GemmSpec):
-    """The scheduled, tensorized PrimFunc (needs an AVX512_BF16 target to build)."""
+def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False):
+    """The scheduled, tensorized PrimFunc (needs an AVX512_BF16 target to build);
+    `gelu_segments`: see compute (what the bf16-gemm phase builds unless its ablation)."""
     from tvm import s_tir, te
 
     from blockforge.compile.schedule.base import PARTITION_HINT
     from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16_16x2
 
-    ins, out = compute(spec)
+    ins, out = compute(spec, gelu_segments)
     func = te.create_prim_func([*ins, out])
     sch = s_tir.Schedule(func)
     mm, ab = sch.get_sblock("acc"), sch.get_sblock("a_bf16")

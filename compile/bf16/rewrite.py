@@ -115,9 +115,10 @@ class _Finder:
         return out, _Match(x, wt, bias, [*shape[:-1], n], spec)
 
 
-def bf16_gemm(row_fit: bool = True):
+def bf16_gemm(row_fit: bool = True, gelu_segments: bool = True):
     """The `bf16-gemm` pass (CPU targets with AVX512_BF16, `--precision bf16`). row_fit=False:
-    every kernel in 6 x 4 micro-tiles (ablation bf16-row-fit; gemm.Bf16GemmSpec.tile)."""
+    every kernel in 6 x 4 micro-tiles (ablation bf16-row-fit; gemm.Bf16GemmSpec.tile);
+    gelu_segments=False: the write-back's gelu is fast_erf's (ablation bf16-gelu-segments)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -132,7 +133,8 @@ def bf16_gemm(row_fit: bool = True):
 
         def kernel_gv(self, spec):
             if spec not in self.funcs:
-                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec), f"bf16_gemm_{len(self.funcs)}")
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, gelu_segments),
+                                              f"bf16_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 
         def emit_call(self, mt: _Match):
