@@ -84,6 +84,11 @@ ABLATIONS = {
                  "products) on parallel vectorised kernels (compile/quant/sums.py; left out: TVM's reductions)",
     "int8-batched-products": "a batched-heads export's attention products ((1, h, S, d) x (1, h, d, S), HF SDPA) "
                              "as one batched int8 kernel each (left out: dequantize + float32 batched matmul)",
+    "int8-addend": "an add after an int8 GEMM of a tensor of its output's rows (Hugging Face's (1, 1, S, S) "
+                   "attention mask after Q K^T, a residual) read in the kernel's epilogue (left out: a pass over "
+                   "the float32 output)",
+    "int8-gelu-ops": "gelu spelled out in ops (x * 0.5 * (1 + erf(x / sqrt 2)): Hugging Face BERT) after an int8 "
+                     "GEMM taken into its epilogue as one gelu step (left out: a kernel of its own)",
     "int8-shift-quantize": "an attention product's activations quantized straight into the instruction's "
                            "signedness (zero point +-128; left out: an s8 <-> u8 pass over the bytes)",
     "int8-gelu-segments": "an int8 epilogue's gelu per element in 32 cubic segments read with VPERMI2PS (AVX-512 "
@@ -224,7 +229,8 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -
                           stack="int8-stack-tiles" not in without, epilogue=epilogue,
                           products="int8-attention" not in without, sums_kernels="int8-sums" not in without,
                           shift_quantize="int8-shift-quantize" not in without,
-                          batched_products="int8-batched-products" not in without)]
+                          batched_products="int8-batched-products" not in without,
+                          addends="int8-addend" not in without, gelu_ops="int8-gelu-ops" not in without)]
     return passes
 
 

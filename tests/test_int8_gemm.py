@@ -6,6 +6,7 @@ quantize_dynamic model of a blockforge FFN, against ORT running the same file.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -1085,3 +1086,168 @@ def test_projections_feeding_the_products_stay_on_the_int8_kernel(tmp_path, monk
         *[tvm.runtime.tensor(x[i.name]) for i in s.inputs]).numpy()
     ref = next(iter(ort_runner.run(s.model, x).values()))
     assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 255
+
+
+def test_addend_step_is_each_batch_plus_the_same_rows_exactly():
+    """("add",): an (M, N) float32 input added in the epilogue, the same rows for every GEMM of a
+    batch (Hugging Face's (1, 1, S, S) mask after a batched Q K^T); here before a requantize,
+    so any difference from numpy would show as a level. One addend per kernel."""
+    with pytest.raises(ValueError, match="one addend"):
+        gemm.Int8GemmSpec(k=64, n=48, scale="scalar", post=(("add",), ("add",)))
+    spec = gemm.Int8GemmSpec(k=64, n=48, m=37, scale="scalar", batch=2, post=(("add",), ("q", 0.5, 3, "int8")))
+    assert spec.addend and not gemm.Int8GemmSpec(k=64, n=48, scale="scalar").addend
+    assert spec.describe().endswith(">add >q(int8)")
+    _need_vnni_host()
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, epilogue=gemm.epilogue_for(_host()))}), target=_host())
+    rng = np.random.default_rng(12)
+    a = rng.integers(0, 256, (2, 37, 64), dtype=np.uint8)
+    w = rng.integers(-128, 128, (2, 64, 48), dtype=np.int8)
+    mask = np.where(rng.random((37, 48)) < 0.3, np.float32(-30), np.float32(0)) + rng.standard_normal((37, 48))
+    mask = mask.astype(np.float32)
+    args = [a, np.stack([gemm.pack_weights(x) for x in w]), np.stack([gemm.column_sums(x) for x in w]),
+            np.array(128, np.int32), np.array(0.004, np.float32), mask]
+    out = tvm.runtime.tensor(np.zeros((2, 37, 48), np.int8))
+    lib["main"](*[tvm.runtime.tensor(x) for x in args], out)
+    one = gemm.Int8GemmSpec(k=64, n=48, m=37, scale="scalar", post=spec.post)
+    for i in range(2):
+        want = gemm.reference(one, a[i], w[i], 128, scale=np.float32(0.004), reciprocal=True, addend=mask)
+        np.testing.assert_array_equal(out.numpy()[i], want, err_msg=f"batch {i}")
+
+
+def _product_then_add(mask_shape, rows=200):
+    """A batched QDQ Q K^T (3 heads) with a float add after it: the mask as an input."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType([1, 3, rows, 64], "int8"))
+    b = relax.Var("b", relax.TensorType([1, 3, 64, 256], "int8"))
+    mask = relax.Var("mask", relax.TensorType(mask_shape, "float32"))
+    with bb.function("main", [a, b, mask]):
+        with bb.dataflow():
+            da = bb.emit(relax.op.dequantize(a, relax.const(0.03, "float32"), relax.const(-2, "int8")))
+            db = bb.emit(relax.op.dequantize(b, relax.const(0.02, "float32"), relax.const(3, "int8")))
+            y = bb.emit(relax.op.matmul(da, db))
+            z = bb.emit_output(relax.op.add(y, mask))
+        bb.emit_func_output(z)
+    return bb.get()
+
+
+@pytest.mark.parametrize("mask_shape, taken", [([1, 1, 200, 256], True), ([200, 256], True),
+                                               ([1, 3, 200, 256], False), ([1, 1, 1, 256], False)])
+def test_attention_mask_add_is_read_in_the_products_epilogue(mask_shape, taken):
+    """A mask of the product's rows and columns, the same for every head ((1, 1, S, S), (S, S)),
+    is the kernel's addend (int8-addend); a per-head one or one that broadcasts over rows stays
+    an add of its own; the numbers are the product's plus the mask either way."""
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    mod = _product_then_add(mask_shape)
+    (sp,) = gemm.kernel_specs(int8_gemm("vnni", ZNVER4, batched_products=True)(mod))
+    assert (("add",) in sp.post) == taken, sp.describe()
+    (off,) = gemm.kernel_specs(int8_gemm("vnni", ZNVER4, batched_products=True, addends=False)(mod))
+    assert ("add",) not in off.post
+    _need_vnni_host()
+    vm = relax.VirtualMachine(tvm.compile(int8_gemm("vnni", _host(), batched_products=True)(mod), target=_host()),
+                              tvm.cpu())
+    rng = np.random.default_rng(13)
+    av = rng.integers(-128, 128, (1, 3, 200, 64), dtype=np.int8)
+    bv = rng.integers(-128, 128, (1, 3, 64, 256), dtype=np.int8)
+    mv = (rng.standard_normal(mask_shape) * 5).astype(np.float32)
+    got = vm["main"](*[tvm.runtime.tensor(x) for x in (av, bv, mv)]).numpy()
+    exact = (av.astype(np.int64) + 2) @ (bv.astype(np.int64) - 3)
+    want = exact.astype(np.float32) * (np.float32(0.03) * np.float32(0.02)) + mv
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def _gemm_then(tail, n=64):
+    """A dynamic-quantized-style int8 GEMM (int32 matmul, cast, column scale) into a QDQ pair and
+    `tail`(bb, y): the float ops after it."""
+    from tvm import relax
+
+    rng = np.random.default_rng(2)
+    w = rng.integers(-128, 128, (32, n)).astype(np.int32)
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType([1, 40, 32], "int8"))
+    with bb.function("main", [a]):
+        with bb.dataflow():
+            a32 = bb.emit(relax.op.astype(a, "int32"))
+            y = bb.emit(relax.op.matmul(a32, relax.const(w), out_dtype="int32"))
+            f = bb.emit(relax.op.astype(y, "float32"))
+            s = bb.emit(relax.op.multiply(f, relax.const(np.full(n, 1e-3, np.float32))))
+            q = bb.emit(relax.op.quantize(s, relax.const(0.02, "float32"), relax.const(0, "int8"), out_dtype="int8"))
+            dq = bb.emit(relax.op.dequantize(q, relax.const(0.02, "float32"), relax.const(0, "int8")))
+            out = bb.emit_output(tail(bb, dq))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _gelu_spelled(order, c=math.sqrt(2)):
+    from tvm import relax
+
+    def tail(bb, x):
+        f = lambda v: relax.const(v, "float32")  # noqa: E731
+        scaled = relax.op.divide(x, f(c)) if order != "mul-scale" else relax.op.multiply(x, f(1 / c))
+        e = bb.emit(relax.op.add(bb.emit(relax.op.erf(bb.emit(scaled))), f(1.0)))
+        if order == "hf":  # 0.5 * (1 + erf), then x * that (Hugging Face BERT)
+            return relax.op.multiply(x, bb.emit(relax.op.multiply(f(0.5), e)))
+        if order == "half-first":  # (x * 0.5) * (1 + erf)
+            return relax.op.multiply(bb.emit(relax.op.multiply(x, f(0.5))), e)
+        return relax.op.multiply(bb.emit(relax.op.multiply(x, e)), f(0.5))  # x * (1 + erf), then * 0.5
+    return tail
+
+
+@pytest.mark.parametrize("order", ["hf", "half-first", "half-last", "mul-scale"])
+def test_gelu_spelled_out_in_ops_is_the_epilogues_gelu(order):
+    """x * 0.5 * (1 + erf(x / sqrt 2)) in the orders exporters write it is one ("gelu",) post
+    step (int8-gelu-ops), and the module computes gelu; erf(x / 2) is not gelu: left alone."""
+    from scipy.special import erf
+    from tvm import relax
+
+    from blockforge.compile.quant.rewrite import int8_gemm
+
+    mod = _gemm_then(_gelu_spelled(order))
+    (sp,) = gemm.kernel_specs(int8_gemm("vnni", ZNVER4)(mod))
+    assert sp.post[-1] == ("gelu",), sp.describe()
+    (off,) = gemm.kernel_specs(int8_gemm("vnni", ZNVER4, gelu_ops=False)(mod))
+    assert ("gelu",) not in off.post
+    (other,) = gemm.kernel_specs(int8_gemm("vnni", ZNVER4)(_gemm_then(_gelu_spelled(order, c=2.0))))
+    assert ("gelu",) not in other.post
+    _need_vnni_host()
+    rng = np.random.default_rng(3)
+    av = rng.integers(-128, 128, (1, 40, 32), dtype=np.int8)
+    new = int8_gemm("vnni", _host(), epilogue=gemm.epilogue_for(_host()))(mod)
+    got = relax.VirtualMachine(tvm.compile(new, target=_host()), tvm.cpu())["main"](tvm.runtime.tensor(av)).numpy()
+    w = np.random.default_rng(2).integers(-128, 128, (32, 64)).astype(np.int64)
+    v = (av.astype(np.int64) @ w).astype(np.float32) * np.float32(1e-3)
+    x = np.clip(np.round(v * gemm.reciprocal_scale(0.02)), -128, 127).astype(np.float32) * np.float32(0.02)
+    np.testing.assert_allclose(got, 0.5 * x * (1 + erf(x / np.sqrt(2))), rtol=0, atol=2e-6)
+
+
+def test_hugging_face_qdq_bert_gelu_and_residuals_in_the_epilogues(tmp_path, monkeypatch):
+    """Hugging Face's BERT (dynamo SDPA export) quantized static by `blockforge quantize`: the
+    gelu it spells out in ops after the FFN's first GEMM and the residual adds after the output
+    projections are steps of those kernels' epilogues (the ablations leave them out), and the
+    build matches ONNX Runtime on the file."""
+    _need_vnni_host()
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from conftest import run_cli_in_process as cli
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+
+    q = tmp_path / "bert_qdq.onnx"
+    fixture = Path(__file__).parent / "fixtures" / "models" / "bert_sdpa_dynamo_op18.onnx"
+    res = cli("quantize", str(fixture), "--mode", "static", "--per-channel", "--shape", "s33=1,s50=64,s6=1",
+              "-o", str(q))
+    assert res.rc == 0, res.text
+    s = open_model(q, "host", {"s33": 1, "s50": 64, "s6": 1})
+    posts = {}
+    for without in (frozenset(), frozenset({"int8-gelu-ops", "int8-addend"})):
+        mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm", without=without)
+        posts[bool(without)] = [sp.post for sp in gemm.kernel_specs(mod)]
+    steps = lambda kind, w: sum((kind,) in p for p in posts[w])  # noqa: E731
+    assert steps("gelu", False) == 2 and steps("add", False) == 4, posts[False]  # 2 layers
+    assert steps("gelu", True) == 0 and steps("add", True) == 0, posts[True]
+    res = cli("verify", str(q), "--shape", "s33=1,s50=64,s6=1", "--target", "host")
+    assert res.rc == 0 and "tvm vs ort" in res.out and "PASS" in res.out, res.text

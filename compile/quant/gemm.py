@@ -76,7 +76,9 @@ ACTIVATIONS = ("none", "relu", "gelu")
 #   ("qdq", scale, zp, dtype)  QuantizeLinear then DequantizeLinear (per tensor): float -> float
 #   ("q", scale, zp, dtype)    QuantizeLinear, the last step: the kernel writes int8/uint8
 #   ("bias",) | ("relu",) | ("gelu",)   the bias input added here (not after the scale), an activation
-POST_STEPS = ("qdq", "q", "bias", "relu", "gelu")
+#   ("add",)                   an addend input, (M, N) float32, the same for every GEMM of a batch:
+#                              an attention mask after Q K^T (Hugging Face's (1, 1, S, S)), a residual
+POST_STEPS = ("qdq", "q", "bias", "relu", "gelu", "add")
 _QRANGE = {"int8": (-128, 127), "uint8": (0, 255)}
 # The parallel split: "tiles" runs (column panel, row tile) pairs in parallel (static M);
 # "panels" runs the column panels in parallel with their row tiles serial inside (the only
@@ -134,6 +136,11 @@ class Int8GemmSpec:
     def bias_in_post(self) -> bool:
         return ("bias",) in self.post
 
+    @property
+    def addend(self) -> bool:
+        """The kernel reads an (M, N) float32 addend (its input after the bias)."""
+        return ("add",) in self.post
+
     def to_json(self) -> str:
         d = asdict(self)
         if d["batch"] == 1:
@@ -166,6 +173,8 @@ def _check_post(spec: "Int8GemmSpec") -> None:
                 raise ValueError("a post quantize (int8 out) must be the last step")
         elif len(step) != 1 or (kind == "bias" and not spec.bias):
             raise ValueError(f"post step: {step!r}")
+    if spec.post.count(("add",)) > 1:
+        raise ValueError("one addend per kernel")
 
 
 @dataclass(frozen=True)
@@ -261,7 +270,7 @@ def lut_tail(spec: Int8GemmSpec) -> int | None:
         return None
     for t, step in enumerate(spec.post):
         rest = spec.post[t + 1:]
-        if step[0] == "qdq" and rest and ("gelu",) in rest and all(r[0] != "bias" for r in rest):
+        if step[0] == "qdq" and rest and ("gelu",) in rest and all(r[0] not in ("bias", "add") for r in rest):
             return t
     return None
 
@@ -318,7 +327,8 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     if spec.scale != "none":
         scale = te.placeholder((i64(N),) if spec.scale == "column" else (), "float32", name="scale")
     bias = te.placeholder((i64(N),), "float32", name="bias") if spec.bias else None
-    ins += [t for t in (rowcorr, scale, bias) if t is not None]
+    addend = te.placeholder((m, i64(N)), "float32", name="addend") if spec.addend else None
+    ins += [t for t in (rowcorr, scale, bias, addend) if t is not None]
     r = te.reduce_axis((i64(0), i64(K)), name="k")
     # The accumulator has whole MR-row tiles; the rows past M (in the last tile of a ragged M)
     # re-read row M-1 and are never written out. A guarded tile instead (the split's
@@ -347,7 +357,7 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
                       segments)
     t = lut_tail(spec) if epilogue.lut else None
     for step in spec.post if t is None else spec.post[:t]:
-        out = _post_step(out, step, bias, epilogue.reciprocal, segments)
+        out = _post_step(out, step, bias, epilogue.reciprocal, segments, addend)
     if t is None:
         return ins, out, None
     out, table = _table_lookup(out, spec.post[t], spec.post[t + 1:], spec.out_dtype, epilogue.reciprocal)
@@ -446,7 +456,7 @@ def _scaled(x, s: float, reciprocal: bool):
     return x / tirx.const(s, "float32")
 
 
-def _post_step(x, step: tuple, bias, reciprocal: bool = False, segments: bool = False):
+def _post_step(x, step: tuple, bias, reciprocal: bool = False, segments: bool = False, addend=None):
     """One POST_STEPS step on the epilogue's tensor, as TVM's legalization of relax.quantize /
     dequantize computes it (round half to even of x / scale, + zp, clipped), so the fused
     epilogue is bit-exact with the unfused build; `reciprocal`: x times 1 / scale instead
@@ -457,6 +467,9 @@ def _post_step(x, step: tuple, bias, reciprocal: bool = False, segments: bool = 
     if kind == "bias":
         return te.compute(x.shape, _over_rows(len(x.shape) - 2, lambda b, i, j: x[(*b, i, j)] + bias[j]),
                           name="post_bias")  # (the table has none)
+    if kind == "add":  # (every batch's GEMM adds the same rows)
+        return te.compute(x.shape, _over_rows(len(x.shape) - 2, lambda b, i, j: x[(*b, i, j)] + addend[i, j]),
+                          name="post_add")
     if kind not in ("qdq", "q"):
         return _activation(x, kind, segments)
     _, s, zp, dtype = step
@@ -666,11 +679,12 @@ def _is_true(expr) -> bool:
 
 
 def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w: int = 0,
-              scale=None, bias=None, reciprocal: bool = False, rowcorr=None) -> np.ndarray:
+              scale=None, bias=None, reciprocal: bool = False, rowcorr=None, addend=None) -> np.ndarray:
     """numpy: what the kernel computes from the unpacked operands (tests, benchmarks); `a` in
     the spec's activation dtype (u8 for VNNI, s8 for SDOT), zp_a in the same range;
     `reciprocal`: as Epilogue.reciprocal quantizes; `rowcorr`: the kernel's per-row int32 input
-    as given (the pass computes it from zp_w; here added as it is)."""
+    as given (the pass computes it from zp_w; here added as it is); `addend`: the (M, N) input
+    of an ("add",) step."""
     c = (a.astype(np.int64) - zp_a) @ (w.astype(np.int64) - zp_w)
     if rowcorr is not None:
         c = c + np.asarray(rowcorr, np.int64)[:, None]
@@ -685,6 +699,8 @@ def reference(spec: Int8GemmSpec, a: np.ndarray, w: np.ndarray, zp_a: int, zp_w:
     for step in spec.post:
         if step[0] == "bias":
             v = v + bias
+        elif step[0] == "add":
+            v = v + np.asarray(addend, np.float32)
         elif step[0] == "relu":
             v = np.maximum(v, np.float32(0))
         elif step[0] in ("qdq", "q"):

@@ -73,6 +73,10 @@ def _rows(shape) -> tuple:
     return m, (m if isinstance(m, int) else _static(m))
 
 
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.same_as(b)
+
+
 def _shifted_dtype(shift: int) -> str:
     """What 8-bit values are after a signedness shift: +128 makes s8 u8, -128 u8 s8."""
     return "uint8" if shift > 0 else "int8"
@@ -108,6 +112,25 @@ class _Match:
     # (x, scale, zero point, dtype): their shift to the instruction's signedness is then that
     # quantize with its zero point moved (exact), not a pass over the 8-bit tensor
     act_q: tuple | None = None
+    # the ("add",) step's tensor (an attention mask, a residual): the kernel reads it as (M, N)
+    addend: object | None = None
+
+
+def _addend(b, out, batched: bool) -> bool:
+    """`b` can be the kernel's (M, N) addend for the GEMM output `out` (its value's type):
+    float32 and, unbatched (a weights GEMM: M is every row of the output), the output's shape;
+    batched (a batched-heads product, (1, h, S, N)), the last two dims the output's and every
+    one before them 1 (Hugging Face's (1, 1, S, S) mask: the same for every head). A per-head
+    addend is left as a separate add."""
+    from blockforge.compile.attention.match import same_dim
+
+    sb, so = _shape(b), _shape(out)
+    if _dtype(b) != "float32" or sb is None or so is None:
+        return False
+    if not batched:
+        return _same_shape(b, out)
+    return 2 <= len(sb) <= len(so) and all(_static(d) == 1 for d in sb[:-2]) \
+        and all(same_dim(x, y) for x, y in zip(sb[-2:], so[-2:]))
 
 
 def _shift_outputs(matches: list, shift_for) -> None:
@@ -145,12 +168,14 @@ def _whole_reduction(value, op: str):
 
 
 class _Finder:
-    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True, batched: bool = True):
+    def __init__(self, func, isa: str = "vnni", post: bool = True, products: bool = True, batched: bool = True,
+                 addends: bool = True, gelu_ops: bool = True):
         from tvm import relax
 
         from blockforge.compile.attention.heads import graph
 
-        self.isa, self.post, self.products, self.batched = isa, post, products, batched
+        self.isa, self.post, self.products, self.batched, self.addends = isa, post, products, batched, addends
+        self.gelu_ops = gelu_ops
         self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
         self.dataflow = relax.DataflowVar
 
@@ -254,12 +279,18 @@ class _Finder:
         return self.products and uv is not None and _call(uv, "relax.matmul") and _dtype(uv) == "float32" \
             and len(uv.args) == 2 and self.match_dequantized(user, uv) is not None
 
-    def post_chain(self, out, n: int):
-        """(out, steps, bias) of what follows the scaled GEMM in a QDQ model: QuantizeLinear/
-        DequantizeLinear pairs, the bias add between them, gelu/relu, and a last QuantizeLinear
-        (the next GEMM's int8 input), each step the previous one's only user; gemm.POST_STEPS."""
-        steps, bias = [], None
+    def post_chain(self, out, n: int, batched: bool = False, addend_ok: bool = True):
+        """(out, steps, bias, addend) of what follows the scaled GEMM in a QDQ model:
+        QuantizeLinear/DequantizeLinear pairs, the bias add between them, gelu/relu, an add of a
+        tensor of the output's rows (_addend), and a last QuantizeLinear (the next GEMM's int8
+        input), each step the previous one's only user; gemm.POST_STEPS."""
+        steps, bias, addend = [], None, None
         while True:
+            gelu = self.erf_gelu(out) if self.gelu_ops else None
+            if gelu is not None and _same_shape(self.values[gelu], self.values[out]):
+                out = gelu
+                steps.append(("gelu",))
+                continue
             user = self.only_user(out)
             uv = self.values.get(user)
             if uv is None or not _same_shape(uv, self.values[out]):
@@ -280,14 +311,72 @@ class _Finder:
                 out = user
                 steps.append((kind,))
                 continue
-            if bias is None and _call(uv, "relax.add"):
+            if _call(uv, "relax.add"):
                 b = uv.args[1] if uv.args[0].same_as(out) else uv.args[0]
-                if _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
+                if bias is None and _dtype(b) == "float32" and [_static(d) for d in (_shape(b) or [])] == [n]:
                     out, bias = user, b
                     steps.append(("bias",))
                     continue
+                if addend is None and addend_ok and self.addends and _addend(b, self.values[out], batched):
+                    out, addend = user, b
+                    steps.append(("add",))
+                    continue
             break
-        return out, tuple(steps), bias
+        return out, tuple(steps), bias, addend
+
+    def erf_gelu(self, x):
+        """The var that ends gelu spelled out on `x`, x * 0.5 * (1 + erf(x / sqrt(2))) in the
+        orders exporters write it (Hugging Face BERT: Div, Erf, Add, Mul, Mul; the 0.5 first or
+        last, x / sqrt(2) as a Div or as a Mul by 1 / sqrt(2)), each op the one user of the one
+        before; else None. (fast_math takes it later as elementwise ops: in a QDQ model, a kernel
+        of its own between the GEMM and the quantize, 0.4 ms a layer at seq 512.)"""
+        from blockforge.compile.passes.exprs import const_scalar
+
+        def op(v, name):
+            val = self.values.get(v)
+            return val if val is not None and _call(val, name) else None
+
+        def with_const(val, c: float, rel: float = 1e-4):  # the operand that is not ~c, else None
+            for mine, other in ((0, 1), (1, 0)):
+                k = const_scalar(val.args[other])
+                if k is not None and abs(k - c) <= rel * abs(c):
+                    return val.args[mine]
+            return None
+
+        users = self.users.get(x, [])
+        if not isinstance(x, self.dataflow) or len(users) != 2:
+            return None
+        for scaled in users:
+            d = op(scaled, "relax.divide")
+            if not (d is not None and d.args[0].same_as(x) and (k := const_scalar(d.args[1])) is not None
+                    and abs(k - math.sqrt(2)) <= 1e-4 * math.sqrt(2)):
+                d = op(scaled, "relax.multiply")
+                if d is None or with_const(d, 1 / math.sqrt(2)) is None or not any(a.same_as(x) for a in d.args):
+                    continue
+            e = self.only_user(scaled)
+            if e is None or op(e, "relax.erf") is None:
+                continue
+            a = self.only_user(e)
+            av = op(a, "relax.add") if a is not None else None
+            if av is None or with_const(av, 1.0) is None:
+                continue
+            other = next(u for u in users if not u.same_as(scaled))
+            m = self.only_user(a)
+            mv = op(m, "relax.multiply") if m is not None else None
+            ov = op(other, "relax.multiply")
+            if mv is None or ov is None:
+                continue
+            if other.same_as(m):  # x * (1 + erf), then * 0.5
+                last = self.only_user(m)
+                lv = op(last, "relax.multiply") if last is not None else None
+                if lv is not None and with_const(lv, 0.5) is not None:
+                    return last
+            elif with_const(mv, 0.5) is not None:  # 0.5 * (1 + erf), then x * that (HF BERT)
+                if _same(self.only_user(m), other) and any(v.same_as(m) for v in ov.args):
+                    return other
+            elif with_const(ov, 0.5) is not None and _same(self.only_user(other), m):
+                return m  # (x * 0.5) * (1 + erf)
+        return None
 
     def quantized(self, e):
         """(x, scale, zero point, dtype) of a per-tensor QuantizeLinear with constant parameters
@@ -335,7 +424,7 @@ class _Finder:
             return None
         (_, sa, za, _), (_, sb, zb, bdtype) = a, b
         zp_w = zb - 128 if bdtype == "uint8" else zb  # stored s8 (b - 128) for the signed operand
-        out, post, bias = self.post_chain(var, n) if self.post else (var, (), None)
+        out, post, bias, addend = self.post_chain(var, n, batch > 1) if self.post else (var, (), None, None)
         spec = gemm.Int8GemmSpec(k=k, n=n, m=rows, scale="scalar", bias=bias is not None, rowcorr=zp_w != 0,
                                  isa=isa, post=post, batch=batch)
         from tvm import relax
@@ -343,7 +432,7 @@ class _Finder:
         # one float scale, as the weight QDQ rewrite (compile/quant/qdq.py) makes s_x * s_w
         scale = relax.const(np.float32(sa) * np.float32(sb), "float32")
         return _Match(out, a[0], relax.const(za, "int32"), None, zp_w, scale, bias, [*ashape[:-1], n], spec,
-                      w_var=b[0], act_q=self.quantized(a[0]))
+                      w_var=b[0], act_q=self.quantized(a[0]), addend=addend)
 
     def match(self, var, value) -> _Match | None:
         if _call(value, "relax.matmul") and _dtype(value) == "float32" and len(value.args) == 2:
@@ -384,17 +473,19 @@ class _Finder:
             kind = {"relax.nn.relu": "relu", "relax.nn.gelu": "gelu"}.get(getattr(getattr(uv, "op", None), "name", None))
             if kind is not None and _same_shape(uv, self.values[out]):
                 out, activation = user, kind
-        post = ()
+        post, addend = (), None
         if self.post and scale is not None and bias is None and activation == "none":
-            out, post, bias = self.post_chain(out, n)
+            # (a ragged N computes padded columns, cropped after the kernel: no addend of N)
+            out, post, bias, addend = self.post_chain(out, n, addend_ok=gemm.padded(n) == n)
         spec = gemm.Int8GemmSpec(k=k, n=gemm.padded(n), m=m_static, scale=scale_kind, bias=bias is not None,
                                  rowcorr=wz[1] != 0, activation=activation, isa=isa, post=post)
-        return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec)
+        return _Match(out, act[0], act[1], wz[0], wz[1], scale, bias, [*shape[:-1], n], spec, addend=addend)
 
 
 def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
               epilogue: gemm.Epilogue | None = None, products: bool = True, sums_kernels: bool = True,
-              shift_quantize: bool = True, batched_products: bool = True):
+              shift_quantize: bool = True, batched_products: bool = True, addends: bool = True,
+              gelu_ops: bool = True):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
@@ -406,7 +497,10 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     int8-recip-quantize ablations turn them off); products False: a QDQ model's attention
     products stay dequantize + float32 (the int8-attention ablation); sums_kernels False: the
     zero-point row and column sums by TVM's reductions (int8-sums); shift_quantize False: an
-    activation's s8 <-> u8 shift as a pass, not its quantize's (int8-shift-quantize).
+    activation's s8 <-> u8 shift as a pass, not its quantize's (int8-shift-quantize); addends
+    False: an add of a tensor of the output's rows (an attention mask, a residual) stays a pass
+    of its own (int8-addend); gelu_ops False: gelu spelled out in ops (Div, Erf, Add, Mul, Mul)
+    stays out of the post chain (int8-gelu-ops).
 
     batched_products: a batched-heads export's products ((1, h, S, d) x (1, h, d, S): Hugging Face
     SDPA exports) as one batched int8 kernel each (False: they stay dequantize + float32, the
@@ -492,6 +586,8 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                     if pad and _shape(x):  # a per-column scale or the bias, to the padded N
                         x = bb.emit(relax.op.concat([x, relax.const(np.full(pad, fill, np.float32))], axis=0))
                     args.append(x)
+            if mt.addend is not None:  # (M, N): the mask's leading 1s, a residual's rows flattened
+                args.append(bb.emit(relax.op.reshape(self.visit_expr(mt.addend), relax.ShapeExpr([m, sp.n]))))
             y = bb.emit(relax.call_tir(self.kernel_gv(sp), args,
                                        out_ty=relax.TensorType([*lead, m, sp.n], sp.out_dtype)))
             if pad:
@@ -564,7 +660,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeInt8Gemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         def plan(m, func) -> bool:
-            f = _Finder(func, isa, post, products, batched_products)
+            f = _Finder(func, isa, post, products, batched_products, addends, gelu_ops)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
             if not matches:
                 return False
