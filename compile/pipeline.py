@@ -141,6 +141,8 @@ ABLATIONS = {
                    "TVM's serial scalar loop, int8 modules still schedule theirs)",
     "qkv-heads": "the combined QKV projection's split, head transposes and RoPE as one row kernel "
                  "(compile/passes/qkv_heads.py; left out: a split copy and a scalar kernel per part)",
+    "reciprocal": "softmax normalised by 1 / its row sum and quantizes with a constant per-tensor scale as x times "
+                  "1 / scale (compile/passes/fast_math.py; left out: a division per element)",
     "output-views": "a model output that reshapes an opaque kernel's result (the int8 GEMM's rows back to "
                     "(B, S, N)) as a view of it (compile/passes/output_views.py; left out: a copy kernel)",
 }
@@ -281,7 +283,8 @@ def _optimize(without: frozenset[str], cpu_target: ResolvedTarget | None = None)
 
             norms.append(nan_guard_pass())
         return [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(), *norms,
-                fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without),
+                fast_math(patch_conv="patch-conv" not in without, sigmoid="fast-sigmoid" not in without,
+                          reciprocal="reciprocal" not in without),
                 relax.transform.FoldConstant()]
     return passes
 

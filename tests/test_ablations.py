@@ -141,3 +141,46 @@ def test_output_views_make_the_output_reshape_of_a_kernel_a_view():
         out = vm["of_input"](xin)
         xin.copyfrom(x2)
         np.testing.assert_array_equal(out.numpy(), x1.reshape(8, 16))
+
+
+def _softmax_quantize(scale: float):
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, 7, 37], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            p = bb.emit(relax.op.nn.softmax(x, axis=-1))
+            q = bb.emit(relax.op.quantize(p, relax.const(scale, "float32"), relax.const(3, "uint8"),
+                                          out_dtype="uint8"))
+            out = bb.emit_output(relax.Tuple([p, q]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("scale", [1 / 255, 1e-40])  # a hostile file's subnormal scale keeps the division
+def test_reciprocal_ablation_softmax_and_quantize(scale):
+    """`reciprocal`: softmax normalised by 1 / its row sum (one division a row) and a quantize
+    with a constant per-tensor scale as x times 1 / scale; without it, TVM's division per
+    element. The softmax within 2 ulp of numpy's either way; the quantize is numpy's
+    clip(round(x * r) + zp) with it, clip(round(x / s) + zp) without (exactly)."""
+    from blockforge.compile.quant.gemm import reciprocal_scale
+
+    mod = _softmax_quantize(scale)
+    rng = np.random.default_rng(4)
+    xv = (rng.standard_normal((2, 7, 37)) * 4).astype("float32")
+    e = np.exp(xv.astype(np.float64) - xv.max(-1, keepdims=True))
+    want_p = (e / e.sum(-1, keepdims=True)).astype(np.float32)
+    for without in (set(), {"reciprocal"}):
+        opt, _ = run_phases(mod, HOST, stop_after="optimize", without=without)
+        quotient_form = reciprocal_scale(scale) is None or bool(without)
+        assert ("R.multiply(" in opt["main"].script()) != quotient_form, opt["main"].script()
+        softmax = next(f.script() for gv, f in opt.functions_items() if "softmax" in gv.name_hint)
+        assert ("* (T.float32(1.0) / T_softmax_expsum" in softmax) != bool(without), softmax
+        p, q = relax.VirtualMachine(build(mod, HOST, without=without).executable, tvm.cpu())["main"](
+            tvm.runtime.tensor(xv))
+        np.testing.assert_allclose(p.numpy(), want_p, rtol=2.5e-7 * 4, atol=1e-7)
+        r = reciprocal_scale(scale)
+        with np.errstate(over="ignore", invalid="ignore"):
+            quotient = p.numpy() / np.float32(scale) if quotient_form else p.numpy() * r
+        np.testing.assert_array_equal(q.numpy(), np.clip(np.round(quotient) + 3, 0, 255).astype(np.uint8))

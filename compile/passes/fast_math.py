@@ -38,6 +38,27 @@ def gelu(x):
                                   tvm.tirx.const(1.0, x.dtype)))
 
 
+def _softmax(x, axis: int):
+    """topi.nn.fast_softmax's steps (the row max, fast_exp of x - max, the row sum) with the
+    normalisation as exp * (1 / sum): one division per row, which LLVM hoists out of the row's
+    vector loop, not one per element (VDIVPS, Zen 4's slowest vector op: a 12 x 512 x 512 softmax
+    writing 8-bit P, Hugging Face BERT QDQ at seq 512, see fast_math's `reciprocal`). Within an
+    ulp of the quotient."""
+    from tvm import te
+
+    shape = x.shape
+    axis = axis % len(shape)
+    rows = lambda idx: tuple(v for i, v in enumerate(idx) if i != axis)  # noqa: E731
+    at = lambda idx, k: (*idx[:axis], k, *idx[axis:])  # noqa: E731
+    reduced = tuple(d for i, d in enumerate(shape) if i != axis)
+    k1, k2 = te.reduce_axis((0, shape[axis]), name="k"), te.reduce_axis((0, shape[axis]), name="k")
+    top = te.compute(reduced, lambda *i: te.max(x[at(i, k1)], axis=k1), name="T_softmax_maxelem")
+    e = topi.fast_exp(te.compute(shape, lambda *i: x[i] - top[rows(i)], name="T_softmax_delta"))
+    total = te.compute(reduced, lambda *i: te.sum(e[at(i, k2)], axis=k2), name="T_softmax_expsum")
+    one = tvm.tirx.const(1.0, x.dtype)
+    return te.compute(shape, lambda *i: e[i] * (one / total[rows(i)]), name="T_softmax_norm", attrs={"axis": axis})
+
+
 def _sigmoid(x):
     """1 / (1 + exp(-x)) through topi.fast_exp (a vectorisable polynomial; TIR's sigmoid lowers
     to libm expf per element: Llama's SwiGLU gate, CLIP's quick-gelu)."""
@@ -74,10 +95,30 @@ def is_patch_conv(call) -> bool:
 
 @mutator
 class _FastActivations(PyExprMutator):
-    def __init__(self, mod, patch_conv: bool = True, sigmoid: bool = True):
+    def __init__(self, mod, patch_conv: bool = True, sigmoid: bool = True, reciprocal: bool = True):
         super().__init__(mod)
         self.patch_conv = patch_conv
         self.sigmoid = sigmoid
+        self.reciprocal = reciprocal
+
+    def _reciprocal_quantize(self, call):
+        """quantize(x, s, zp) with a constant per-tensor scale as quantize(x * (1 / s), 1, zp):
+        TVM's legalization divides each element by s (VDIVPS); the int8 epilogue's steps
+        multiply already (gemm.Epilogue.reciprocal: one level apart where x / s lies within an
+        ulp or two of a half-integer; ORT's fused QDQ kernels and OpenVINO multiply too). A scale
+        whose reciprocal is not a normal float32 (a hostile file's) keeps the division."""
+        from blockforge.compile.quant.gemm import reciprocal_scale
+
+        x, scale, zp = call.args
+        s = _const_scalar(scale)
+        if s is None or getattr(x.ty, "dtype", None) != "float32" or getattr(scale.ty, "dtype", None) != "float32":
+            return call
+        r = reciprocal_scale(s)
+        if r is None or float(r) == 1.0:
+            return call
+        scaled = self.builder_.emit(relax.op.multiply(x, relax.const(r, "float32")))
+        return relax.op.quantize(scaled, relax.const(1.0, "float32"), zp, axis=int(call.attrs.axis),
+                                 out_dtype=str(call.attrs.out_dtype))
 
     def _power(self, call):
         x, e = call.args
@@ -109,6 +150,8 @@ class _FastActivations(PyExprMutator):
         op = getattr(call.op, "name", None)
         if op == "relax.power":
             return self._power(call)
+        if op == "relax.quantize" and self.reciprocal:
+            return self._reciprocal_quantize(call)
         if op == "relax.nn.conv2d":
             return self._patch_conv(call) if self.patch_conv else call
         if op not in ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.erf", "relax.tanh", "relax.nn.softmax") \
@@ -119,19 +162,20 @@ class _FastActivations(PyExprMutator):
             return call
         if op == "relax.nn.softmax":
             # exp through a vectorisable polynomial (topi.fast_exp) instead of libm's expf.
-            return self.builder_.call_te(topi.nn.fast_softmax, call.args[0], int(call.attrs.axis),
-                                         primfunc_name_hint="softmax")
+            return self.builder_.call_te(_softmax if self.reciprocal else topi.nn.fast_softmax, call.args[0],
+                                         int(call.attrs.axis), primfunc_name_hint="softmax")
         fn = {"relax.nn.gelu": gelu, "relax.nn.gelu_tanh": _gelu_tanh,
               "relax.erf": topi.fast_erf, "relax.tanh": topi.fast_tanh, "relax.sigmoid": _sigmoid}[op]
         return self.builder_.call_te(fn, call.args[0], primfunc_name_hint=op.split(".")[-1])
 
 
-def fast_math(patch_conv: bool = True, sigmoid: bool = True) -> tvm.transform.Pass:
+def fast_math(patch_conv: bool = True, sigmoid: bool = True, reciprocal: bool = True) -> tvm.transform.Pass:
     """The rewrites above as one module pass; patch_conv=False keeps convolutions as they are
-    (the pipeline's "patch-conv" ablation), sigmoid=False TIR's sigmoid ("fast-sigmoid")."""
+    (the pipeline's "patch-conv" ablation), sigmoid=False TIR's sigmoid ("fast-sigmoid"),
+    reciprocal=False the softmax's and the quantizes' divisions per element ("reciprocal")."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeFastMath")
     def fast_math_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, _FastActivations(mod, patch_conv, sigmoid))
+        return rewrite_functions(mod, _FastActivations(mod, patch_conv, sigmoid, reciprocal))
 
     return fast_math_pass
