@@ -33,13 +33,18 @@ DEFAULT = "fp32"
 
 def target_has(target: ResolvedTarget, feature: str) -> bool:
     """The target's code (its mcpu/mattr, not the build machine) may use `feature`."""
-    if target.kind != "llvm":
-        return False
+    return target.kind == "llvm" and tvm_target_has(target.tvm_target(), feature)
+
+
+def tvm_target_has(tgt, *features: str) -> bool:
+    """A TVM target's code (its mcpu/mattr, not the build machine) may use every one of
+    `features`; a target of another architecture answers False (TVM raises for a feature its
+    triple does not know)."""
     from tvm.target.codegen import target_has_features
 
     try:
-        return bool(target_has_features(feature, target.tvm_target()))
-    except Exception:  # a non-x86 triple: no such feature
+        return all(bool(target_has_features(f, tgt)) for f in features)
+    except Exception:
         return False
 
 

@@ -45,12 +45,9 @@ def sdot_4x4() -> str:
 def has_dotprod(target) -> bool:
     """The target (its mcpu/mattr, not the build machine) has the dot-product extension; an
     x86 target answers False."""
-    from tvm.target.codegen import target_has_features
+    from blockforge.targets.precision import tvm_target_has
 
-    try:
-        return bool(target_has_features("dotprod", target))
-    except Exception:  # not an LLVM CPU target
-        return False
+    return tvm_target_has(target, "dotprod")
 
 
 def smmla_2x2x8() -> str:
@@ -90,9 +87,6 @@ def _smmla_funcs():
 
 def has_i8mm(target) -> bool:
     """The target has the int8 matrix multiply extension (SMMLA); an x86 target answers False."""
-    from tvm.target.codegen import target_has_features
+    from blockforge.targets.precision import tvm_target_has
 
-    try:
-        return bool(target_has_features("i8mm", target)) and bool(target_has_features("dotprod", target))
-    except Exception:  # not an LLVM CPU target
-        return False
+    return tvm_target_has(target, "i8mm", "dotprod")

@@ -298,8 +298,10 @@ def epilogue_for(target, lut: bool = True, reciprocal: bool = True, gelu_segment
     """The epilogue the int8-gemm phase builds on `target` (and so what tune times and the
     benchmark runs): the table where the target can read it, the reciprocal quantize, the
     segmented gelu on AVX-512; `lut` / `reciprocal` / `gelu_segments` False: their ablations."""
+    from blockforge.targets.precision import tvm_target_has
+
     return Epilogue(lut=lut and target is not None and has_lut(target), reciprocal=reciprocal,
-                    gelu_segments=gelu_segments and target is not None and _has_feature(target, "avx512f"))
+                    gelu_segments=gelu_segments and target is not None and tvm_target_has(target, "avx512f"))
 
 
 def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epilogue()):
@@ -577,16 +579,9 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
 
 def has_lut(target) -> bool:
     """The target has what the epilogue's table is read with (AVX512_VBMI's VPERMI2B)."""
-    return _has_feature(target, "avx512vbmi")
+    from blockforge.targets.precision import tvm_target_has
 
-
-def _has_feature(target, feature: str) -> bool:
-    from tvm.target.codegen import target_has_features
-
-    try:
-        return bool(target_has_features(feature, target))
-    except Exception:  # not an x86 LLVM target
-        return False
+    return tvm_target_has(target, "avx512vbmi")
 
 
 def _permute_lookups(func):

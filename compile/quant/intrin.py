@@ -77,12 +77,9 @@ def vnni_8x4() -> str:
 
 def has_vnni(target) -> bool:
     """The target (its mcpu/mattr, not the build machine) has AVX-512 VNNI."""
-    from tvm.target.codegen import target_has_features
+    from blockforge.targets.precision import tvm_target_has
 
-    try:
-        return bool(target_has_features("avx512vnni", target)) and bool(target_has_features("avx512bw", target))
-    except Exception:  # not an x86 LLVM target
-        return False
+    return tvm_target_has(target, "avx512vnni", "avx512bw")
 
 
 def has_avxvnni_only(target) -> bool:
@@ -93,9 +90,6 @@ def has_avxvnni_only(target) -> bool:
 
 def has_avxvnni(target) -> bool:
     """The target has AVX-VNNI (256-bit VPDPBUSD, VEX-encoded): vnni_8x4's instruction there."""
-    from tvm.target.codegen import target_has_features
+    from blockforge.targets.precision import tvm_target_has
 
-    try:
-        return bool(target_has_features("avxvnni", target))
-    except Exception:  # not an x86 LLVM target
-        return False
+    return tvm_target_has(target, "avxvnni")
