@@ -62,45 +62,58 @@ def test_one_compile_does_the_prelude_once_in_the_child(ffn, tmp_path, counted, 
     assert res.manifest["inputs"][0]["shape"] == [1, 8, 32]
 
 
-def _isolation_children():
-    import psutil
+@pytest.fixture
+def started(monkeypatch):
+    """The isolation children Popen started, as Popen objects. Recorded rather than looked
+    up in /proc: a child that had already exited (the missing model's fails fast) or a
+    listing read at the wrong moment made the lookup flaky (1 CI run in ~20)."""
+    import subprocess
 
-    found = []
-    for c in psutil.Process().children():
-        try:
-            if "blockforge.compile.isolate" in " ".join(c.cmdline()):
-                found.append(c)
-        except psutil.Error:  # gone, or a zombie not yet reaped
-            pass
-    return found
+    from blockforge.compile import isolate
+
+    children = []
+
+    class Recording(subprocess.Popen):
+        def __init__(self, cmd, *a, **kw):
+            super().__init__(cmd, *a, **kw)
+            if "blockforge.compile.isolate" in cmd:
+                children.append(self)
+
+    monkeypatch.setattr(isolate.subprocess, "Popen", Recording)
+    return children
 
 
-def test_the_target_is_resolved_while_the_child_reads_the_model(ffn, tmp_path, monkeypatch):
+def test_the_target_is_resolved_while_the_child_reads_the_model(ffn, tmp_path, monkeypatch, started):
     """The parent's own work (resolving the target imports TVM: 3-4 s) runs while the
     isolation child works, not after it; a refused target still comes first, whatever the
-    model, and its child is ended."""
+    model, and its child is ended (killed and reaped: its returncode is set)."""
     from blockforge.compile import session
 
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "1")
     seen, real = [], session.resolve
 
     def resolve(name):
-        seen.append(len(_isolation_children()))
+        # Started and not yet reaped: the parent reaps it (os.wait4) only after resolve.
+        seen.append([p.returncode for p in started])
         return real(name)
 
     monkeypatch.setattr(session, "resolve", resolve)
     s = session.open_model(ffn, "host", {"batch": 1, "seq": 8})
-    assert seen == [1] and s.target.name == "host" and s.prepared is not None, seen
+    assert seen == [[None]] and s.target.name == "host" and s.prepared is not None, seen
 
     def refuse(name):
-        assert _isolation_children(), "the child had not been started"
+        assert started and started[-1].returncode is None, "the child had not been started"
         raise BlockforgeError(f"no target {name} here")
 
     monkeypatch.setattr(session, "resolve", refuse)
     for model in (ffn, tmp_path / "missing.onnx"):
+        before = len(started)
         with pytest.raises(BlockforgeError, match="no target host here"):
             session.open_model(model, "host", {"batch": 1, "seq": 8})
-        assert not _isolation_children()
+        assert len(started) == before + 1
+        child = started[-1]
+        assert child.returncode is not None, "the child was left running"
+        assert child.returncode < 0 or model.name == "missing.onnx", child.returncode  # killed, unless done first
 
 
 def test_in_process_prelude_checks_each_model_once(ffn, counted, monkeypatch):
