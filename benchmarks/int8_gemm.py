@@ -300,7 +300,7 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
         # gelu and the quantize per element instead of from the byte table (gemm.lut_tail)
         calls["blockforge int8 (int8-lut-tail off)"], _ = tvm_call(sq, {"int8-lut-tail"})
         # the quantize's division per element instead of the multiply by 1 / scale (gemm.Epilogue)
-        calls["blockforge int8 (int8-recip-quantize off)"], _ = tvm_call(sq, {"int8-recip-quantize"})
+        calls["blockforge int8 (reciprocal off)"], _ = tvm_call(sq, {"reciprocal"})
     # the untuned kernels on the 6 x 4 tile (1536 B of accumulators: a workspace per row tile)
     calls["blockforge int8 (int8-stack-tiles off)"], _ = tvm_call(sq, {"int8-stack-tiles"})
     if no_avx512:

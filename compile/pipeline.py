@@ -94,9 +94,6 @@ ABLATIONS = {
     "int8-gelu-segments": "an int8 epilogue's gelu per element in 32 cubic segments read with VPERMI2PS (AVX-512 "
                           "targets; compile/quant/gelu.py; left out: fast_erf's rational gelu, a VDIVPS per 16 "
                           "outputs)",
-    "int8-recip-quantize": "a QDQ epilogue's quantize as x times 1 / scale (ORT's fused QDQ kernels and "
-                           "OpenVINO quantize with a multiplier; compile/quant/gemm.py Epilogue; left out: "
-                           "x / scale per element, bit-exact with the unfused build, vdivps Zen 4's slowest op)",
     "int8-i8mm": "int8 GEMMs on an +i8mm target (Armv8.6: Neoverse N2/V1, Cortex-A710) on SMMLA, 2 x 8 by "
                  "8 x 2 per instruction (compile/quant/gemm.py mmla; left out: SDOT, 4 x 4)",
     "int8-stack-tiles": "the untuned int8 VNNI GEMM's micro-tile sized so its accumulators (5 x 3 vectors, 960 B) "
@@ -141,8 +138,11 @@ ABLATIONS = {
                    "TVM's serial scalar loop, int8 modules still schedule theirs)",
     "qkv-heads": "the combined QKV projection's split, head transposes and RoPE as one row kernel "
                  "(compile/passes/qkv_heads.py; left out: a split copy and a scalar kernel per part)",
-    "reciprocal": "softmax normalised by 1 / its row sum and quantizes with a constant per-tensor scale as x times "
-                  "1 / scale (compile/passes/fast_math.py; left out: a division per element)",
+    "reciprocal": "divisions by a constant as products with its reciprocal: the softmax normalised by 1 / its row "
+                  "sum, quantizes with a constant per-tensor scale (compile/passes/fast_math.py) and the int8 QDQ "
+                  "epilogue's (compile/quant/gemm.py Epilogue) as x times 1 / scale, as ORT's fused QDQ kernels and "
+                  "OpenVINO do; left out: a division per element, bit-exact with the unfused build (vdivps, "
+                  "Zen 4's slowest op)",
     "output-views": "a model output that reshapes an opaque kernel's result (the int8 GEMM's rows back to "
                     "(B, S, N)) as a view of it (compile/passes/output_views.py; left out: a copy kernel)",
 }
@@ -225,7 +225,7 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -
         # The database: tuned tiles per kernel (compile/quant/tiles.py).
         tvm_target = target.tvm_target()
         epilogue = epilogue_for(tvm_target, lut="int8-lut-tail" not in without,
-                                reciprocal="int8-recip-quantize" not in without,
+                                reciprocal="reciprocal" not in without,
                                 gelu_segments="int8-gelu-segments" not in without)
         return [int8_gemm(isa, tvm_target, database, post="int8-qdq-epilogue" not in without,
                           stack="int8-stack-tiles" not in without, epilogue=epilogue,

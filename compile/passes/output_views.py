@@ -21,34 +21,21 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.passes.exprs import users_of
-
-
-def _is_reshape(func) -> bool:
-    """TVM's reshape-pattern check, which aborts instead of answering no on a kernel whose body
-    is not a block (blockforge's hand-written ones: qkv_heads) and on some symbolic extents
-    (passes/symbolic_dims.py): those are not reshapes here."""
-    from tvm.s_tir import SBlockRealize
-
-    if not isinstance(func.body, SBlockRealize):
-        return False
-    try:
-        return bool(relax.analysis.has_reshape_pattern(func))
-    except tvm.error.InternalError:
-        return False
+from blockforge.compile.passes.exprs import op_name, users_of
+from blockforge.compile.passes.symbolic_dims import is_reshape
 
 
 def _reshape_output(binding, mod, users: dict, produced: set) -> bool:
     value = binding.value
     if isinstance(binding.var, relax.DataflowVar) or not isinstance(value, relax.Call) \
-            or value.op != tvm.ir.Op.get("relax.call_tir") or len(value.args) < 2:
+            or op_name(value) != "relax.call_tir" or len(value.args) < 2:
         return False
     callee, args = value.args[0], value.args[1]
     if not isinstance(callee, relax.GlobalVar) or callee not in mod or not isinstance(args, relax.Tuple) \
             or len(args.fields) != 1:
         return False
     func = mod[callee]
-    if not isinstance(func, tvm.tirx.PrimFunc) or not _is_reshape(func):
+    if not isinstance(func, tvm.tirx.PrimFunc) or not is_reshape(func):  # a kernel TVM's check aborts on: no
         return False
     x = args.fields[0]
     return isinstance(x, relax.DataflowVar) and x in produced and users.get(x) == [binding.var]
@@ -70,9 +57,8 @@ class _OutputViews(PyExprMutator):
 
 
 def _call_tir_results(func) -> set:
-    call_tir = tvm.ir.Op.get("relax.call_tir")
     return {b.var for blk in func.body.blocks if isinstance(blk, relax.DataflowBlock) for b in blk.bindings
-            if isinstance(b.value, relax.Call) and b.value.op == call_tir}
+            if op_name(b.value) == "relax.call_tir"}
 
 
 def output_reshape_views():

@@ -46,16 +46,34 @@ def opaque_scalar_kernels():
     return run
 
 
+def _block_bodied(f) -> bool:
+    from tvm.s_tir import SBlockRealize
+
+    return isinstance(f.body, SBlockRealize)
+
+
+def is_reshape(f) -> bool:
+    """TVM's reshape-pattern check of one kernel, a no where it would abort (see 2.): a kernel
+    whose body is not a block, some symbolic extents."""
+    import tvm
+    from tvm import relax
+
+    if not _block_bodied(f):
+        return False
+    try:
+        return bool(relax.analysis.has_reshape_pattern(f))
+    except tvm.error.InternalError:
+        return False
+
+
 def guarded_reshape_views(rewrite):
     """`rewrite` (TVM's RewriteDataflowReshape) applied, or skipped where it aborts (see 2.)."""
     import tvm
 
-    from tvm.s_tir import SBlockRealize
-
     @tvm.transform.module_pass(opt_level=0, name="GuardedRewriteDataflowReshape")
     def run(mod, ctx):
         hidden = {gv: f for gv, f in mod.functions_items()
-                  if isinstance(f, tvm.tirx.PrimFunc) and not isinstance(f.body, SBlockRealize)}
+                  if isinstance(f, tvm.tirx.PrimFunc) and not _block_bodied(f)}
         seen = mod
         if hidden:
             funcs = dict(mod.functions_items())

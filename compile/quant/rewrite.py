@@ -494,7 +494,7 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     (gemm.LEGACY_TILE, the int8-stack-tiles ablation); epilogue: how the kernels compute
     their post steps (None: gemm.epilogue_for(target), the table where the target has
     AVX512_VBMI and the reciprocal quantize; the pipeline's int8-lut-tail and
-    int8-recip-quantize ablations turn them off); products False: a QDQ model's attention
+    reciprocal ablations turn them off); products False: a QDQ model's attention
     products stay dequantize + float32 (the int8-attention ablation); sums_kernels False: the
     zero-point row and column sums by TVM's reductions (int8-sums); shift_quantize False: an
     activation's s8 <-> u8 shift as a pass, not its quantize's (int8-shift-quantize); addends
