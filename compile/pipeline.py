@@ -104,6 +104,9 @@ ABLATIONS = {
     "window-allocs": "a kernel-local buffer of symbolic size (a GEMM's accumulator over seq rows) shrunk to the "
                      "constant window one row tile uses, so the stack pass takes it (compile/passes/window_allocs.py; "
                      "left out: a (seq, 64) workspace buffer)",
+    "window-partitioned": "window-allocs also where LoopPartition split a buffer's row tiles into a main loop and "
+                          "a guarded tail: the main loop's window (a cropped GEMM's write-back, GPT-2's LM head: "
+                          "straight from the accumulators to the output); left out: the (seq, 64) buffer for both",
     "bf16-gemm": "--precision bf16's matmuls on the VDPBF16PS kernel (left out: the float32 build)",
     "bf16-row-fit": "a bf16 GEMM whose static M is a multiple of 4 but not of 6 (BERT's 128, 512) in 4-row x "
                     "6-vector micro-tiles (left out: 6 x 4, the last row tile partly clamped rows)",
@@ -623,7 +626,7 @@ def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = 
         if target.kind == "llvm" and default_schedules and "stack-allocs" not in without:
             from blockforge.compile.passes.stack_allocs import tir_pipeline
 
-            tir = tir_pipeline(window="window-allocs" not in without)
+            tir = tir_pipeline(window="window-allocs" not in without, partitioned="window-partitioned" not in without)
         ex = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=None, tir_pipeline=tir)
     except Exception as e:
         raise BlockforgeError(f"TVM build for {target.name} failed: {error_line(e, last=True, limit=400)}") from None

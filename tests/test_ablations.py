@@ -25,6 +25,19 @@ def test_unknown_ablation_is_refused():
         phases(HOST, without={"fuse-attentoin"})
 
 
+def test_readme_lists_every_ablation():
+    """README's list of `pipeline.ABLATIONS` is how users find the A/B switches: it names each
+    one and nothing else (two were missing before this test)."""
+    from pathlib import Path
+
+    from blockforge.compile.pipeline import ABLATIONS
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("(`pipeline.ABLATIONS`:")
+    listed = set(re.findall(r"`([a-z0-9-]+)`", text[start:text.index(")", start)]))
+    assert listed == set(ABLATIONS), (sorted(set(ABLATIONS) - listed), sorted(listed - set(ABLATIONS)))
+
+
 def test_phase_ablations():
     assert "fuse-attention" in [p.name for p in phases(HOST)]
     assert "fuse-attention" not in [p.name for p in phases(HOST, without={"fuse-attention"})]

@@ -220,15 +220,16 @@ def test_symbolic_rows_outputs_match_the_oracle_and_the_ablation(ffn, seq):
 
 
 def _with_and_without(session, x):
-    """The build's output on x, checked equal to the build without the pass."""
+    """The build's output on x, checked equal to the builds without the pass (or its partitioned case)."""
     import tvm
     from tvm import relax
 
     outs = []
-    for without in (frozenset(), {"window-allocs"}):
+    for without in (frozenset(), {"window-partitioned"}, {"window-allocs"}):
         vm = relax.VirtualMachine(build(session.relax(), session.target, without=without).executable, tvm.cpu())
         outs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
-    np.testing.assert_array_equal(outs[0], outs[1])
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
     return outs[0]
 
 
@@ -252,7 +253,7 @@ def cropped(tmp_path_factory):
     return path, w
 
 
-def _windowed_allocs(session, target):
+def _windowed_allocs(session, target, without=frozenset()):
     """The allocations of every kernel once BlockforgeWindowAllocs has run: [(name, shape)]."""
     import tvm
     import tvm_ffi
@@ -267,7 +268,7 @@ def _windowed_allocs(session, target):
                 seen.append(mod)
 
     with tvm.transform.PassContext(opt_level=3, instruments=[Grab()]):
-        build(session.relax(), target)
+        build(session.relax(), target, without=without)
     assert seen, "the window pass did not run"
     found = []
     for _, fn in seen[-1].functions_items():
@@ -288,6 +289,9 @@ def test_a_cropped_gemm_over_symbolic_rows_writes_back_through_a_constant_window
     constant = [[int(e) for e in shape] for _, shape in allocs if all(isinstance(e, tirx.IntImm) for e in shape)]
     assert constant == [[6 * 64]], allocs
     assert len(allocs) == 2, allocs  # and the tail's, symbolic
+    off = [a for a in _windowed_allocs(s, FIXED, {"window-partitioned"})
+           if a[0].startswith("packed_matmul") and "local" not in a[0]]
+    assert len(off) == 1 and not isinstance(off[0][1][0], tirx.IntImm), off  # the ablation: one (seq x 64) buffer
 
 
 @pytest.mark.parametrize("seq", [1, 5, 6, 7, 37])

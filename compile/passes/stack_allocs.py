@@ -69,19 +69,20 @@ def stack_allocs_pass():
 _registered: set = set()
 
 
-def tir_pipeline(window: bool = True) -> str:
+def tir_pipeline(window: bool = True, partitioned: bool = True) -> str:
     """The name of TVM's default TIR pipeline followed by the stack pass (registered on first
-    use), and before it, `window`, the compaction of symbolic-size buffers (window_allocs.py)."""
+    use), and before it, `window`, the compaction of symbolic-size buffers (window_allocs.py;
+    `partitioned`: also those LoopPartition shares between a main loop and its tail)."""
     import tvm
     from tvm import tirx
 
-    name = PIPELINE if window else PIPELINE + "-no-window"
+    name = PIPELINE + ("" if window else "-no-window") + ("" if partitioned or not window else "-one-loop")
     if name not in _registered:
         def factory():
             from blockforge.compile.passes.window_allocs import window_allocs_pass
 
             lower, host, device = tirx.get_tir_pipeline("default")
-            passes = [lower] + ([window_allocs_pass()] if window else []) + [stack_allocs_pass()]
+            passes = [lower] + ([window_allocs_pass(partitioned)] if window else []) + [stack_allocs_pass()]
             return tvm.transform.Sequential(passes), host, device
         tirx.register_tir_pipeline(name, factory)
         _registered.add(name)

@@ -194,7 +194,7 @@ def _stored_under_a_guard(top, buf) -> bool:
     return hit[0]
 
 
-def window(alloc, stmts):
+def window(alloc, stmts, partitioned: bool = True):
     """([(i, shift), ...], extent) for the buffer alloc declares, accessed in stmts: in each
     listed statement stmts[i] every index becomes index - shift (an expression of that
     statement's loop variable), the window `extent` elements; or None. A statement that
@@ -222,7 +222,7 @@ def window(alloc, stmts):
         return None
     take = list(range(len(found)))
     if len(found) > 1:
-        if any(not isinstance(t, tirx.For) for t in scope.users):
+        if not partitioned or any(not isinstance(t, tirx.For) for t in scope.users):
             return None
         ana = tvm.sym.Analyzer()
         spans = [(scope.inline(lo), scope.inline(hi)) for _, _, lo, hi in found]  # loop extents name lets
@@ -298,7 +298,7 @@ def _rebased(stmts, old, new, shift):
     return [tvm_ffi.structural_map(s, [(tvm.ir.TensorLoad, load), (tirx.BufferStore, store)]) for s in stmts]
 
 
-def compact_seq(seq):
+def compact_seq(seq, partitioned: bool = True):
     """A SeqStmt with each of its symbolic-size AllocBuffers shrunk to its window (or itself;
     kept too where a statement window() leaves out still uses it)."""
     from tvm import tirx
@@ -314,7 +314,7 @@ def compact_seq(seq):
         if not isinstance(s, tirx.AllocBuffer) or not _symbolic(s.buffer):
             continue
         rest = _dealiased(items[i:], s.buffer)
-        w = window(s, rest)
+        w = window(s, rest, partitioned)
         if w is None:
             continue
         shifts, extent = w
@@ -331,7 +331,7 @@ def compact_seq(seq):
     return tirx.SeqStmt(items) if changed else seq
 
 
-def window_allocs_pass():
+def window_allocs_pass(partitioned: bool = True):
     import tvm
     import tvm_ffi
     from tvm import tirx
@@ -340,7 +340,8 @@ def window_allocs_pass():
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeWindowAllocs")
     def window_allocs(mod, _ctx):
-        return map_prim_funcs(mod, lambda _gv, func: tvm_ffi.structural_map(func, (tirx.SeqStmt, compact_seq)),
-                              where=on_cpu)
+        def compact(_gv, func):
+            return tvm_ffi.structural_map(func, (tirx.SeqStmt, lambda seq: compact_seq(seq, partitioned)))
+        return map_prim_funcs(mod, compact, where=on_cpu)
 
     return window_allocs
