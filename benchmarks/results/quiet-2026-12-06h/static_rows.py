@@ -1,20 +1,16 @@
+"""The static build with and without its panel prefetch, and the symbolic build: static_rows.py K N M REPEAT ORDER..."""
 import sys
 from pathlib import Path
-import numpy as np, onnx
-from onnx import TensorProto, helper, numpy_helper
+import numpy as np
 import blockforge
 from blockforge.bench.contenders import TvmRunner
 from blockforge.bench.harness import measure_interleaved, sgemm_ceiling
 from blockforge.compile.session import open_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from window_ab import model  # noqa: E402
 K, N, M, repeat = (int(a) for a in sys.argv[1:5]); order = sys.argv[5:]
-path = Path(f"/tmp/window_ab_{K}_{N}.onnx")
-if not path.exists():
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((K, N), dtype=np.float32) * 0.02, "w")
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="lm_head")], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", K])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seq", N])], [w])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]); m.ir_version = 8
-    onnx.save(m, str(path))
+path = model(K, N)
 blockforge.configure(redirect_native_output=True)
 sym, bound = open_model(path, "host", {}), open_model(path, "host", {"seq": M})
 feeds = {"x": np.random.default_rng(1).standard_normal((1, M, K), dtype=np.float32)}
