@@ -64,7 +64,7 @@ class _Scope:
         # an element's address taken (then read past the element, by a call or a vector load)
         for s in stmts:
             tvm_ffi.structural_walk(s, (tvm.ir.Call, lambda c: self._address(c, buf)))
-        self.users = [s for s in stmts if var_count(s, buf)]  # the statements of the list that touch it
+        self.users = [i for i, s in enumerate(stmts) if var_count(s, buf)]  # indices of the statements that touch it
 
     def _address(self, call, buf) -> None:
         import tvm
@@ -217,12 +217,13 @@ def window(alloc, stmts, partitioned: bool = True):
     scope = _Scope(stmts, buf)
     if scope.escaped or not scope.users or not (scope.loads or scope.stores):
         return None
-    found = [_loop_window(scope, buf, top, tvm.sym.Analyzer()) for top in scope.users]
+    users = [stmts[i] for i in scope.users]
+    found = [_loop_window(scope, buf, top, tvm.sym.Analyzer()) for top in users]
     if any(w is None for w in found):
         return None
     take = list(range(len(found)))
     if len(found) > 1:
-        if not partitioned or any(not isinstance(t, tirx.For) for t in scope.users):
+        if not partitioned or any(not isinstance(t, tirx.For) for t in users):
             return None
         ana = tvm.sym.Analyzer()
         spans = [(scope.inline(lo), scope.inline(hi)) for _, _, lo, hi in found]  # loop extents name lets
@@ -233,11 +234,10 @@ def window(alloc, stmts, partitioned: bool = True):
                 (alo, ahi), (blo, bhi) = spans[a], spans[b]
                 if not (ana.can_prove(ahi < blo) or ana.can_prove(bhi < alo)):
                     return None  # one loop may read what another wrote
-        take = [u for u, top in enumerate(scope.users) if not _stored_under_a_guard(top, buf)]
+        take = [u for u, top in enumerate(users) if not _stored_under_a_guard(top, buf)]
         if not take:
             return None
-    positions = [next(i for i, s in enumerate(stmts) if s.same_as(scope.users[u])) for u in take]
-    return [(i, found[u][0]) for i, u in zip(positions, take)], max(found[u][1] for u in take)
+    return [(scope.users[u], found[u][0]) for u in take], max(found[u][1] for u in take)
 
 
 def _dealiased(stmts, buf):
@@ -313,7 +313,8 @@ def compact_seq(seq, partitioned: bool = True):
         i += 1
         if not isinstance(s, tirx.AllocBuffer) or not _symbolic(s.buffer):
             continue
-        rest = _dealiased(items[i:], s.buffer)
+        # LoopPartition's tail is what declares views; the ablation keeps them (the buffer then escapes)
+        rest = _dealiased(items[i:], s.buffer) if partitioned else items[i:]
         w = window(s, rest, partitioned)
         if w is None:
             continue

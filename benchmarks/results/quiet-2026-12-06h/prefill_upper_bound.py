@@ -1,21 +1,20 @@
-import sys, os
-sys.path.insert(0, "/work/main/benchmarks")
+"""GPT-2 prefill with TVM's tir_var_upper_bound for seq and past (BF_UB, prefill_upper_bound.patch
+applied) against the same build without it and the static build: prefill_upper_bound.py MODEL SEQ REPEAT ORDER..."""
+import os
+import sys
 from pathlib import Path
-import numpy as np, onnx
-import blockforge
-from decode_entries import _feeds, _check, _ort
-from blockforge.bench.contenders import TvmRunner
-from blockforge.bench.decode import cache_layout, shapes
-from blockforge.bench.harness import measure_interleaved, sgemm_ceiling
-from blockforge.compile.session import open_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np  # noqa: E402
+
+import blockforge  # noqa: E402
+from blockforge.bench.contenders import TvmRunner  # noqa: E402
+from blockforge.bench.harness import measure_interleaved, sgemm_ceiling  # noqa: E402
+from prefill_window import _check, prepared  # noqa: E402
+
 model = Path(sys.argv[1]); seq = int(sys.argv[2]); repeat = int(sys.argv[3]); plan = sys.argv[4:]
 blockforge.configure(redirect_native_output=True)
-m = onnx.load(str(model), load_external_data=False)
-batch = {i.type.tensor_type.shape.dim[0].dim_param: 1 for i in m.graph.input if i.name in ("input_ids", "attention_mask")}
-sym = open_model(model, "host", batch)
-bound = open_model(model, "host", shapes(cache_layout(m), 0, seq))
-feeds = _feeds(bound, seed=seq)
-want = _ort(model, bound, feeds, blockforge.settings.physical_cores()).outputs()
+sym, bound, feeds, want = prepared(model, seq)
 runners = {}
 for k in plan:
     os.environ["BF_UB"] = "seq=1024,past=1024" if k == "ub" else ""

@@ -18,21 +18,28 @@ from blockforge.bench.decode import cache_layout, shapes
 from blockforge.bench.harness import measure_interleaved, sgemm_ceiling
 from blockforge.compile.session import open_model
 
-model, seq, repeat, order = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-blockforge.configure(redirect_native_output=True)
-m = onnx.load(str(model), load_external_data=False)
-batch = {i.type.tensor_type.shape.dim[0].dim_param: 1 for i in m.graph.input if i.name in ("input_ids", "attention_mask")}
-sym = open_model(model, "host", batch)
-bound = open_model(model, "host", shapes(cache_layout(m), 0, seq))
-feeds = _feeds(bound, seed=seq)
-want = _ort(model, bound, feeds, blockforge.settings.physical_cores()).outputs()
-plan = {"main": (sym, frozenset()), "old": (sym, frozenset({"window-partitioned"})), "static": (bound, frozenset())}
-runners = {k: TvmRunner(plan[k][0].build(without=plan[k][1]).executable, "cpu", bound.inputs, bound.outputs, feeds)
-           for k in order}
-_check(runners, want)
-before = sgemm_ceiling()
-med = {k: float(np.median(v)) for k, v in measure_interleaved(runners, repeat, warmup=1).items()}
-print(f"{model.name} seq {seq} order {order} SGEMM {before:.0f} / {sgemm_ceiling():.0f} GFLOP/s: "
-      + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
-      + f" | main/static {med['main'] / med['static']:.3f}, old/static {med['old'] / med['static']:.3f}, "
-        f"main/old {med['main'] / med['old']:.3f}", flush=True)
+
+def prepared(model: Path, seq: int):
+    """(the one build's session: batch bound, the session bound at P = 0 and seq, feeds, ORT's outputs)."""
+    m = onnx.load(str(model), load_external_data=False)
+    batch = {i.type.tensor_type.shape.dim[0].dim_param: 1 for i in m.graph.input if i.name in ("input_ids", "attention_mask")}
+    sym = open_model(model, "host", batch)
+    bound = open_model(model, "host", shapes(cache_layout(m), 0, seq))
+    feeds = _feeds(bound, seed=seq)
+    return sym, bound, feeds, _ort(model, bound, feeds, blockforge.settings.physical_cores()).outputs()
+
+
+if __name__ == "__main__":
+    model, seq, repeat, order = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    blockforge.configure(redirect_native_output=True)
+    sym, bound, feeds, want = prepared(model, seq)
+    plan = {"main": (sym, frozenset()), "old": (sym, frozenset({"window-partitioned"})), "static": (bound, frozenset())}
+    runners = {k: TvmRunner(plan[k][0].build(without=plan[k][1]).executable, "cpu", bound.inputs, bound.outputs, feeds)
+               for k in order}
+    _check(runners, want)
+    before = sgemm_ceiling()
+    med = {k: float(np.median(v)) for k, v in measure_interleaved(runners, repeat, warmup=1).items()}
+    print(f"{model.name} seq {seq} order {order} SGEMM {before:.0f} / {sgemm_ceiling():.0f} GFLOP/s: "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
+          + f" | main/static {med['main'] / med['static']:.3f}, old/static {med['old'] / med['static']:.3f}, "
+            f"main/old {med['main'] / med['old']:.3f}", flush=True)
