@@ -25,6 +25,7 @@ machine's memory; so does a child the kernel's OOM killer ended.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -259,9 +260,12 @@ def _prepare(path: Path, label: str, request: dict, mode: str, out: Path | None)
     ins, outs = signature(model)
     binding = Binding.resolve(ins, outs, ShapeRequest.of(request.get("shape")), input_shapes=request.get("input_shapes"),
                               defaults=request.get("defaults"), static=bool(request.get("static")))
-    from blockforge.compile.decode.inputs import check_decoder_binding
+    from blockforge.compile.decode.inputs import check_decoder_binding, mask_bound
 
     check_decoder_binding(ins, outs, binding.as_dict(), "inputs" if request.get("input_shapes") else "shape")
+    derived = mask_bound(ins, outs, binding.bounds_dict())
+    if derived:
+        binding = dataclasses.replace(binding, bounds=(*binding.bounds, *derived.items()))
     if mode == "sizes":
         check_sizes(model, binding.as_dict(), label)
         return Prepared(binding)

@@ -3,7 +3,8 @@
     [fp32-compute (CPU, float16 models)] -> [int8-combine (as int8-gemm)] -> [fuse-attention (CPU)]
     -> [int8-gemm (CPU with AVX-512 VNNI or aarch64 i8mm / dotprod, quantized models)] -> [bf16-gemm (--precision bf16)]
     -> [conv-gemm (CPU, convolutions)] -> optimize
-    -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower -> finalize -> codegen
+    -> [fp32-accumulate (GPU, float16 models)] -> [prepack (CPU)] -> legalize -> [apply-tuning] -> schedule -> lower
+    -> [dim-bounds (--shape NAME=..MAX)] -> finalize -> codegen
 
 GPU targets must leave no TIR function unscheduled (else "Did you forget to bind?"),
 so `schedule` applies dlight's default GPU rules; CPU keeps TVM's default lowering
@@ -448,7 +449,7 @@ def has_conv(mod) -> bool:
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
            fuse_attention: bool | None = None, without=frozenset(), int8: bool = False,
            precision: str = "fp32", conv: bool = False, lift: list | None = None,
-           kv_inplace: bool = False) -> list[Phase]:
+           kv_inplace: bool = False, dim_bounds: dict | None = None) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
     False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
     int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
@@ -458,7 +459,9 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     to collect the weights the lift-weights phase takes out of the executable (compile's
     artifacts: weights.bin); None: no such phase. kv_inplace: the module has an entry marked for
     the preallocated cache (compile/decode/inplace.py, `compile --kv-capacity`): the kv-inplace
-    phase after fuse-attention (CPU only)."""
+    phase after fuse-attention (CPU only). dim_bounds: upper bounds of symbolic dims (`--shape
+    seq=..1024`): the dim-bounds phase before finalize (memory planned at the bound, checked in
+    the module: compile/passes/dim_bounds.py)."""
     out = []
     without = _check_ablations(without)
     fuse = (settings.fuse_attention() if fuse_attention is None else fuse_attention) and "fuse-attention" not in without
@@ -507,8 +510,19 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
         out.append(Phase("schedule", _schedule(target, without, int8_gemm)))
     if lift is not None:  # after every pass that changes constants; before lower's shape checks
         out.append(Phase("lift-weights", _lift_weights(lift)))
-    out += [Phase("lower", _lower(target, without)), Phase("finalize", _finalize(target))]
+    out.append(Phase("lower", _lower(target, without)))
+    if dim_bounds:
+        out.append(Phase("dim-bounds", _dim_bounds(dim_bounds)))
+    out.append(Phase("finalize", _finalize(target)))
     return out
+
+
+def _dim_bounds(bounds: dict) -> Callable[[], list]:
+    def passes() -> list:
+        from blockforge.compile.passes.dim_bounds import bound_dims
+
+        return [bound_dims(bounds)]
+    return passes
 
 
 def _kv_inplace() -> list:
@@ -537,9 +551,10 @@ def _lift_weights(collect: list) -> Callable[[], list]:
 def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
                stop_after: str | None = None, report: BuildResult | None = None,
                default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset(),
-               precision: str = "fp32", lift_weights: bool = False):
+               precision: str = "fp32", lift_weights: bool = False, dim_bounds: dict | None = None):
     """Run the phases in order (optionally stopping after one); returns (mod, phase names).
-    lift_weights: the lift-weights phase runs, collecting into report.weights."""
+    lift_weights: the lift-weights phase runs, collecting into report.weights. dim_bounds:
+    symbolic dim name -> upper bound (phases())."""
     import tvm
 
     from blockforge.compile.passes.zero_division import check_integer_division
@@ -553,7 +568,8 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
                                          has_int8_matmul(mod), precision, has_conv(mod),
                                          lift=(report.weights if report is not None else []) if lift_weights
-                                         else None, kv_inplace=has_inplace_entry(mod)), start=1):
+                                         else None, kv_inplace=has_inplace_entry(mod), dim_bounds=dim_bounds),
+                                  start=1):
             if phase.name == "apply-tuning":
                 if report is not None:
                     report.tasks, report.untuned_tasks = tuning_coverage(mod, target, database)
@@ -607,20 +623,22 @@ def tuning_coverage(mod, target: ResolvedTarget, database) -> tuple[int, list[st
 
 def build(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | None = None,
           default_schedules: bool = True, fuse_attention: bool | None = None, without=frozenset(),
-          precision: str = "fp32", lift_weights: bool = False) -> BuildResult:
+          precision: str = "fp32", lift_weights: bool = False, dim_bounds: dict | None = None) -> BuildResult:
     """Relax IRModule -> VM executable for `target` (whether it can build here is the
     caller's check: compile.session.open_model).
 
     default_schedules=False keeps TVM's own CPU lowering (naive loops): the baseline
     blockforge's schedules and tuning are measured against; `without` leaves out named
     rewrites (ABLATIONS) to A/B each inside a whole model. lift_weights: the large constants
-    become trailing parameters of main (result.weights), for an artifact's weights.bin."""
+    become trailing parameters of main (result.weights), for an artifact's weights.bin.
+    dim_bounds: upper bounds of symbolic dims (the memory plan's sizes; checked in the module)."""
     import tvm
 
     result = BuildResult()
     mod, result.phases = run_phases(mod, target, database=database, dump_ir=dump_ir, report=result,
                                     default_schedules=default_schedules, fuse_attention=fuse_attention,
-                                    without=without, precision=precision, lift_weights=lift_weights)
+                                    without=without, precision=precision, lift_weights=lift_weights,
+                                    dim_bounds=dim_bounds)
     try:
         tir = "default"
         if target.kind == "llvm" and default_schedules and "stack-allocs" not in without:

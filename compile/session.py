@@ -127,7 +127,7 @@ class Session:
             mod = self.relax(int8="int8-gemm" not in without)
             res = build(mod if transform is None else transform(mod), self.target, database=database, dump_ir=dump_ir,
                         default_schedules=default_schedules, without=without, precision=self.precision.name,
-                        lift_weights=lift_weights)
+                        lift_weights=lift_weights, dim_bounds=self.binding.bounds_dict())
         res.phases.insert(0, "prepare")
         return res
 

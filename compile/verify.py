@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockforge.errors import ArgumentError, BlockforgeError, Phrase
-from blockforge.graph.model_io import load_npz, model_spec
+from blockforge.graph.model_io import DEFAULT_DIMS, load_npz, model_spec
 from blockforge.graph.shape import ShapeRequest
 from blockforge.graph.parity import ParityReport, check_parity, prepare_inputs
 from blockforge.logs import native_output_to_log
@@ -51,7 +51,10 @@ def verify(opts: VerifyOptions, session: Session | None = None) -> ParityReport:
         if session is None:
             session = open_model(opts.model, opts.target, opts.shape, input_shapes=shapes, precision=opts.precision)
         model, target = session.model, session.target
-        inputs = prepare_inputs(model, npz, session.dims, opts.seed)
+        # random inputs at the usual sizes, but never past a dim's upper bound (--shape seq=..16),
+        # which the module refuses
+        sample = {k: min(b, DEFAULT_DIMS[k]) for k, b in session.binding.bounds if k in DEFAULT_DIMS}
+        inputs = prepare_inputs(model, npz, {**sample, **session.dims}, opts.seed)
         problem = target.run_problem()
         if not problem and target.device == "cuda":
             from blockforge.graph.ort import cuda_available

@@ -225,26 +225,38 @@ def model_spec(model: onnx.ModelProto) -> Spec | None:
         raise BlockforgeError(f"model metadata holds an invalid blockforge spec: {error_line(e)}") from None
 
 
-def parse_dims(text: str | None) -> dict[str, int | tuple[int, ...]]:
+@dataclass(frozen=True)
+class DimBound:
+    """`--shape seq=..1024`: the dim stays symbolic, at most `max` (the build plans its memory for
+    that and the module refuses more: compile/passes/dim_bounds.py)."""
+    max: int
+
+
+def parse_dims(text: str | None) -> dict[str, int | tuple[int, ...] | DimBound]:
     """'batch=1,seq=128' -> {'batch': 1, 'seq': 128}; whole input shapes too:
-    'input_ids=1x128,pixel_values=1x3x224x224' -> {'input_ids': (1, 128), ...}.
+    'input_ids=1x128,pixel_values=1x3x224x224' -> {'input_ids': (1, 128), ...}; an upper bound
+    on a dim left symbolic: 'seq=..1024' -> {'seq': DimBound(1024)}.
     Which names are dims and which are inputs is decided against a model: resolve_dims()."""
-    out: dict[str, int | tuple[int, ...]] = {}
+    out: dict[str, int | tuple[int, ...] | DimBound] = {}
     if not text:
         return out
     for part in text.split(","):
         name, sep, value = part.strip().partition("=")
         if not sep or not name.strip():
-            raise ArgumentError(f"bad {{shape}} entry {part!r}: expected NAME=INT (a dim) or INPUT=AxB "
-                                "(an input's shape), e.g. seq=128 or input_ids=1x128", "shape")
+            raise ArgumentError(f"bad {{shape}} entry {part!r}: expected NAME=INT (a dim), NAME=..INT (a dim's "
+                                "upper bound) or INPUT=AxB (an input's shape), e.g. seq=128, seq=..1024 or "
+                                "input_ids=1x128", "shape")
+        upto = value.strip().startswith("..")
         try:
-            vals = tuple(int(v) for v in value.strip().lower().split("x"))
+            vals = tuple(int(v) for v in value.strip().removeprefix("..").lower().split("x"))
         except ValueError:
-            raise ArgumentError(f"bad {{shape}} entry {part!r}: {value!r} is not an integer "
-                                "or a shape like 1x128", "shape") from None
+            raise ArgumentError(f"bad {{shape}} entry {part!r}: {value!r} is not an integer, "
+                                "an upper bound like ..1024 or a shape like 1x128", "shape") from None
         if not all(0 < v <= MAX_BOUND_DIM for v in vals):
             raise ArgumentError(f"bad {{shape}} entry {part!r}: every value must be in [1, {MAX_BOUND_DIM}]", "shape")
-        out[name.strip()] = vals[0] if len(vals) == 1 and "x" not in value.lower() else vals
+        if upto and len(vals) != 1:
+            raise ArgumentError(f"bad {{shape}} entry {part!r}: an upper bound is one integer (NAME=..INT)", "shape")
+        out[name.strip()] = DimBound(vals[0]) if upto else vals[0] if len(vals) == 1 and "x" not in value.lower() else vals
     return out
 
 
@@ -301,6 +313,10 @@ def resolve_dims(sigs: list[TensorSig], spec: dict | None, *, input_shapes: dict
     source: dict[str, str] = {}
     unknown = []
     for name, v in spec.items():
+        if isinstance(v, DimBound):
+            if name not in names:
+                unknown.append(name)
+            continue  # resolve_bounds
         if isinstance(v, (list, tuple)) or (name in by_input and name not in names):
             if name not in by_input:
                 unknown.append(name)
@@ -326,6 +342,23 @@ def resolve_dims(sigs: list[TensorSig], spec: dict | None, *, input_shapes: dict
         if name in names and name not in bound:
             bound[name] = int(v)
     return {d: bound[d] for d in names if d in bound}
+
+
+def resolve_bounds(spec: dict | None, values: dict[str, int]) -> dict[str, int]:
+    """The upper bounds (DimBound entries of a resolve_dims spec) of the dims `values` leave
+    symbolic; a dim the inputs bound anyway must be within its bound (resolve_dims has checked
+    the names)."""
+    out = {}
+    for name, v in (spec or {}).items():
+        if not isinstance(v, DimBound):
+            continue
+        if name in values:
+            if values[name] > v.max:
+                raise ArgumentError(f"{{shape}} bounds {name} at {v.max} ({name}=..{v.max}), but {{inputs}} give {name}={values[name]}",
+                                    "shape", "inputs")
+            continue
+        out[name] = v.max
+    return out
 
 
 def unbound_dims(sigs: list[TensorSig], dims: dict[str, int]) -> list[str]:

@@ -183,7 +183,7 @@ def _calibration_batches(opts: QuantizeOptions, model: onnx.ModelProto) -> tuple
         raise BlockforgeError("the number of random calibration batches must be at least 1")
     from .shape import ShapeRequest
 
-    dims = resolve_dims(ins, ShapeRequest.of(opts.shape).to_dict())
+    dims = resolve_dims(ins, ShapeRequest.of(opts.shape).as_spec())
     batches = [random_inputs(ins, dims, seed=opts.seed + i) for i in range(opts.batches)]
     shapes = ", ".join(f"{s.name}={'x'.join(map(str, batches[0][s.name].shape))}" for s in ins)
     return batches, (f"{opts.batches} RANDOM batches drawn from the model's signature ({shapes}); give "

@@ -239,6 +239,9 @@ def compile_model(opts: CompileOptions) -> CompileResult:
             "target": {"name": target.name, "json": target.target_json, "device": target.device,
                        "arch": target.arch, "key": target.key()},
             "dims": session.dims,  # resolved: symbolic dim name -> value
+            # symbolic dims' upper bounds (--shape seq=..1024): informational, no loader reads them;
+            # module.so itself refuses a larger value (compile/passes/dim_bounds.py)
+            **({"dim_bounds": session.binding.bounds_dict()} if session.binding.bounds else {}),
             "inputs": [s.to_dict() for s in ins],
             "outputs": [s.to_dict() for s in outs],
             "params_embedded": False,  # they are in 'weights' (the parameters after the inputs)

@@ -73,6 +73,25 @@ def check_mask_length(inputs: list[TensorSig], pairing: DecodePairing | None, sh
                         f"axis {first.axis}, {printable(feed.input_ids)} axis 1)", argument)
 
 
+def mask_bound(inputs: list[TensorSig], outputs: list[TensorSig], bounds: dict[str, int]) -> dict[str, int]:
+    """A decoder's attention-mask length dim (past_seq; dynamo's sN) left without an upper bound
+    while past's and seq's have one: bounded by their sum (it equals past + seq when it runs:
+    check_mask_length), so `--shape seq=..S,past=..P` plans the mask's tensors too."""
+    pairing = pairing_of(inputs, outputs)
+    feed = pairing.tokens if pairing else None
+    if feed is None or feed.attention_mask is None or feed.input_ids is None:
+        return {}
+    by_name = {s.name: s for s in inputs}
+    mask, ids, past = by_name.get(feed.attention_mask), by_name.get(feed.input_ids), by_name.get(pairing.pairs[0].past)
+    if mask is None or ids is None or past is None or len(mask.dims) < 2 or len(ids.dims) < 2:
+        return {}
+    m, s, p = mask.dims[-1], ids.dims[1], past.dims[pairing.pairs[0].axis]
+    if not all(isinstance(d, str) for d in (m, s, p)) or m in bounds or len({m, s, p}) < 3 \
+            or s not in bounds or p not in bounds:
+        return {}
+    return {m: bounds[s] + bounds[p]}
+
+
 def check_decoder_binding(inputs: list[TensorSig], outputs: list[TensorSig], values: dict[str, int],
                           argument: str = "inputs") -> None:
     """Both checks on a binding (the prelude's, before the model reaches TVM)."""

@@ -71,7 +71,9 @@ def _shape_type(text: str):
 def add_shape(p: argparse.ArgumentParser, default_note: str | None = None) -> None:
     p.add_argument("--shape", default=None, type=_shape_type,
                    help="bind symbolic dims by name (batch=1,seq=128) or by whole input shapes "
-                        "(input_ids=1x128,attention_mask=1x128; pixel_values=1x3x224x224)"
+                        "(input_ids=1x128,attention_mask=1x128; pixel_values=1x3x224x224); a dim left "
+                        "symbolic may get an upper bound (seq=..1024): its memory is then planned for "
+                        "that size and the compiled module refuses a larger one"
                         + (f" (default {default_note})" if default_note else ""))
 
 
