@@ -162,12 +162,15 @@ class CPUMatmul(CPURule):
         acc = sch.cache_write(mm, 0, "local")
         fold_into_writeback(sch, epilogue, "CPUMatmul", func, mm)
         sch.reverse_compute_at(acc, outer[-1], preserve_unit_loops=True)
+        column_crop = False
         for b in epilogue:
             if block_alive(sch, b) and is_crop(sch, b, mm):
                 # In the tile, after its write-back: the crop's own bounds guard the tail panel.
                 sch.reverse_compute_at(b, outer[-1], preserve_unit_loops=True)
                 if crops_rows_only(sch, b, mm):  # the guard is on rows: the columns stay vectors
                     sch.vectorize(sch.get_loops(b)[-1])
+                else:
+                    column_crop = True
         # Epilogue blocks that cannot be inlined (e.g. gelu reading its input twice) stay
         # as separate loops after the matmul: parallel over rows, vectorised along j.
         for b in blocks[idx + 1:]:
@@ -176,10 +179,15 @@ class CPUMatmul(CPURule):
         # Vectorize and parallelize while the update is still a complete reduction block.
         sch.vectorize(ji)
         sch.unroll(ii)
-        if packed_nr and n is not None and not m_sym and self.prefetch \
+        if packed_nr and n is not None and not m_sym and self.prefetch and not column_crop \
                 and (self.rows is None or self.rows[0] <= m_rows <= self.rows[1]) \
                 and "conv_panel_width" not in sch.get(mm).annotations:
-            # the next weight panel prefetched from this micro-tile's k loop (passes/panel_prefetch.py)
+            # the next weight panel prefetched from this micro-tile's k loop (passes/panel_prefetch.py).
+            # Not with a crop of the columns (N no panel width divides: a decoder's LM head): LLVM
+            # then keeps the crop's 64-bit column indices in 8 zmm across the last k block and
+            # spills the accumulators every k step (98 vector stack moves against 7): 37 x 768 x
+            # 3121 took 1.27x / 1.50x the time with it on Zen 4, 1.77x / 1.35x on Zen 5; 20 rows
+            # 1.07x-1.33x; 50 rows 0.95x (Zen 4) and 1.00x-1.03x (Zen 5).
             sch.annotate(ii, PREFETCH_LOOP, nr)
         vectorize_inner(sch, acc, nr)
         if n is None or m_sym:
