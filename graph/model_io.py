@@ -339,7 +339,7 @@ def resolve_dims(sigs: list[TensorSig], spec: dict | None, *, input_shapes: dict
         if name in by_input:  # names the model lacks: check_inputs reports them
             _bind_shape(by_input[name], tuple(shape), bound, source, "inputs")
     for name, v in (defaults or {}).items():
-        if name in names and name not in bound:
+        if name in names and name not in bound and not isinstance(spec.get(name), DimBound):  # bounded: symbolic
             bound[name] = int(v)
     return {d: bound[d] for d in names if d in bound}
 
@@ -354,8 +354,8 @@ def resolve_bounds(spec: dict | None, values: dict[str, int]) -> dict[str, int]:
             continue
         if name in values:
             if values[name] > v.max:
-                raise ArgumentError(f"{{shape}} bounds {name} at {v.max} ({name}=..{v.max}), but {{inputs}} give {name}={values[name]}",
-                                    "shape", "inputs")
+                raise ArgumentError(f"{{shape}} bounds {name} at {v.max} ({name}=..{v.max}), but {{inputs}} give "
+                                    f"{name}={values[name]}", "shape", "inputs")
             continue
         out[name] = v.max
     return out

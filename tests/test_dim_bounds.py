@@ -51,6 +51,8 @@ def test_resolve_bounds():
     assert values == {"batch": 1, "seq": 64} and resolve_bounds(spec, values) == {"past": 32}
     with pytest.raises(ArgumentError, match=re.escape("shape bounds seq at 64 (seq=..64), but inputs give seq=65")):
         resolve_bounds(spec, resolve_dims(SIGS, spec, input_shapes={"input_ids": (1, 65)}))
+    # a default (bench's seq=128) binds no bounded dim: it stays symbolic
+    assert resolve_dims(SIGS, spec, defaults={"batch": 2, "seq": 128}) == {"batch": 1}
     with pytest.raises(ArgumentError, match="names kv, which the model does not have"):
         resolve_dims(SIGS, parse_dims("kv=..8"))
     # through the isolation child's JSON and back

@@ -4,10 +4,11 @@ With a dim left symbolic (a decoder's prompt length and past), StaticPlanBlockMe
 size an intermediate over it, so every such tensor is allocated per call at its own size and no
 later intermediate reuses its storage. Given an upper bound (TVM's `tir_var_upper_bound`
 function attribute, which that pass reads), it plans storage of the bound's size once and shares
-it as it does for static shapes: GPT-2 small's prompt entry keeps 40 storages instead of 43,
-most of them now of a static size, and its prefill ran 0.997, 0.985, 0.979, 1.009, 0.980, 0.995x
-the unbounded build's time in six processes (the nineteenth session's
-`prefill_upper_bound.log`).
+it as it does for static shapes. GPT-2 small's artifact at `seq=..1024,past=..1024`: the
+prompt entry's 15 storages all static (41 MiB), the decode entry's 16 (0.2 MiB); its prefill of
+128 tokens ran 0.969-1.005x the unbounded build's time (median 0.978, five processes on a Zen 5:
+benchmarks/results/quiet-2026-12-06i/prefill.log; 0.979-1.009x on Zen 4 with the attribute
+alone, the nineteenth session's `prefill_upper_bound.log`).
 
 Planned storage is sized by the bound, so a larger value would write past it. Every entry
 function that takes a bounded dim therefore first calls a check compiled into the module itself
