@@ -8,7 +8,10 @@ it as it does for static shapes. GPT-2 small's artifact at `seq=..1024,past=..10
 prompt entry's 15 storages all static (41 MiB), the decode entry's 16 (0.2 MiB); its prefill of
 128 tokens ran 0.969-1.005x the unbounded build's time (median 0.978, five processes on a Zen 5:
 benchmarks/results/quiet-2026-12-06i/prefill.log; 0.979-1.009x on Zen 4 with the attribute
-alone, the nineteenth session's `prefill_upper_bound.log`).
+alone, the nineteenth session's `prefill_upper_bound.log`) in a build with its weights embedded;
+as a compiled artifact (weights lifted to parameters) the bounded entries time as the unbounded
+ones (prompt 0.991-1.005x, decode step 0.969-1.023x: decode.log), and the bound buys a footprint
+fixed at compile time (each storage one size, whatever the lengths of a call).
 
 Planned storage is sized by the bound, so a larger value would write past it. Every entry
 function that takes a bounded dim therefore first calls a check compiled into the module itself
