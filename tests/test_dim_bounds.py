@@ -177,3 +177,12 @@ def test_edge_app_refuses_more(bounded_gpt2, tmp_path):
                          text=True, timeout=300)
     assert res.returncode != 0 and check_message("past", 64) in res.stderr, res.stdout + res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.npy").exists(), res.stderr
+
+
+def test_kv_capacity_over_the_past_bound_is_refused(tmp_path):
+    """Cache rows past the bound could never be used (the module refuses such a past): one line,
+    exit 2, nothing written."""
+    res = cli("compile", str(GPT2), "--target", "host", "--shape", BOUNDS, "--kv-capacity", "80",
+              "-o", str(tmp_path / "a"))
+    assert res.rc == 2 and "--kv-capacity 80 exceeds past's upper bound 64 (--shape past=..64)" in res.err, res.text
+    assert len(res.err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()

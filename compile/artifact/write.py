@@ -167,7 +167,7 @@ def _check_outputs(opts: CompileOptions, out) -> Path:
     return Path(out)
 
 
-def _inplace_plan(opts: CompileOptions, target: ResolvedTarget, step: str | None, ins, outs):
+def _inplace_plan(opts: CompileOptions, target: ResolvedTarget, step: str | None, ins, outs, bounds: dict):
     """(the past dim, the cache pairs as indices) for `kv_capacity` (checked by compile_model
     first), or the reason it cannot be."""
     if target.kind != "llvm":
@@ -181,6 +181,12 @@ def _inplace_plan(opts: CompileOptions, target: ResolvedTarget, step: str | None
     pairs = decode_inplace.cache_indices(in_d, out_d, pairing)
     first = pairing["pairs"][0]
     dim = next(s for s in ins if s.name == first["past"]).dims[first["axis"]]
+    bound = bounds.get(dim) if isinstance(dim, str) else None
+    if bound is not None and opts.kv_capacity > bound:
+        # the module refuses a past over its bound: cache rows past it could never be used
+        raise ArgumentError(f"{{kv_capacity}} {opts.kv_capacity} exceeds {dim}'s upper bound {bound} "
+                            f"({{shape}} {dim}=..{bound}): give at most {bound} rows, or a larger bound",
+                            "kv_capacity", "shape")
     return dim, pairs
 
 
@@ -206,7 +212,7 @@ def compile_model(opts: CompileOptions) -> CompileResult:
     transform = None if step is None else lambda m: decode_entries.add_step_entry(m, step)
     inplace = None
     if opts.kv_capacity is not None:
-        inplace = _inplace_plan(opts, target, step, ins, outs)
+        inplace = _inplace_plan(opts, target, step, ins, outs, session.binding.bounds_dict())
         transform = lambda m: decode_inplace.add_inplace_entry(decode_entries.add_step_entry(m, step), step,  # noqa: E731
                                                                opts.kv_capacity, inplace[1])
     res = session.build(database=db, dump_ir=Path(opts.dump_ir) if opts.dump_ir is not None else None,
