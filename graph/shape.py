@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from blockforge.errors import ArgumentError
+
 from .model_io import DimBound, TensorSig, parse_dims, resolve_bounds, resolve_dims, unbound_dims
 
 
@@ -80,6 +82,9 @@ class Binding:
         values = resolve_dims(list(inputs), spec, input_shapes=dict(input_shapes or {}), defaults=dict(defaults or {}))
         b = cls(tuple(values.items()), tuple(inputs), tuple(outputs), tuple(resolve_bounds(spec, values).items()))
         if static:
+            for name, bound in b.bounds:
+                raise ArgumentError(f"{{shape}} gives {name} an upper bound ({name}=..{bound}), which leaves it "
+                                    f"symbolic; this needs its value: {name}=N", "shape")
             for s in inputs:
                 s.bind(values)  # raises, naming the input
         return b

@@ -61,6 +61,10 @@ def test_resolve_bounds():
     b = Binding.resolve(SIGS, [], req)
     assert b.bounds_dict() == {"seq": 64, "past": 32} and b.unbound() == ["seq", "past"]
     assert Binding.from_dict(json.loads(json.dumps(b.to_dict()))) == b
+    # a verb that needs every dim's value (bench) says a bound is not one
+    with pytest.raises(ArgumentError, match=re.escape("shape gives seq an upper bound (seq=..64), which leaves it "
+                                                      "symbolic; this needs its value: seq=N")):
+        Binding.resolve(SIGS, [], ShapeRequest.parse("batch=1,seq=..64,past=3"), static=True)
 
 
 @I.ir_module
