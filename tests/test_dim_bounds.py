@@ -184,9 +184,9 @@ def test_edge_app_refuses_more(bounded_gpt2, tmp_path):
 
 
 def test_kv_capacity_over_the_past_bound_is_refused(tmp_path):
-    """Cache rows past the bound could never be used (the module refuses such a past): one line,
-    exit 2, nothing written."""
+    """Cache rows after the bound's + 1 could never be used (the module refuses a larger past; the
+    step at past = 64 writes row 64): one line, exit 2, nothing written."""
     res = cli("compile", str(GPT2), "--target", "host", "--shape", BOUNDS, "--kv-capacity", "80",
               "-o", str(tmp_path / "a"))
-    assert res.rc == 2 and "--kv-capacity 80 exceeds past's upper bound 64 (--shape past=..64)" in res.err, res.text
+    assert res.rc == 2 and "--kv-capacity 80 exceeds past's upper bound 64 (--shape past=..64) + 1" in res.err, res.text
     assert len(res.err.strip().splitlines()) == 1 and not (tmp_path / "a").exists()

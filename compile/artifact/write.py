@@ -182,10 +182,11 @@ def _inplace_plan(opts: CompileOptions, target: ResolvedTarget, step: str | None
     first = pairing["pairs"][0]
     dim = next(s for s in ins if s.name == first["past"]).dims[first["axis"]]
     bound = bounds.get(dim) if isinstance(dim, str) else None
-    if bound is not None and opts.kv_capacity > bound:
-        # the module refuses a past over its bound: cache rows past it could never be used
+    if bound is not None and opts.kv_capacity > bound + 1:
+        # the module refuses a past over its bound: a step at past = bound writes row bound, and
+        # rows after it could never be used
         raise ArgumentError(f"{{kv_capacity}} {opts.kv_capacity} exceeds {dim}'s upper bound {bound} "
-                            f"({{shape}} {dim}=..{bound}): give at most {bound} rows, or a larger bound",
+                            f"({{shape}} {dim}=..{bound}) + 1: give at most {bound + 1} rows, or a larger bound",
                             "kv_capacity", "shape")
     return dim, pairs
 
