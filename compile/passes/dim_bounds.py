@@ -5,8 +5,9 @@ size an intermediate over it, so every such tensor is allocated per call at its 
 later intermediate reuses its storage. Given an upper bound (TVM's `tir_var_upper_bound`
 function attribute, which that pass reads), it plans storage of the bound's size once and shares
 it as it does for static shapes. GPT-2 small's artifact at `seq=..1024,past=..1024`: the
-prompt entry's 15 storages all static (41 MiB), the decode entry's 16 (0.2 MiB); its prefill of
-128 tokens ran 0.969-1.005x the unbounded build's time (median 0.978, five processes on a Zen 5:
+prompt entry's intermediates in 15 storages, all of a static size (41 MiB; unbounded: 18, 16
+of them sized per call), the decode entry's in 16 (0.2 MiB; unbounded: 5 of 16 per call); its
+prefill of 128 tokens ran 0.969-1.005x the unbounded build's time (median 0.978, five processes on a Zen 5:
 benchmarks/results/quiet-2026-12-06i/prefill.log; 0.979-1.009x on Zen 4 with the attribute
 alone, the nineteenth session's `prefill_upper_bound.log`) in a build with its weights embedded;
 as a compiled artifact (weights lifted to parameters) the bounded entries time as the unbounded
