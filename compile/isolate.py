@@ -262,8 +262,8 @@ def _prepare(path: Path, label: str, request: dict, mode: str, out: Path | None)
                               defaults=request.get("defaults"), static=bool(request.get("static")))
     from blockforge.compile.decode.inputs import check_decoder_binding, mask_bound
 
-    check_decoder_binding(ins, outs, binding.as_dict(), "inputs" if request.get("input_shapes") else "shape")
-    derived = mask_bound(ins, outs, binding.bounds_dict())
+    pairing = check_decoder_binding(ins, outs, binding.as_dict(), "inputs" if request.get("input_shapes") else "shape")
+    derived = mask_bound(ins, pairing, binding.bounds_dict())
     if derived:
         binding = dataclasses.replace(binding, bounds=(*binding.bounds, *derived.items()))
     if mode == "sizes":

@@ -54,38 +54,44 @@ def check_zero_dims(inputs: list[TensorSig], pairing: DecodePairing | None, valu
                                 "length may be 0 (an empty cache); give it at least 1", argument)
 
 
+def _mask_dims(pairing: DecodePairing | None, shapes: dict[str, tuple]) -> tuple | None:
+    """(the mask's length, seq, past) as `shapes` (input name -> its dims) give them, for a decoder
+    whose feed has an attention mask; None where there is none or a rank is not the decoder's
+    (rank errors are the signature check's)."""
+    feed = pairing.tokens if pairing else None
+    if feed is None or feed.attention_mask is None:
+        return None
+    first = pairing.pairs[0]
+    mask, ids, past = (shapes.get(n) for n in (feed.attention_mask, feed.input_ids, first.past))
+    if not (mask and ids and past) or len(mask) != 2 or len(ids) != 2 or len(past) <= first.axis:
+        return None
+    return mask[1], ids[1], past[first.axis]
+
+
 def check_mask_length(inputs: list[TensorSig], pairing: DecodePairing | None, shapes: dict[str, tuple],
                       argument: str = "inputs") -> None:
     """A decoder's attention_mask must be (batch, past + seq). shapes: input name -> its shape
     (None or a str for a dim not known yet: nothing checked)."""
-    feed = pairing.tokens if pairing else None
-    if feed is None or feed.attention_mask is None:
+    dims = _mask_dims(pairing, shapes)
+    if dims is None:
         return
-    first = pairing.pairs[0]
-    mask, ids, past = (shapes.get(n) for n in (feed.attention_mask, feed.input_ids, first.past))
-    if not (mask and ids and past) or len(mask) != 2 or len(ids) != 2 or len(past) <= first.axis:
-        return  # rank errors are the signature check's
-    m, s, p = mask[1], ids[1], past[first.axis]
+    m, s, p = dims
     if not all(isinstance(v, int) for v in (m, s, p)) or m == p + s:
         return
+    feed, first = pairing.tokens, pairing.pairs[0]
     raise ArgumentError(f"{{{argument}}}: {printable(feed.attention_mask)} has length {m}, but a decoder's mask spans "
                         f"the cache and the new positions: past + seq = {p} + {s} = {p + s} ({printable(first.past)} "
                         f"axis {first.axis}, {printable(feed.input_ids)} axis 1)", argument)
 
 
-def mask_bound(inputs: list[TensorSig], outputs: list[TensorSig], bounds: dict[str, int]) -> dict[str, int]:
+def mask_bound(inputs: list[TensorSig], pairing: DecodePairing | None, bounds: dict[str, int]) -> dict[str, int]:
     """A decoder's attention-mask length dim (past_seq; dynamo's sN) left without an upper bound
     while past's and seq's have one: bounded by their sum (it equals past + seq when it runs:
     check_mask_length), so `--shape seq=..S,past=..P` plans the mask's tensors too."""
-    pairing = pairing_of(inputs, outputs)
-    feed = pairing.tokens if pairing else None
-    if feed is None or feed.attention_mask is None or feed.input_ids is None:
+    dims = _mask_dims(pairing, {s.name: s.dims for s in inputs})
+    if dims is None:
         return {}
-    by_name = {s.name: s for s in inputs}
-    mask, ids, past = by_name.get(feed.attention_mask), by_name.get(feed.input_ids), by_name.get(pairing.pairs[0].past)
-    if mask is None or ids is None or past is None or len(mask.dims) < 2 or len(ids.dims) < 2:
-        return {}
-    m, s, p = mask.dims[-1], ids.dims[1], past.dims[pairing.pairs[0].axis]
+    m, s, p = dims
     if not all(isinstance(d, str) for d in (m, s, p)) or m in bounds or len({m, s, p}) < 3 \
             or s not in bounds or p not in bounds:
         return {}
@@ -93,8 +99,10 @@ def mask_bound(inputs: list[TensorSig], outputs: list[TensorSig], bounds: dict[s
 
 
 def check_decoder_binding(inputs: list[TensorSig], outputs: list[TensorSig], values: dict[str, int],
-                          argument: str = "inputs") -> None:
-    """Both checks on a binding (the prelude's, before the model reaches TVM)."""
+                          argument: str = "inputs") -> DecodePairing | None:
+    """Both checks on a binding (the prelude's, before the model reaches TVM); returns the
+    signature's pairing (mask_bound reads it too)."""
     pairing = pairing_of(inputs, outputs)
     check_zero_dims(inputs, pairing, values, argument)
     check_mask_length(inputs, pairing, {s.name: s.at(values).dims for s in inputs}, argument)
+    return pairing
