@@ -11,9 +11,11 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -89,7 +91,6 @@ def dir_lock(path: str | os.PathLike, *, exclusive: bool, wait_s: float = DIR_LO
     behind. Yields whether the lock is held: False where the file system has no flock or
     the wait ran out (callers that need consistency then check what they read)."""
     import fcntl
-    import time
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -470,6 +471,7 @@ def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
 
     # A signal between mkdtemp and the try below left the root behind (the interrupt test's
     # "run SIGINT as it starts", 1 in 12): it waits until the root is owned by the finally.
+    sweep_stale_roots()
     making = stop_deferred()
     making.__enter__()
     try:
@@ -478,6 +480,7 @@ def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
         making.__exit__(None, None, None)
         yield None
         return
+    owner = _hold_root(Path(root))
     saved_env, saved_default = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = root
     try:
@@ -491,6 +494,95 @@ def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
             else:
                 os.environ["TMPDIR"] = saved_env
             _remove_settled(Path(root))
+            if owner is not None:
+                os.close(owner)
+
+
+# A root's owner holds an exclusive flock on ROOT/.owner for the root's life: the kernel drops it
+# when the process dies however it dies (SIGKILL, the OOM killer), in any PID namespace sharing
+# the directory, which a pid test cannot tell. A tune job killed that way left its candidate tars
+# behind (the clean-clone CI found 4 roots a run, from a test that SIGKILLs a job).
+_OWNER = ".owner"
+_ROOT_NAME = re.compile(r"blockforge-(?:tune-)?(\d+)-[A-Za-z0-9_]+")
+_UNLOCKED_AGE_S = 3600.0  # a root of a version before the lock: its pid gone this long
+
+
+def _hold_root(root: Path) -> int | None:
+    """Lock ROOT/.owner for as long as the returned descriptor stays open. The lock is taken
+    on a temporary name and renamed into place, so a sweeper never sees an unlocked .owner."""
+    import fcntl
+
+    tmp = root / f".owner.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, root / _OWNER)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _root_is_stale(path: Path, pid: int) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(path / _OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        # no lock file: a root from before the lock, or one whose owner is between mkdtemp and
+        # its lock (microseconds): only a dead pid's, untouched for an hour, goes
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+        except OSError:  # EPERM: someone's process lives under that pid
+            return False
+        try:
+            return time.time() - path.stat().st_mtime > _UNLOCKED_AGE_S
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True  # nobody holds it: the owner is gone (our lock ends with the close below)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_roots(tmp: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the private temporary roots (private_temp_root) that processes killed before
+    their cleanup left in the temporary directory: only directories named as ours, owned by
+    this user, not links, whose owner's lock is free. Returns what was removed."""
+    base = Path(tmp if tmp is not None else tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        m = _ROOT_NAME.fullmatch(entry.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            continue
+        path = Path(entry.path)
+        if _root_is_stale(path, int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                removed.append(path)
+    return removed
 
 
 def _remove(path: Path) -> None:
@@ -519,8 +611,6 @@ def _remove_settled(root: Path, tries: int = 20, pause_s: float = 0.05) -> None:
     orphaned by a signal (gcc's `as`, reparented when its g++ driver died, so no longer a child
     end_children can wait for) may still create a temporary in it after a first rmtree; the
     clean-clone CI of 0cacb26 found its cc*.o left in the private TMPDIR root (once; every CI before passed)."""
-    import time
-
     for _ in range(tries):
         shutil.rmtree(root, ignore_errors=True)
         if not root.exists():

@@ -142,7 +142,8 @@ def test_second_job_refused_while_first_runs(ffn, tmp_path):
     cmd = [*BLOCKFORGE, "tune", ffn, "--target", "host", "--shape", SHAPE, "--db", db, "--no-progress",
            "--no-measure", "--trials-per-task", 8, "--population", SEARCH_POPULATION]
     p = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env={**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log")})
+                         # killed below: its temporary root (candidate tars) stays in tmp_path
+                         env={**os.environ, "BLOCKFORGE_LOG": str(tmp_path / "log"), "TMPDIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 60
         while not (db / ".lock.owner").exists() and time.monotonic() < deadline:
