@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="", help="symbolic dims, name=value comma list")
     ap.add_argument("--ab", required=True, help="pipeline ablation(s), comma list")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="what both builds compute in (bench's --precision); OpenVINO with the same hint")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--without-first", action="store_true",
                     help="build the ablated module first (two identical builds measured 1.067x apart, the first "
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
     peers = not (a.no_peers or a.cpu_time)
     runners = {"ort": ort} if peers else {}
     if peers and OpenVino().available():
-        runners["openvino"] = OpenVino().make_runner(bm, feeds, threads, precision="f32")
+        runners["openvino"] = OpenVino().make_runner(bm, feeds, threads,
+                                                     precision="bf16" if a.precision == "bf16" else "f32")
     builds = [("new", set()), (f"without {a.ab}", set(a.ab.split(",")))]
     builds = builds[::-1] if a.without_first else builds
     if a.abba:  # both orders in one process: new, without, without, new (each build's order effect cancels)
@@ -71,13 +74,18 @@ def main(argv=None) -> int:
     spread = OrtSpread(lambda: ort_runner.run(model, feeds, optimize=False))
     for label, without in builds:
         # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
-        vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
-                                  tvm.cpu())
+        if a.precision == "fp32":
+            vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
+                                      tvm.cpu())
+        else:
+            vm = relax.VirtualMachine(open_model(a.model, target, dims, precision=a.precision).build(
+                without=frozenset(without)).executable, tvm.cpu())
         t = [tvm.runtime.tensor(x) for x in feeds.values()]
         got = vm["main"](*t)
         got = got[0] if not hasattr(got, "numpy") else got  # a tuple of outputs (a decoder's logits, presents)
         # the row bench and verify hold this output to (a quantized model: the int8 parity row)
-        tol = output_tolerance(want.dtype, tolerance_kind(model), model_precision(model))
+        tol = output_tolerance(want.dtype, tolerance_kind(model),
+                               a.precision if a.precision != "fp32" else model_precision(model))
         c = compare(label, "output 0", got.numpy(), want, tol)
         if not c.passed and model_precision(model) != "float":  # as bench: within ORT's own spread on the file
             c = spread.judge(c, got.numpy(), want, model.graph.output[0].name)

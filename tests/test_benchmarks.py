@@ -361,6 +361,21 @@ def test_whole_ab_on_a_decoder_with_presents(tmp_path):
     assert "new / without attention-key-rows:" in out, out
 
 
+def test_whole_ab_at_bf16(tmp_path):
+    """--precision bf16: both builds through bf16-gemm (the A/B of a bf16 ablation), outputs held
+    to the bf16 row; OpenVINO, when it runs, with its bf16 hint."""
+    from blockforge.graph import FFNSpec, export
+    from blockforge.targets import resolve
+    from blockforge.targets.precision import target_has
+
+    if not target_has(resolve("host"), "avx512bf16"):
+        pytest.skip("the bf16 kernel needs AVX512_BF16")
+    model = export(FFNSpec(d_model=64, d_ff=128), tmp_path / "ffn.onnx").model_path
+    out = _run("whole_ab.py", model, "--dims", "batch=1,seq=16", "--ab", "bf16-row-fit", "--precision", "bf16",
+               "--repeat", 2, "--no-peers", cwd=tmp_path)
+    assert "new / without bf16-row-fit:" in out, out
+
+
 def test_whole_ab_abba_on_a_quantized_model(tmp_path):
     """--abba: four builds, both pairs and their geometric mean; a quantized model's outputs are
     held to the int8 parity row (the script asserted rtol 2e-3 before, which int8 fails by design)."""

@@ -7,7 +7,7 @@ that imports TVM: ~3.3 s of CPU before it builds anything (`python -c "import tv
 Zen 5 VM). Measured with strace on one tune of a small FFN (2 tasks, 2 trials per task in
 1-trial rounds, --no-measure: the fault tests' job): LocalBuilder's job started 8 worker
 processes and took 59.6 s of CPU (user + sys, strace's overhead in it); with this pool, 2
-workers and 37.0 s. Side by side in the test suite (README, sixth pass): test_tune.py +
+workers and 37.0 s. Side by side in the test suite (benchmarks/results/LOG.md, sixth pass): test_tune.py +
 test_tune_faults.py 319 -> 223 s of CPU. Here the pool lives as long as the job (one
 builder worker for that job's builds). TVM restarts its pool for "a memory leak after a
 couple of uses" of a worker; each worker here is replaced after
