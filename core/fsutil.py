@@ -59,10 +59,104 @@ def _refuse_node(dest: Path) -> None:
         raise BlockforgeError(f"{dest} is {node}, not a regular file; refusing to replace it")
 
 
+# A staged output (`.NAME.XXXXXXXX.tmp`, a file or a directory beside its destination) is locked
+# (flock on its own descriptor) by its writer until it is renamed into place or removed, so a
+# writer killed before its cleanup (SIGKILL, the OOM killer) leaves a stage whose lock is free:
+# the next write of the same destination removes it. Before, it stayed, hidden, as large as the
+# output it was to become (GPT-2 small's weights.bin alone: 124M parameters x 4 bytes).
+_STAGE_MIN_AGE_S = 60.0  # a stage changed this recently is left alone (its writer may be between
+# mkstemp and its lock, or between its last write and the rename, where the file is closed)
+
+
+def _lock_stage(fd: int) -> None:
+    import fcntl
+
+    # (no flock on this file system, some network ones: a sweeper cannot take one either, and
+    # _stage_is_free then never calls a stage free)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _stage_is_free(path: Path, is_dir: bool) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if is_dir else 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: someone's process lives under that pid
+        return False
+    return False
+
+
+def sweep_stale_stages(dest: str | os.PathLike) -> list[Path]:
+    """Remove what killed writers of `dest` left beside it: its stages (`.NAME.XXXXXXXX.tmp`,
+    their `.old` backups) whose lock is free, and atomic_directory's moved-aside previous
+    output (`.NAME.old-PID-N`) whose pid is gone; each unchanged for _STAGE_MIN_AGE_S (the
+    inode's ctime), owned by this user, a file or directory, never a link. Returns what went."""
+    dest = Path(dest)
+    name = re.escape(dest.name)
+    staged = re.compile(rf"\.{name}\.[A-Za-z0-9_]{{8}}\.tmp(\.old)?")
+    aside = re.compile(rf"\.{name}\.old-(\d+)-\d+")
+    removed: list[Path] = []
+    try:
+        entries = [e for e in os.scandir(dest.parent) if e.name.startswith(f".{dest.name}.")]
+    except OSError:
+        return removed
+    now, uid = time.time(), os.getuid()
+    for e in entries:
+        m, old = staged.fullmatch(e.name), aside.fullmatch(e.name)
+        if not (m or old):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if st.st_uid != uid or not (is_dir or stat.S_ISREG(st.st_mode)) or now - st.st_ctime < _STAGE_MIN_AGE_S:
+            continue
+        path = Path(e.path)
+        if m and m.group(1):  # a backup: its stage's writer is gone (or the stage is)
+            stage = path.with_name(path.name[:-len(".old")])
+            free = not stage.exists() or _stage_is_free(stage, False)
+        elif m:
+            free = _stage_is_free(path, is_dir)
+        else:
+            free = _pid_gone(int(old.group(1)))
+            if free and not (dest.exists() or dest.is_symlink()):
+                # killed between moving the previous output aside and renaming the new one in:
+                # the user's previous output goes back (the stage, complete or not, is swept)
+                with contextlib.suppress(OSError):
+                    os.replace(path, dest)
+                    removed.append(path)
+                continue
+        if free:
+            _remove(path)
+            if not (path.exists() or path.is_symlink()):
+                removed.append(path)
+    return removed
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_stages(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _lock_stage(fd)  # until the file is closed, after its last write (_STAGE_MIN_AGE_S covers the rest)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would surprise users
         with naming(path), os.fdopen(fd, "wb") as f:
@@ -124,14 +218,18 @@ def atomic_write_group(files: dict[str | os.PathLike, bytes], hold=None) -> list
     from blockforge.errors import stop_deferred
 
     staged: list[tuple[Path, str]] = []
+    held: list[int] = []  # each stage's descriptor, its lock held until the renames are done
     try:
         for dest, data in files.items():
             dest = Path(dest)
             dest.parent.mkdir(parents=True, exist_ok=True)
+            sweep_stale_stages(dest)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+            held.append(fd)
+            _lock_stage(fd)
             staged.append((dest, tmp))
             os.fchmod(fd, 0o666 & ~_umask())
-            with naming(dest), os.fdopen(fd, "wb") as f:
+            with naming(dest), os.fdopen(fd, "wb", closefd=False) as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -166,6 +264,8 @@ def atomic_write_group(files: dict[str | os.PathLike, bytes], hold=None) -> list
             for leftover in (tmp, f"{tmp}.old"):
                 with contextlib.suppress(OSError):
                     os.unlink(leftover)
+        for fd in held:
+            os.close(fd)
     for parent in {Path(d).parent for d in files}:
         _fsync_dir(parent)
     return [Path(d) for d in files]
@@ -534,12 +634,7 @@ def _root_is_stale(path: Path, pid: int) -> bool:
     except FileNotFoundError:
         # no lock file: a root from before the lock, or one whose owner is between mkdtemp and
         # its lock (microseconds): only a dead pid's, untouched for an hour, goes
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            pass
-        except OSError:  # EPERM: someone's process lives under that pid
+        if not _pid_gone(pid):
             return False
         try:
             return time.time() - path.stat().st_mtime > _UNLOCKED_AGE_S
@@ -641,9 +736,14 @@ def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool]
     _check_tree(dest, is_ours=is_ours, what=what, force=force)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale_stages(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     except OSError as e:
         raise BlockforgeError(f"{dest}: cannot create the output ({e.strerror or e})") from None
+    lock = None
+    with contextlib.suppress(OSError):
+        lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        _lock_stage(lock)
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         with naming(dest, tmp):  # a full disk while the output is written: say which output
@@ -682,3 +782,6 @@ def atomic_directory(dest: str | os.PathLike, *, is_ours: Callable[[Path], bool]
     except BaseException:
         _discard(tmp)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import run_cli
 
 _HOLDER = """
@@ -117,3 +119,108 @@ def test_the_next_command_sweeps(tmp_path):
     assert r.rc == 0, r.text
     assert not root.exists()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("blockforge-")]
+
+
+# Stages: a writer's `.NAME.XXXXXXXX.tmp` beside its destination, locked until renamed in.
+_STAGER = """
+import sys, time, contextlib
+from pathlib import Path
+from blockforge import fsutil
+kind, dest = sys.argv[1], Path(sys.argv[2])
+
+@contextlib.contextmanager
+def stop_here():
+    print("staged", flush=True)
+    time.sleep(600)
+    yield
+
+if kind == "dir":
+    with fsutil.atomic_directory(dest) as tmp:
+        (tmp / "weights.bin").write_bytes(b"w" * 4096)
+        stop_here().__enter__()
+else:
+    fsutil.atomic_write_group({dest: b"model", dest.with_name("other.json"): b"{}"}, hold=stop_here())
+"""
+
+
+def _stager(kind: str, dest: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _STAGER, kind, str(dest)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "staged"
+    return p
+
+
+def _stages(d: Path, name: str) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.mark.parametrize("kind", ["dir", "files"])
+def test_a_killed_writers_stage_goes_with_the_next_write_a_live_ones_stays(tmp_path, monkeypatch, kind):
+    from blockforge import fsutil
+
+    monkeypatch.setattr(fsutil, "_STAGE_MIN_AGE_S", 0.0)  # (the stages here are seconds old)
+    dest = tmp_path / ("art" if kind == "dir" else "model.onnx")
+    live = _stager(kind, dest)
+    try:
+        assert len(_stages(tmp_path, dest.name)) == 1
+        assert fsutil.sweep_stale_stages(dest) == []  # its writer holds the lock
+        assert len(_stages(tmp_path, dest.name)) == 1
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+    left = _stages(tmp_path, dest.name)
+    assert len(left) == 1 and left[0].endswith(".tmp"), left  # SIGKILL: no cleanup ran
+    if kind == "dir":
+        with fsutil.atomic_directory(dest) as tmp:  # the next write of the destination sweeps it
+            (tmp / "weights.bin").write_bytes(b"new")
+        assert (dest / "weights.bin").read_bytes() == b"new"
+    else:
+        assert _stages(tmp_path, "other.json"), "the group's second stage was written"
+        fsutil.atomic_write_bytes(dest, b"new")
+        assert dest.read_bytes() == b"new"
+        assert len(_stages(tmp_path, "other.json")) == 1  # another destination's: left to its writes
+    assert _stages(tmp_path, dest.name) == []
+
+
+def test_what_a_stage_sweep_keeps_and_restores(tmp_path, monkeypatch):
+    from blockforge import fsutil
+
+    monkeypatch.setattr(fsutil, "_STAGE_MIN_AGE_S", 0.0)
+    dead, alive = _dead_pid(), os.getppid()
+    dest = tmp_path / "art"
+    # killed between moving the previous output aside and renaming the new one in: it comes back
+    aside = tmp_path / f".art.old-{dead}-0"
+    aside.mkdir()
+    (aside / "manifest.json").write_text("previous")
+    assert fsutil.sweep_stale_stages(dest) == [aside]
+    assert (dest / "manifest.json").read_text() == "previous" and not aside.exists()
+    # with the destination in place, a dead writer's aside goes; a live pid's stays
+    gone, kept = tmp_path / f".art.old-{dead}-1", tmp_path / f".art.old-{alive}-0"
+    gone.mkdir()
+    kept.mkdir()
+    # a link named as a stage, another destination's stage, a different pattern: kept
+    target = tmp_path / "precious"
+    target.mkdir()
+    link = tmp_path / ".art.abcdefgh.tmp"
+    link.symlink_to(target)
+    other = tmp_path / ".artifact.abcdefgh.tmp"
+    other.mkdir()
+    odd = tmp_path / ".art.notastage"
+    odd.mkdir()
+    # an unlocked stage file with its backup: both go
+    stage = tmp_path / ".art.x1y2z3w4.tmp"
+    stage.write_bytes(b"partial")
+    backup = tmp_path / ".art.x1y2z3w4.tmp.old"
+    backup.write_bytes(b"old")
+    assert sorted(fsutil.sweep_stale_stages(dest)) == sorted([gone, stage, backup])
+    for p in (kept, link, other, odd, target, dest / "manifest.json"):
+        assert p.exists() or p.is_symlink(), p
+
+
+def test_a_young_stage_is_left_alone(tmp_path):
+    """Unchanged for less than a minute: its writer may be between mkstemp and its lock, or
+    between its last write and the rename (the file closed)."""
+    from blockforge import fsutil
+
+    stage = tmp_path / ".model.onnx.abcdefgh.tmp"
+    stage.write_bytes(b"partial")
+    assert fsutil.sweep_stale_stages(tmp_path / "model.onnx") == [] and stage.exists()
