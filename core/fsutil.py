@@ -571,11 +571,14 @@ def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
 
     # A signal between mkdtemp and the try below left the root behind (the interrupt test's
     # "run SIGINT as it starts", 1 in 12): it waits until the root is owned by the finally.
-    sweep_stale_roots()
     making = stop_deferred()
     making.__enter__()
     try:
-        root = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=tempfile.gettempdir())
+        # gettempdir's first call probes the directory with a file of its own (8 random letters,
+        # written, unlinked): a signal there left it behind when the sweep below ran first, before
+        # the deferral (the clean-clone CI of 44503ce, "run SIGINT as it starts")
+        base = tempfile.gettempdir()
+        root = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
     except OSError:
         making.__exit__(None, None, None)
         yield None
@@ -585,6 +588,7 @@ def private_temp_root(prefix: str = "blockforge-") -> Iterator[Path | None]:
     os.environ["TMPDIR"] = tempfile.tempdir = root
     try:
         making.__exit__(None, None, None)  # a signal that came meanwhile is raised here, inside the try
+        sweep_stale_roots(base)
         yield Path(root)
     finally:
         with stop_deferred():  # a signal now must not leave half the tree behind
