@@ -224,3 +224,26 @@ def test_a_young_stage_is_left_alone(tmp_path):
     stage = tmp_path / ".model.onnx.abcdefgh.tmp"
     stage.write_bytes(b"partial")
     assert fsutil.sweep_stale_stages(tmp_path / "model.onnx") == [] and stage.exists()
+
+
+def test_the_temporary_directory_is_probed_inside_the_signal_deferral(tmp_path, monkeypatch):
+    """tempfile's first gettempdir() writes and unlinks a probe file (8 random letters) in the
+    directory: a Ctrl-C between the two left it there when the root sweep called gettempdir
+    before the deferral that guards mkdtemp (the clean-clone CI of 44503ce, 'run SIGINT as it
+    starts'). Every call of the probe happens inside stop_deferred now."""
+    import tempfile
+
+    from blockforge import errors, fsutil
+
+    real = getattr(tempfile, "_get_default_tempdir", None)
+    if real is None:
+        pytest.skip("this Python's tempfile has no _get_default_tempdir")
+    deferring = []
+    monkeypatch.setattr(tempfile, "_get_default_tempdir",
+                        lambda *a: (deferring.append(errors._STOP.deferring), real(*a))[1])
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with fsutil.private_temp_root() as root:
+        assert root.parent == tmp_path
+    assert deferring and all(d > 0 for d in deferring), deferring
+    assert list(tmp_path.iterdir()) == []
