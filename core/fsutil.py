@@ -72,12 +72,14 @@ def _lock_stage(fd: int) -> None:
     import fcntl
 
     # (no flock on this file system, some network ones: a sweeper cannot take one either, and
-    # _stage_is_free then never calls a stage free)
+    # _lock_is_free then never calls a stage free)
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def _stage_is_free(path: Path, is_dir: bool) -> bool:
+def _lock_is_free(path: Path, is_dir: bool) -> bool:
+    """Whether an exclusive flock on `path` (never followed if a link) can be taken now: its
+    holder, if it had one, is gone (ours ends with the close)."""
     import fcntl
 
     try:
@@ -132,9 +134,9 @@ def sweep_stale_stages(dest: str | os.PathLike) -> list[Path]:
         path = Path(e.path)
         if m and m.group(1):  # a backup: its stage's writer is gone (or the stage is)
             stage = path.with_name(path.name[:-len(".old")])
-            free = not stage.exists() or _stage_is_free(stage, False)
+            free = not stage.exists() or _lock_is_free(stage, False)
         elif m:
-            free = _stage_is_free(path, is_dir)
+            free = _lock_is_free(path, is_dir)
         else:
             free = _pid_gone(int(old.group(1)))
             if free and not (dest.exists() or dest.is_symlink()):
@@ -631,35 +633,26 @@ def _hold_root(root: Path) -> int | None:
 
 
 def _root_is_stale(path: Path, pid: int) -> bool:
-    import fcntl
-
-    try:
-        fd = os.open(path / _OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        # no lock file: a root from before the lock, or one whose owner is between mkdtemp and
-        # its lock (microseconds): only a dead pid's, untouched for an hour, goes
-        if not _pid_gone(pid):
-            return False
-        try:
-            return time.time() - path.stat().st_mtime > _UNLOCKED_AGE_S
-        except OSError:
-            return False
-    except OSError:
+    owner = path / _OWNER
+    if os.path.lexists(owner):
+        return _lock_is_free(owner, False)  # nobody holds it: the owner is gone
+    # no lock file: a root from before the lock, or one whose owner is between mkdtemp and its
+    # lock (microseconds): only a dead pid's, untouched for an hour, goes
+    if not _pid_gone(pid):
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True  # nobody holds it: the owner is gone (our lock ends with the close below)
+        return time.time() - path.stat().st_mtime > _UNLOCKED_AGE_S
     except OSError:
         return False
-    finally:
-        os.close(fd)
 
 
-def sweep_stale_roots(tmp: str | os.PathLike | None = None) -> list[Path]:
+def sweep_stale_roots(tmp: str | os.PathLike) -> list[Path]:
     """Remove the private temporary roots (private_temp_root) that processes killed before
-    their cleanup left in the temporary directory: only directories named as ours, owned by
-    this user, not links, whose owner's lock is free. Returns what was removed."""
-    base = Path(tmp if tmp is not None else tempfile.gettempdir())
+    their cleanup left in the temporary directory `tmp`: only directories named as ours, owned
+    by this user, not links, whose owner's lock is free. Returns what was removed. (`tmp` is the
+    caller's: tempfile.gettempdir's first call writes a probe file, private_temp_root makes it
+    inside its signal deferral.)"""
+    base = Path(tmp)
     removed: list[Path] = []
     try:
         entries = list(os.scandir(base))
@@ -678,7 +671,7 @@ def sweep_stale_roots(tmp: str | os.PathLike | None = None) -> list[Path]:
             continue
         path = Path(entry.path)
         if _root_is_stale(path, int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
             if not path.exists():
                 removed.append(path)
     return removed
