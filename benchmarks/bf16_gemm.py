@@ -185,9 +185,10 @@ def main() -> int:
         return 0
     cfg = SMOKE if a.smoke else FULL
     _gemm(cfg["gemm"], a.repeat)
-    for b in blocks:
-        spec = cfg["ffn"] if b == "ffn" else BLOCKS[b][1 if a.smoke else 0]
-        _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tempfile.mkdtemp()), ab)
+    with tempfile.TemporaryDirectory(prefix="bf16-gemm-") as tmp:  # the exported blocks, removed at the end
+        for b in blocks:
+            spec = cfg["ffn"] if b == "ffn" else BLOCKS[b][1 if a.smoke else 0]
+            _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tmp), ab)
     return 0
 
 

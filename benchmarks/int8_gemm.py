@@ -367,13 +367,17 @@ def main() -> int:
     if a.seq:  # (issue #19's second shape: seq 512)
         cfg = dict(cfg, seq=a.seq, gemm=(a.seq, *cfg["gemm"][1:]))
     threads = int(os.environ["TVM_NUM_THREADS"])  # configure() set it (or --threads did)
-    specs = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], Path(tempfile.mkdtemp()))
-    qdq = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], Path(tempfile.mkdtemp()), "static")
-    sgemm = _gemm(cfg["gemm"], a.repeat, specs, threads, a.tiles, qdq)
-    if a.gemm_only:
-        return 0
-    for mode in ("dynamic", "static"):
-        _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, Path(tempfile.mkdtemp()), mode, threads, a.no_avx512)
+    with tempfile.TemporaryDirectory(prefix="int8-gemm-") as tmp:  # the exported FFNs, removed at the end
+        dirs = [Path(tmp) / d for d in ("dynamic-specs", "static-specs", "dynamic", "static")]
+        for d in dirs:
+            d.mkdir()
+        specs = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], dirs[0])
+        qdq = _ffn_kernel_specs(cfg["ffn"], cfg["seq"], dirs[1], "static")
+        sgemm = _gemm(cfg["gemm"], a.repeat, specs, threads, a.tiles, qdq)
+        if a.gemm_only:
+            return 0
+        for mode, d in zip(("dynamic", "static"), dirs[2:]):
+            _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, d, mode, threads, a.no_avx512)
     return 0
 
 

@@ -82,9 +82,14 @@ class Binding:
         values = resolve_dims(list(inputs), spec, input_shapes=dict(input_shapes or {}), defaults=dict(defaults or {}))
         b = cls(tuple(values.items()), tuple(inputs), tuple(outputs), tuple(resolve_bounds(spec, values).items()))
         if static:
-            for name, bound in b.bounds:
-                raise ArgumentError(f"{{shape}} gives {name} an upper bound ({name}=..{bound}), which leaves it "
-                                    f"symbolic; this needs its value: {name}=N", "shape")
+            if b.bounds:  # every such dim in the one message, not only the first
+                names = " and ".join(n for n, _ in b.bounds)
+                given = ", ".join(f"{n}=..{v}" for n, v in b.bounds)
+                wanted = ",".join(f"{n}=N" for n, _ in b.bounds)
+                what = (f"{names} an upper bound ({given}), which leaves it symbolic; this needs its value"
+                        if len(b.bounds) == 1 else
+                        f"{names} upper bounds ({given}), which leave them symbolic; this needs their values")
+                raise ArgumentError(f"{{shape}} gives {what}: {wanted}", "shape")
             for s in inputs:
                 s.bind(values)  # raises, naming the input
         return b

@@ -25,16 +25,26 @@ from conftest import REPO, run_cli_in_process
 pytestmark = pytest.mark.slow
 
 BENCH = REPO / "benchmarks"
+# In TMPDIR but not ours: ORT's telemetry SDK's session id (`.ses`), torch's inductor cache.
+THIRD_PARTY_TMP = r"\.ses|torchinductor_.+"
 
 
 def _run(script: str, *args, cwd: Path, env: dict | None = None, timeout: float = 600) -> str:
+    """The script's stdout; it exited 0, without a traceback, and left nothing in its TMPDIR
+    (three scripts' mkdtemp()s had left ~6 exported-model directories in /tmp per CI run)."""
     e = dict(os.environ)
     e.setdefault("BLOCKFORGE_LOG", str(cwd / "blockforge.log"))
+    tmpdir = cwd / "tmpdir"
+    tmpdir.mkdir(exist_ok=True)
+    e["TMPDIR"] = str(tmpdir)
     e.update(env or {})
     p = subprocess.run([sys.executable, str(BENCH / script), *map(str, args)], cwd=cwd, env=e,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{script} {' '.join(map(str, args))}: rc={p.returncode}\n{p.stdout}\n{p.stderr}"
     assert "Traceback" not in p.stderr, p.stderr
+    if e["TMPDIR"] == str(tmpdir):  # other libraries' caches, each one entry reused by every run, aside
+        left = sorted(x.name for x in tmpdir.iterdir() if not re.fullmatch(THIRD_PARTY_TMP, x.name))
+        assert left == [], f"{script} left in TMPDIR: {left[:5]}"
     return p.stdout
 
 

@@ -65,6 +65,9 @@ def test_resolve_bounds():
     with pytest.raises(ArgumentError, match=re.escape("shape gives seq an upper bound (seq=..64), which leaves it "
                                                       "symbolic; this needs its value: seq=N")):
         Binding.resolve(SIGS, [], ShapeRequest.parse("batch=1,seq=..64,past=3"), static=True)
+    with pytest.raises(ArgumentError, match=re.escape("shape gives seq and past upper bounds (seq=..64, past=..32), "
+                                                      "which leave them symbolic; this needs their values: seq=N,past=N")):
+        Binding.resolve(SIGS, [], req, static=True)  # both named at once
 
 
 @I.ir_module

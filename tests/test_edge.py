@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -267,6 +269,53 @@ def test_runtime_error_is_one_line(built, tmp_path):
     res = run_app(pkg, {"x": tmp_path / "x.npy"}, tmp_path / "out.npy")
     assert_refused(res, "main failed", "float32", rc=1)
     assert "Traceback" not in res.stderr and not (tmp_path / "out.npy").exists()
+
+
+_INTERRUPTS = {"SIGINT": (signal.SIGINT, 130, "edge_app: interrupted"),
+               "SIGTERM": (signal.SIGTERM, 143, "edge_app: terminated"),
+               "SIGKILL": (signal.SIGKILL, -9, "")}
+
+
+@pytest.mark.parametrize("how", list(_INTERRUPTS))
+def test_nothing_left_in_tmpdir_however_the_app_ends(built, tmp_path, how):
+    """The private copy of module.so is removed once it is loaded, so a run killed later
+    (SIGKILL; the aarch64 tests' SIGILL left two edge_app-* directories in /tmp per CI run)
+    leaves nothing; Ctrl-C (to the process group, as a terminal sends it) and SIGTERM end
+    with one line and 128 + the signal; no output and no hidden temporary beside it."""
+    sig, rc, line = _INTERRUPTS[how]
+    pkg = package_artifact(PackageOptions(built("ffn", "host"), output=tmp_path / "pkg", app=True)).path
+    make_inputs(built("ffn", "host"), tmp_path)
+    tmpdir, outdir = tmp_path / "tmpdir", tmp_path / "outdir"
+    tmpdir.mkdir()
+    outdir.mkdir()
+    cmd = [str(pkg / "bin" / "edge_app"), str(pkg), "--input", f"x={tmp_path / 'x.npy'}",
+           "--output", str(outdir / "out.npy"), "--repeat", "1000000"]
+    # its own process group, SIGINT not inherited as ignored (a non-interactive shell's background job)
+    proc = subprocess.Popen(cmd, env={**os.environ, "TMPDIR": str(tmpdir)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        maps = Path(f"/proc/{proc.pid}/maps")
+        deadline = time.monotonic() + 60
+        while "/module.so" not in maps.read_text():  # loaded: the copy is mapped
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            time.sleep(0.05)
+        time.sleep(0.2)  # running main now
+        assert sorted(p.name for p in tmpdir.rglob("*")) == []  # the copy is gone while it runs
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == rc, (out, err)
+    if line:
+        assert err == line + "\n", err
+    assert sorted(p.name for p in tmpdir.rglob("*")) == []
+    assert sorted(p.name for p in outdir.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- aarch64

@@ -7,6 +7,7 @@ Runtime on the same file within the int8 parity row."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -209,13 +210,17 @@ def quantized_block_matches_ort(tmp_path, kind: str, mode: str, seq: int = 16, h
 
 def dies_without_the_instruction(tmp_path, pkg, inputs, cpu: str) -> None:
     """The package under `qemu-aarch64 -cpu CPU` (a core without the kernel's instruction) stops
-    on SIGILL: the instruction is what runs."""
+    on SIGILL: the instruction is what runs. And it leaves nothing in TMPDIR (its private
+    copy of module.so is removed once loaded: this killed run left one in /tmp per CI run)."""
     cmd = [QEMU[0], "-cpu", cpu, *QEMU[1:], str(pkg / "bin" / "edge_app"), str(pkg)]
     for n in inputs:
         cmd += ["--input", f"{n}={tmp_path / (n + '.npy')}"]
     cmd += ["--output", str(tmp_path / f"{cpu}.npy")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    tmpdir = tmp_path / f"tmpdir-{cpu}"
+    tmpdir.mkdir()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmpdir)})
     assert r.returncode in (-4, 132) and "Illegal instruction" in r.stderr + r.stdout, (r.returncode, r.stderr)
+    assert sorted(p.name for p in tmpdir.rglob("*")) == []
 
 
 @_qemu_marks

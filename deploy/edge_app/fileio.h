@@ -7,6 +7,7 @@
 #define EDGE_APP_FILEIO_H_
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -124,6 +125,34 @@ inline std::string ReadRegular(const std::string& path, const std::string& label
   return text;
 }
 
+// What an interrupted app removes (main.cc's handler for SIGINT/SIGTERM/SIGHUP): the private
+// copy of module.so until it is loaded, an output's temporary sibling until it is renamed.
+// Fixed buffers and a flag per slot, because the handler may only call async-signal-safe
+// functions (unlink, rmdir); a slot is disarmed before its buffer changes.
+enum DoomedSlot { kDoomedModule, kDoomedModuleDir, kDoomedOutput, kDoomedSlots };
+struct Doomed {
+  char path[4096];
+  volatile sig_atomic_t armed;
+};
+inline Doomed g_doomed[kDoomedSlots];
+
+inline void Arm(DoomedSlot slot, const std::string& path) {
+  Doomed& d = g_doomed[slot];
+  d.armed = 0;
+  if (path.size() >= sizeof(d.path)) return;  // too long to keep: not removed on an interrupt
+  std::memcpy(d.path, path.c_str(), path.size() + 1);
+  d.armed = 1;
+}
+
+inline void Disarm(DoomedSlot slot) { g_doomed[slot].armed = 0; }
+
+// Async-signal-safe: files first, then the directory that held the module copy.
+inline void RemoveDoomed() {
+  if (g_doomed[kDoomedOutput].armed) ::unlink(g_doomed[kDoomedOutput].path);
+  if (g_doomed[kDoomedModule].armed) ::unlink(g_doomed[kDoomedModule].path);
+  if (g_doomed[kDoomedModuleDir].armed) ::rmdir(g_doomed[kDoomedModuleDir].path);
+}
+
 // Writes `head` then `body` to `path` atomically: a new file with a random name in the
 // same directory, created with O_CREAT|O_EXCL|O_NOFOLLOW (a planted file or symlink of
 // that name makes the open fail, never redirects the write), then renamed over `path`
@@ -143,7 +172,9 @@ inline void WriteAtomic(const std::string& path, const std::string& head, const 
     char hex[17];
     for (int i = 0; i < 8; ++i) std::snprintf(hex + 2 * i, 3, "%02x", rnd[i]);
     tmp = dir + "." + base + "." + hex + ".tmp";
+    Arm(kDoomedOutput, tmp);  // before the open: a random name nobody else has until it is ours
     fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0) Disarm(kDoomedOutput);  // EEXIST: somebody else's file, never removed
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) throw FileError(path + ": cannot write (" + std::strerror(errno) + ")");
@@ -162,9 +193,13 @@ inline void WriteAtomic(const std::string& path, const std::string& head, const 
             ::fsync(fd) == 0;
   int saved = errno;
   ok = (::close(fd) == 0) && ok;
-  if (ok && ::rename(tmp.c_str(), path.c_str()) == 0) return;
+  if (ok && ::rename(tmp.c_str(), path.c_str()) == 0) {
+    Disarm(kDoomedOutput);
+    return;
+  }
   saved = ok ? errno : saved;
   ::unlink(tmp.c_str());
+  Disarm(kDoomedOutput);
   throw FileError(path + ": cannot write (" + std::strerror(saved) + ")");
 }
 

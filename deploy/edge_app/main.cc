@@ -46,6 +46,7 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -260,15 +261,23 @@ void VerifyFiles(const std::string& dir, const edge::Manifest& m) {
 }
 
 // The private copy of module.so that is dlopened (Python: compile/artifact/runtime.py does the
-// same): a 0700 directory under $TMPDIR (else /tmp), removed when the app ends.
+// same): a 0700 directory under $TMPDIR (else /tmp), removed as soon as the library is loaded
+// (the mapping stays), on every error and on SIGINT/SIGTERM/SIGHUP. Removed only at exit, as
+// before, a run killed later left it behind: the aarch64 tests whose module stops on SIGILL
+// left two edge_app-*/module.so in /tmp per CI run (24 there after a day of runs).
 struct PrivateModule {
   std::string dir, path;
   PrivateModule() = default;
   PrivateModule(const PrivateModule&) = delete;
   PrivateModule& operator=(const PrivateModule&) = delete;
-  ~PrivateModule() {
+  ~PrivateModule() { Remove(); }
+  void Remove() {
     if (!path.empty()) ::unlink(path.c_str());
     if (!dir.empty()) ::rmdir(dir.c_str());
+    edge::Disarm(edge::kDoomedModule);
+    edge::Disarm(edge::kDoomedModuleDir);
+    path.clear();
+    dir.clear();
   }
 };
 
@@ -277,7 +286,13 @@ struct PrivateModule {
 void CopyModule(const std::string& dir, const edge::Manifest& m, PrivateModule* pm) {
   const char* tmp = std::getenv("TMPDIR");
   std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/edge_app-XXXXXX";
-  if (!::mkdtemp(&templ[0])) Refuse("cannot create a private directory for module.so (" + templ + "): " + std::strerror(errno));
+  // Armed before mkdtemp creates it: an interrupt in between finds no such directory.
+  edge::Arm(edge::kDoomedModuleDir, templ);
+  if (!::mkdtemp(&templ[0])) {
+    edge::Disarm(edge::kDoomedModuleDir);
+    Refuse("cannot create a private directory for module.so (" + templ + "): " + std::strerror(errno));
+  }
+  edge::Arm(edge::kDoomedModuleDir, templ);
   pm->dir = templ;
   edge::InFile f;
   try {
@@ -286,6 +301,7 @@ void CopyModule(const std::string& dir, const edge::Manifest& m, PrivateModule* 
     Refuse(dir + ": " + e.what());
   }
   const std::string path = pm->dir + "/module.so";
+  edge::Arm(edge::kDoomedModule, path);  // in our fresh 0700 directory: nobody else's
   int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0700);
   if (out < 0) Refuse("cannot write " + path + ": " + std::strerror(errno));
   pm->path = path;
@@ -906,7 +922,7 @@ int Run(int argc, char** argv) {
   VerifyFiles(o.artifact, manifest);
   PrivateModule private_module;
   CopyModule(o.artifact, manifest, &private_module);
-  const std::string& module_path = private_module.path;  // what is checked below and dlopened
+  const std::string module_path = private_module.path;  // what is checked below and dlopened
   VerifyPackage(o.artifact, manifest);
   const edge::InFile weights = OpenWeights(o.artifact, manifest);
   CheckLoadedRuntime(o.artifact, manifest);
@@ -939,6 +955,7 @@ int Run(int argc, char** argv) {
   std::vector<ffi::Tensor> args;
   try {
     ffi::Module lib = ffi::Module::LoadFromFile(module_path);
+    private_module.Remove();  // loaded: nothing of ours stays in $TMPDIR, however the run ends
     ffi::Optional<ffi::Function> load = lib->GetFunction("vm_load_executable", true);
     if (!load) Fail(module + " is not a Relax VM executable (no vm_load_executable)");
     ffi::Module vm = (*load)().cast<ffi::Module>();
@@ -1032,9 +1049,36 @@ int Run(int argc, char** argv) {
   return 0;
 }
 
+// Ctrl-C (and SIGTERM, SIGHUP): the private module copy and a half-written output's
+// temporary removed, one line, exit 128 + the signal, as a shell reports it. Only
+// async-signal-safe calls here; it may run on any thread (TVM's pool included).
+extern "C" void OnInterrupt(int sig) {
+  edge::RemoveDoomed();
+  static const char kInt[] = "edge_app: interrupted\n", kTerm[] = "edge_app: terminated\n";
+  const char* msg = sig == SIGINT ? kInt : kTerm;
+  ssize_t put = ::write(STDERR_FILENO, msg, std::strlen(msg));
+  (void)put;
+  ::_exit(128 + sig);
+}
+
+void HandleInterrupts() {
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof(sa));
+  sa.sa_handler = OnInterrupt;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&sa.sa_mask, sig);  // one handler at a time
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction old;
+    // An ignored signal stays ignored (nohup, a background job of a non-interactive shell).
+    if (::sigaction(sig, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+    ::sigaction(sig, &sa, nullptr);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  HandleInterrupts();
   try {
     return Run(argc, argv);
   } catch (const Failure& f) {
