@@ -67,7 +67,45 @@ def _rel_l2(got, ref) -> float:
     return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref))
 
 
-def _gemm(shape, repeat: int) -> None:
+def _probe(threads: int, iters: int = 100000, chains: int = 24, smoke: bool = False):
+    """(call, FLOPs a call): `chains` independent VDPBF16PS zmm accumulators per thread, in
+    registers, on `threads` threads: the instruction's rate the cores give now (no loads, no
+    epilogue), timed with the contenders, so each one's GFLOP/s reads as a fraction of it.
+    (The C loop quoted before this probe existed read 953 GFLOP/s on two Zen 5 threads, while
+    the FFN at seq 128 alone ran 1.23 ms = 980 GFLOP/s: a rate from another minute.)"""
+    import tvm
+    from tvm.script import tirx as T
+
+    from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_FUNC, LLVM_IR
+    from blockforge.targets import resolve
+
+    iters = 100 if smoke else iters
+
+    @T.prim_func(s_tir=True)
+    def probe(A: T.Buffer((16,), "int32"), B: T.Buffer((16,), "int32"), C: T.Buffer((threads, chains, 16), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads, annotations={IMPORT_PRAGMA: LLVM_IR}):
+            acc = T.alloc_buffer((chains, 16), "float32", scope="local")
+            for c in T.unroll(chains):
+                acc[c, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
+            for _ in range(iters):
+                for c in T.unroll(chains):
+                    acc[c, T.ramp(0, 1, 16)] = T.call_pure_extern(
+                        "float32x16", LLVM_FUNC, acc[c, T.ramp(0, 1, 16)], A.vload([0], "int32x16"),
+                        B.vload([0], "int32x16"))
+            for c in T.unroll(chains):
+                C[t, c, T.ramp(0, 1, 16)] = acc[c, T.ramp(0, 1, 16)]
+
+    lib = tvm.compile(tvm.IRModule({"main": probe}), target=resolve("host").tvm_target())
+    one_pair = np.full(16, 0x3F803F80, np.uint32).view(np.int32)  # bf16 (1.0, 1.0) in each lane
+    args = [tvm.runtime.tensor(one_pair), tvm.runtime.tensor(one_pair),
+            tvm.runtime.tensor(np.zeros((threads, chains, 16), np.float32))]
+    lib["main"](*args)
+    assert (args[2].numpy() == 2 * iters).all(), "the probe's chains did not run"
+    return (lambda: lib["main"](*args)), threads * iters * chains * 16 * 2 * 2
+
+
+def _gemm(shape, repeat: int, probe) -> None:
     import tvm
     from tvm import relax
 
@@ -100,19 +138,20 @@ def _gemm(shape, repeat: int) -> None:
     # vs 4.91 ms right after one SGEMM). The ceiling is taken before and after instead.
     ceil_before = sgemm_ceiling(clock=CLOCK)
     time.sleep(0.5)
-    med = _medians({"bf16": lambda: lib["main"](*args, out), "fp32": lambda: vm["main"](xt)}, repeat)
+    med = _medians({"bf16": lambda: lib["main"](*args, out), "fp32": lambda: vm["main"](xt), "probe": probe[0]}, repeat)
     time.sleep(0.2)
     ceil_after = sgemm_ceiling(clock=CLOCK)
+    peak = probe[1] / (med.pop("probe") * 1e-3) / 1e9
     rate = {key: 2 * m * n * k / (ms * 1e-3) / 1e9 for key, ms in med.items()}
     ceiling = max(ceil_before, ceil_after, rate["fp32"])  # the rate float32 reaches here
     print(f"GEMM {m}x{k}x{n} (max |kernel - bf16 emulation| {exact:.1e}; rel L2 vs fp32 "
           f"{_rel_l2(out.numpy(), a.astype(np.float64) @ w):.1e}; {_load()}): bf16 kernel {med['bf16']:.3f} ms "
-          f"= {rate['bf16']:.0f} GFLOP/s; SGEMM ceiling {ceil_before:.0f} before / {ceil_after:.0f} after GFLOP/s; "
+          f"= {rate['bf16']:.0f} GFLOP/s = {rate['bf16'] / peak:.0%} of the VDPBF16PS probe ({peak:.0f}); SGEMM ceiling {ceil_before:.0f} before / {ceil_after:.0f} after GFLOP/s; "
           f"blockforge fp32 GEMM {med['fp32']:.3f} ms = {rate['fp32']:.0f} GFLOP/s; "
           f"bf16 = {rate['bf16'] / ceiling:.2f}x the SGEMM ceiling in this run (hardware target ~2x)")
 
 
-def _ffn(spec, seq: int, repeat: int, tmp: Path, ab: tuple[str, ...] = ()) -> None:
+def _ffn(spec, seq: int, repeat: int, tmp: Path, probe, ab: tuple[str, ...] = ()) -> None:
     """One block (an FFN, MHA or encoder block spec) at bf16 and fp32 against the peers."""
     import tvm
     from tvm import relax
@@ -143,17 +182,22 @@ def _ffn(spec, seq: int, repeat: int, tmp: Path, ab: tuple[str, ...] = ()) -> No
             calls[name] = ov.make_runner(bm, inputs, THREADS, precision=precision)
             errors[name] = _rel_l2(calls[name].outputs()[0], ref)
     load = _load()
+    calls["VDPBF16PS probe"] = probe[0]
     med = _medians(calls, repeat)
+    peak = probe[1] / (med.pop("VDPBF16PS probe") * 1e-3) / 1e9
+    flops = 4 * seq * spec.d_model * spec.d_ff if spec.kind == "ffn" else None  # its two GEMMs
     what = f"d_ff {spec.d_ff} {spec.activation}" if spec.kind == "ffn" else f"heads {spec.heads}" + \
         (f" d_ff {spec.d_ff} {spec.activation} {spec.norm}-LN" if spec.kind == "block" else "")
     print(f"{spec.kind.upper()} d_model {spec.d_model} {what} seq {seq} ({THREADS} thread(s), "
           f"{'process CPU time' if THREADS == 1 else 'wall'}; {load} -> {_load()}; "
-          f"phases {' > '.join(res.phases)}):")
+          f"phases {' > '.join(res.phases)}; the VDPBF16PS probe {peak:.0f} GFLOP/s):")
     peer = med.get("OpenVINO bf16")
     for k, ms in med.items():
         vs = f", {ms / peer:.2f}x OpenVINO bf16" if peer else ""
         err = f"; rel L2 vs ORT fp32 {errors[k]:.1e}" if k in errors else ""
-        print(f"  {k}: {ms:.3f} ms ({ms / med['blockforge fp32']:.2f}x blockforge fp32{vs}{err})")
+        rate = f" = {flops / (ms * 1e-3) / 1e9:.0f} GFLOP/s, {flops / (ms * 1e-3) / 1e9 / peak:.0%} of the probe" \
+            if flops else ""
+        print(f"  {k}: {ms:.3f} ms{rate} ({ms / med['blockforge fp32']:.2f}x blockforge fp32{vs}{err})")
 
 
 def main() -> int:
@@ -184,11 +228,12 @@ def main() -> int:
         print("this CPU has no AVX512_BF16: the bf16 kernel cannot run here; nothing to measure")
         return 0
     cfg = SMOKE if a.smoke else FULL
-    _gemm(cfg["gemm"], a.repeat)
+    probe = _probe(THREADS, smoke=a.smoke)
+    _gemm(cfg["gemm"], a.repeat, probe)
     with tempfile.TemporaryDirectory(prefix="bf16-gemm-") as tmp:  # the exported blocks, removed at the end
         for b in blocks:
             spec = cfg["ffn"] if b == "ffn" else BLOCKS[b][1 if a.smoke else 0]
-            _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tmp), ab)
+            _ffn(spec, a.seq or cfg["seq"], a.repeat, Path(tmp), probe, ab)
     return 0
 
 
