@@ -12,6 +12,7 @@ machine, today.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -60,6 +61,9 @@ class BenchOptions:
     # ranked: what a report relates the contenders to under the same machine state (bench --decode's
     # memory bandwidth); their samples are the report's `probes`
     probes: dict = field(default_factory=dict)
+    # the machine's SGEMM GFLOP/s when quiet: the report says whether this run is quotable
+    # (report.QUOTABLE_FRACTION of it, before and after the timing)
+    quiet_ceiling: float | None = None
     extra: tuple = ()  # contenders outside the registry, after its rows (bench --decode's loop artifact)
 
 
@@ -131,6 +135,9 @@ def host_facts() -> dict:
 
 BURST = 5
 QUIET_S = 0.05
+# After numpy's SGEMM: OpenBLAS's workers spin for tens of ms after a call and take the cores
+# from the next engine (benchmarks/int8_gemm.py: TVM's kernel 1.89 ms alone, 4.91 ms right after one).
+BLAS_QUIET_S = 0.5
 
 
 def measure_interleaved(runners: dict, repeat: int, warmup: int, clock=time.perf_counter) -> dict[str, list[float]]:
@@ -242,6 +249,8 @@ def bench(opts: BenchOptions) -> BenchReport:
         raise BlockforgeError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(CONTENDERS)}")
     if opts.repeat < 3:
         raise ArgumentError("{repeat} must be at least 3", "repeat")
+    if opts.quiet_ceiling is not None and not (math.isfinite(opts.quiet_ceiling) and opts.quiet_ceiling > 0):
+        raise ArgumentError(f"{{quiet_ceiling}} must be a positive GFLOP/s, got {opts.quiet_ceiling}", "quiet_ceiling")
     target = resolve(opts.target)
     problem = target.run_problem()
     if problem:
@@ -290,6 +299,8 @@ def bench(opts: BenchOptions) -> BenchReport:
         clash = set(opts.probes) & set(runners)
         if clash:
             raise ValueError(f"probe(s) named like a contender: {sorted(clash)}")
+        ceiling_before = sgemm_ceiling(opts.gemm_n)
+        time.sleep(BLAS_QUIET_S)
         samples = measure_interleaved({**runners, **opts.probes}, opts.repeat, opts.warmup)
         probes = {k: samples.pop(k) for k in opts.probes}
         profile = {k: profile_vm(r) for k, r in runners.items() if opts.profile and isinstance(r, TvmRunner)}
@@ -298,4 +309,4 @@ def bench(opts: BenchOptions) -> BenchReport:
     return BenchReport(str(opts.model), target.name, session.dims, threads, flops, ceiling, results, best, profile,
                        bm.notes, host_facts(), unchecked=ref.unchecked,
                        precision=precision if precision != "float" or opts.precision == "fp32" else opts.precision,
-                       probes=probes)
+                       probes=probes, sgemm_before=ceiling_before, quiet_ceiling=opts.quiet_ceiling)

@@ -12,8 +12,13 @@ from pathlib import Path
 import numpy as np
 
 # /2: ratio_to_best_peer (the headline), best_peer, peer flags, host facts;
-# /3: unchecked (outputs no reference could compute: then no headline)
-SCHEMA = "blockforge.bench/3"
+# /3: unchecked (outputs no reference could compute: then no headline);
+# /4: sgemm_before (the ceiling before the timing too), quiet_ceiling, quotable
+SCHEMA = "blockforge.bench/4"
+# A run is quotable when every SGEMM ceiling it measured is at least this fraction of the
+# machine's quiet value: a run at load 5-13 read 22-44 GFLOP/s against ~200 quiet, and its
+# ratios to the peers were off by up to 1.5x.
+QUOTABLE_FRACTION = 0.9
 
 
 @dataclass
@@ -111,6 +116,28 @@ class BenchReport:
     unchecked: list[str] = field(default_factory=list)  # outputs no reference computed: times of unverified results
     precision: str = "float"  # "int8": a quantized model (GFLOP/s are then int8 ops/s)
     probes: dict[str, list[float]] = field(default_factory=dict)  # BenchOptions.probes' samples, ms
+    sgemm_before: float | None = None  # the ceiling measured before the timing (sgemm_gflops: after it)
+    quiet_ceiling: float | None = None  # the machine's quiet SGEMM GFLOP/s, when given (--quiet-ceiling)
+
+    @property
+    def quotable(self) -> bool | None:
+        """Every ceiling of the run >= QUOTABLE_FRACTION of the quiet one; None without a quiet value."""
+        if self.quiet_ceiling is None:
+            return None
+        return min(self.ceilings()) >= QUOTABLE_FRACTION * self.quiet_ceiling
+
+    def ceilings(self) -> list[float]:
+        return [c for c in (self.sgemm_before, self.sgemm_gflops) if c is not None]
+
+    def quotable_text(self) -> str | None:
+        if self.quotable is None:
+            return None
+        low = min(self.ceilings())
+        if self.quotable:
+            return (f"quotable: every SGEMM ceiling of the run >= {QUOTABLE_FRACTION:.0%} of the quiet "
+                    f"{self.quiet_ceiling:.0f} GFLOP/s")
+        return (f"NOT QUOTABLE: SGEMM ceiling {low:.0f} GFLOP/s is below {QUOTABLE_FRACTION:.0%} of the quiet "
+                f"{self.quiet_ceiling:.0f} GFLOP/s: the machine was not quiet; discard, do not quote")
 
     @property
     def headline(self) -> dict | None:
@@ -137,6 +164,7 @@ class BenchReport:
         del d["probes"]  # an API channel (bench --decode's bandwidths, in its own JSON), not bench's schema
         d["schema"] = SCHEMA
         d["headline"] = self.headline
+        d["quotable"] = self.quotable
         return d
 
     def markdown(self) -> str:
@@ -144,8 +172,10 @@ class BenchReport:
         lines = [f"{Path(self.model).name} on {self.target}{f' ({cpu})' if cpu else ''}, {self.threads} threads, "
                  f"dims {self.dims}, {self.flops / 1e9:.3f} G{'OP' if self.precision == 'int8' else 'FLOP'}"
                  f"{f' ({self.precision})' if self.precision != 'float' else ''}; "
-                 f"SGEMM ceiling {self.sgemm_gflops:.0f} GFLOP/s", "",
+                 f"SGEMM ceiling {self.sgemm_gflops:.0f} GFLOP/s"
+                 f"{f' ({self.sgemm_before:.0f} before the timing)' if self.sgemm_before is not None else ''}", "",
                  f"**{self.headline_text()}**", "",
+                 *([f"**{q}**", ""] if (q := self.quotable_text()) else []),
                  "| contender | kind | median ms | p90 ms | GFLOP/s | vs best peer | % of SGEMM |",
                  "|---|---|---|---|---|---|---|"]
         for r in self.results:

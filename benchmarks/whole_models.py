@@ -50,7 +50,7 @@ import numpy as np
 import blockforge
 from blockforge.bench import BenchOptions, bench, plot
 from blockforge.bench.harness import host_facts, sgemm_ceiling
-from blockforge.bench.report import KERNEL_CLASSES, class_shares
+from blockforge.bench.report import KERNEL_CLASSES, QUOTABLE_FRACTION, class_shares
 from blockforge.errors import BlockforgeError
 from blockforge.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from blockforge.settings import cache_dir
@@ -60,7 +60,6 @@ EXPORTER = HERE / "export_models.py"
 SMOKE_MODELS = HERE.parent / "tests" / "fixtures" / "whole_models"  # export_models.py whole --tiny
 SCHEMA = "blockforge.whole_models/1"
 AGAINST = ("ort", "ort-fused", "openvino", "untuned")
-QUOTABLE_FRACTION = 0.9  # of the quiet SGEMM ceiling
 TOP_KERNELS = 5
 
 
@@ -307,6 +306,7 @@ def run(a, mod) -> int:
         row = model_row(name, entry, rep, (load0, os.getloadavg()[0]), time.time() - t1, reused)
         models.append(row)
         reports.append(rep)
+        ceilings[f"{name} (before)"] = rep.sgemm_before
         ceilings[name] = rep.sgemm_gflops
         u = row["contenders"].get("untuned")
         print(f"{name}: {rep.headline_text()}; untuned {u['ms']['median']:.4g} ms" if u else f"{name}: {rep.headline_text()}",

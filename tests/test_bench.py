@@ -72,6 +72,33 @@ def test_ratio_to_best_peer_from_the_same_samples():
     assert best == "ort" and BenchReport("m", "host", {}, 2, flops, ceiling, res, best).headline is None
 
 
+def test_quotable_only_when_every_ceiling_is_near_the_quiet_one():
+    """The brief's rule in the report: every SGEMM ceiling of the run (before and after the
+    timing) at least 90% of the machine's quiet value; without one, no verdict."""
+    res, best = summarize({"ort": [2.0] * 3, "untuned": [1.8] * 3}, set(PEERS), 10**9, 400.0)
+
+    def report(before, after, quiet):
+        return BenchReport("m.onnx", "host", {}, 2, 10**9, after, res, best, sgemm_before=before, quiet_ceiling=quiet)
+
+    ok = report(380.0, 400.0, 420.0)  # 380 >= 0.9 x 420 = 378
+    assert ok.quotable is True and ok.to_dict()["quotable"] is True
+    assert "**quotable: every SGEMM ceiling of the run >= 90% of the quiet 420 GFLOP/s**" in ok.markdown()
+    assert "SGEMM ceiling 400 GFLOP/s (380 before the timing)" in ok.markdown()
+    for before, after in ((377.0, 400.0), (400.0, 377.0)):  # either reading low: the run was not quiet
+        bad = report(before, after, 420.0)
+        assert bad.quotable is False and bad.to_dict()["quotable"] is False
+        assert "**NOT QUOTABLE: SGEMM ceiling 377 GFLOP/s is below 90% of the quiet 420 GFLOP/s" in bad.markdown()
+    none = report(100.0, 400.0, None)
+    assert none.quotable is None and none.to_dict()["quotable"] is None and "QUOTABLE" not in none.markdown().upper()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_bad_quiet_ceiling_is_one_line(tmp_path, value):
+    model = export(FFNSpec(d_model=16, d_ff=32), tmp_path / "f.onnx").model_path
+    assert_user_error(run_cli("bench", model, "--quiet-ceiling", value, "--shape", "batch=1,seq=4", cwd=tmp_path),
+                      "--quiet-ceiling must be a positive GFLOP/s")
+
+
 MHA_VARIANTS = [
     MHASpec(d_model=64, heads=4),
     MHASpec(d_model=64, heads=4, kv_seq=24),
@@ -236,14 +263,16 @@ def test_nothing_checked_no_headline(tmp_path, monkeypatch):
 RESULT_KEYS = {"name", "peer", "median_ms", "p90_ms", "min_ms", "gflops", "ratio_to_best_peer", "ratio_to_ort",
                "pct_of_sgemm", "samples_ms"}
 REPORT_KEYS = {"schema", "model", "target", "dims", "threads", "flops", "sgemm_gflops", "results", "best_peer",
-               "headline", "profile", "notes", "host", "unchecked", "precision"}
+               "headline", "profile", "notes", "host", "unchecked", "precision", "sgemm_before", "quiet_ceiling",
+               "quotable"}
 
 
 @pytest.mark.slow
 def test_bench_cli_json_plot_profile(tmp_path):
     model = export(FFNSpec(d_model=64, d_ff=128), tmp_path / "f.onnx").model_path
     r = run_cli("bench", model, "--shape", "batch=1,seq=16", "--repeat", 6,  # every contender by default
-                "--profile", "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png", cwd=tmp_path)
+                "--profile", "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png", "--quiet-ceiling", "0.001",
+                cwd=tmp_path)
     assert r.rc == 0, r.text
     assert "| ort | peer |" in r.out and "| untuned | blockforge |" in r.out and "profile of untuned" in r.out
     assert "the best peer" in r.out
@@ -252,6 +281,8 @@ def test_bench_cli_json_plot_profile(tmp_path):
     rep = json.loads((tmp_path / "b.json").read_text())
     assert set(rep) == REPORT_KEYS and rep["schema"] == SCHEMA and rep["unchecked"] == [] and rep["precision"] == "float"
     assert rep["flops"] == 2 * 2 * 16 * 64 * 128 and rep["threads"] >= 1 and rep["sgemm_gflops"] > 0
+    assert rep["sgemm_before"] > 0 and rep["quiet_ceiling"] == 0.001 and rep["quotable"] is True
+    assert "**quotable: every SGEMM ceiling" in r.out
     assert {"cpu_model", "physical_cores", "machine", "load_avg_1m", "versions"} <= set(rep["host"])
     assert {"apache-tvm", "onnx", "numpy"} <= set(rep["host"]["versions"])
     res = {x["name"]: x for x in rep["results"]}

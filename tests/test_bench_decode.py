@@ -79,6 +79,7 @@ def test_bench_decode_refusals(tmp_path):
                       "--decode needs a decoder exported with its KV cache", "input_ids")
     model = FIXTURES / "gpt2_past_legacy_op17.onnx"
     assert_user_error(cli("bench", "--decode", model, "--shape", "batch=1", cwd=tmp_path), "drop --shape")
+    assert_user_error(cli("bench", "--decode", model, "--quiet-ceiling", "400", cwd=tmp_path), "drop --quiet-ceiling")
     assert_user_error(cli("bench", "--decode", model, "--past", "16,x", cwd=tmp_path), "--past '16,x'")
     assert_user_error(cli("bench", "--decode", model, "--past", "0", cwd=tmp_path), "--past needs lengths >= 1")
     assert_user_error(cli("bench", model, "--copy-cache", cwd=tmp_path), "--copy-cache is a --decode option")

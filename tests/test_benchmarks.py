@@ -207,7 +207,7 @@ def test_whole_models(tmp_path):
     assert doc["schema"] == "blockforge.whole_models/1" and doc["quotable"] is False
     assert doc["host"]["cpu_model"] and {"apache-tvm", "numpy"} <= set(doc["host"]["versions"])
     assert {"torch", "transformers"} <= set(doc["export_versions"])
-    assert set(doc["sgemm"]["per_measurement"]) == {"before", "wav2vec2_base", "after"}
+    assert set(doc["sgemm"]["per_measurement"]) == {"before", "wav2vec2_base (before)", "wav2vec2_base", "after"}
     (m,) = doc["models"]
     assert m["model"] == "wav2vec2_base" and m["inputs"] == {"input_values": [1, 400]} and m["gflop"] > 0
     assert set(m["load_avg_1m"]) == {"before", "after"} and m["threads"] >= 1
@@ -218,7 +218,7 @@ def test_whole_models(tmp_path):
     classes = m["profile"]["classes_pct"]
     assert list(classes) == ["GEMM", "attention", "conv", "elementwise/norm", "other"]
     assert abs(sum(classes.values()) - 100) < 1e-6 and classes["conv"] > 0 and classes["GEMM"] > 0
-    assert m["profile"]["top_kernels"] and doc["reports"]["wav2vec2_base"]["schema"] == "blockforge.bench/3"
+    assert m["profile"]["top_kernels"] and doc["reports"]["wav2vec2_base"]["schema"] == "blockforge.bench/4"
     md = (res / "whole-models-smoke.md").read_text()
     assert "**NOT QUOTABLE**: --smoke" in md and "| wav2vec2_base | " in md and "| GEMM | attention | conv |" in md
 

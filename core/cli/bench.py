@@ -26,6 +26,10 @@ def add(sub) -> None:
     p.add_argument("--tuning-db", default=None, help="tuning database dir (default: the device's)")
     p.add_argument("--profile", action="store_true", help="per-kernel times of the TVM contenders")
     add_precision(p)
+    p.add_argument("--quiet-ceiling", type=float, default=None, metavar="GFLOPS",
+                   help="this machine's SGEMM GFLOP/s when quiet (the report's ceiling on an idle machine): the "
+                        "report says whether the run is quotable (every ceiling it measured, before and after "
+                        "the timing, >= 90%% of it)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG bar chart (ratio to the best peer) here")
     p.add_argument("--decode", action="store_true",
@@ -63,7 +67,7 @@ def run(a) -> int:
                              against=tuple(x.strip() for x in a.against.split(",") if x.strip()),
                              repeat=a.repeat, shape=shape(a), default_dims=default_dims(a),
                              tuning_db=path_or_none(a.tuning_db, "--tuning-db"), profile=a.profile,
-                             precision=a.precision))
+                             precision=a.precision, quiet_ceiling=a.quiet_ceiling))
     print(rep.markdown())
     for n in rep.notes:
         print(f"note: {note_text(n)}")
@@ -80,7 +84,8 @@ def run_decode(a) -> int:
     from blockforge.bench.decode import DecodeOptions, bench_decode
     from blockforge.errors import BlockforgeError
 
-    for flag, given in (("--shape", a.shape is not None), ("--plot", a.plot is not None), ("--profile", a.profile)):
+    for flag, given in (("--shape", a.shape is not None), ("--plot", a.plot is not None), ("--profile", a.profile),
+                        ("--quiet-ceiling", a.quiet_ceiling is not None)):
         if given:
             raise BlockforgeError(f"--decode binds its own shapes and reports a table: drop {flag}")
     try:
