@@ -29,7 +29,6 @@ def main(argv=None) -> int:
     from blockforge.bench.contenders import OpenVino, Ort
     from blockforge.bench.harness import measure_interleaved
     from blockforge.compile.session import open_model
-    from blockforge.compile.pipeline import build
     from blockforge.graph.parity import model_precision, tolerance_kind
     from blockforge.graph import ort as ort_runner
     from blockforge.graph.tolerance import OrtSpread, compare, output_tolerance
@@ -73,13 +72,10 @@ def main(argv=None) -> int:
     # ORT's run of the file as written (optimizations off), made only if a row needs it
     spread = OrtSpread(lambda: ort_runner.run(model, feeds, optimize=False))
     for label, without in builds:
-        # open_model: the checked import a user's compile runs (shape constants, symbolic dims bound)
-        if a.precision == "fp32":
-            vm = relax.VirtualMachine(build(open_model(a.model, target, dims).relax(), target, without=without).executable,
-                                      tvm.cpu())
-        else:
-            vm = relax.VirtualMachine(open_model(a.model, target, dims, precision=a.precision).build(
-                without=frozenset(without)).executable, tvm.cpu())
+        # open_model + Session.build: the checked import and the build a user's compile runs (shape
+        # constants, symbolic dims bound, the precision's phases, an int8-gemm ablation reaching the import)
+        vm = relax.VirtualMachine(open_model(a.model, target, dims, precision=a.precision).build(
+            without=frozenset(without)).executable, tvm.cpu())
         t = [tvm.runtime.tensor(x) for x in feeds.values()]
         got = vm["main"](*t)
         got = got[0] if not hasattr(got, "numpy") else got  # a tuple of outputs (a decoder's logits, presents)

@@ -7,11 +7,11 @@
 #define EDGE_APP_FILEIO_H_
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -128,29 +128,33 @@ inline std::string ReadRegular(const std::string& path, const std::string& label
 // What an interrupted app removes (main.cc's handler for SIGINT/SIGTERM/SIGHUP): the private
 // copy of module.so until it is loaded, an output's temporary sibling until it is renamed.
 // Fixed buffers and a flag per slot, because the handler may only call async-signal-safe
-// functions (unlink, rmdir); a slot is disarmed before its buffer changes.
+// functions (unlink, rmdir); a slot is disarmed before its buffer changes. The flag is a
+// lock-free atomic (release/acquire): the handler may run on another thread (TVM's pool),
+// which must see the whole path before it sees the flag.
 enum DoomedSlot { kDoomedModule, kDoomedModuleDir, kDoomedOutput, kDoomedSlots };
 struct Doomed {
   char path[4096];
-  volatile sig_atomic_t armed;
+  std::atomic<bool> armed{false};
 };
+static_assert(std::atomic<bool>::is_always_lock_free, "the interrupt handler reads it");
 inline Doomed g_doomed[kDoomedSlots];
 
 inline void Arm(DoomedSlot slot, const std::string& path) {
   Doomed& d = g_doomed[slot];
-  d.armed = 0;
+  d.armed.store(false, std::memory_order_release);
   if (path.size() >= sizeof(d.path)) return;  // too long to keep: not removed on an interrupt
   std::memcpy(d.path, path.c_str(), path.size() + 1);
-  d.armed = 1;
+  d.armed.store(true, std::memory_order_release);
 }
 
-inline void Disarm(DoomedSlot slot) { g_doomed[slot].armed = 0; }
+inline void Disarm(DoomedSlot slot) { g_doomed[slot].armed.store(false, std::memory_order_release); }
 
 // Async-signal-safe: files first, then the directory that held the module copy.
 inline void RemoveDoomed() {
-  if (g_doomed[kDoomedOutput].armed) ::unlink(g_doomed[kDoomedOutput].path);
-  if (g_doomed[kDoomedModule].armed) ::unlink(g_doomed[kDoomedModule].path);
-  if (g_doomed[kDoomedModuleDir].armed) ::rmdir(g_doomed[kDoomedModuleDir].path);
+  auto armed = [](DoomedSlot s) { return g_doomed[s].armed.load(std::memory_order_acquire); };
+  if (armed(kDoomedOutput)) ::unlink(g_doomed[kDoomedOutput].path);
+  if (armed(kDoomedModule)) ::unlink(g_doomed[kDoomedModule].path);
+  if (armed(kDoomedModuleDir)) ::rmdir(g_doomed[kDoomedModuleDir].path);
 }
 
 // Writes `head` then `body` to `path` atomically: a new file with a random name in the

@@ -286,13 +286,8 @@ struct PrivateModule {
 void CopyModule(const std::string& dir, const edge::Manifest& m, PrivateModule* pm) {
   const char* tmp = std::getenv("TMPDIR");
   std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/edge_app-XXXXXX";
-  // Armed before mkdtemp creates it: an interrupt in between finds no such directory.
-  edge::Arm(edge::kDoomedModuleDir, templ);
-  if (!::mkdtemp(&templ[0])) {
-    edge::Disarm(edge::kDoomedModuleDir);
-    Refuse("cannot create a private directory for module.so (" + templ + "): " + std::strerror(errno));
-  }
-  edge::Arm(edge::kDoomedModuleDir, templ);
+  if (!::mkdtemp(&templ[0])) Refuse("cannot create a private directory for module.so (" + templ + "): " + std::strerror(errno));
+  edge::Arm(edge::kDoomedModuleDir, templ);  // (an interrupt just before this leaves one empty directory)
   pm->dir = templ;
   edge::InFile f;
   try {

@@ -80,11 +80,27 @@ def app(kind: str) -> Path:
         if kind == "plain":
             if shutil.which(os.environ.get("CXX", "g++")) is None or shutil.which("make") is None:
                 pytest.skip("edge_app needs make and g++ (Debian packages make, g++)")
-            _cache[kind] = build_app(host_arch())
+            _cache[kind] = _private_copy(build_app(host_arch()))
         else:
             needs_sanitizers()
             _cache[kind] = _make("host-asan") / f"{host_arch()}-asan" / "bin" / "edge_app"
     return _cache[kind]
+
+
+def _private_copy(binary: Path) -> Path:
+    """bin/edge_app and its ../lib (the rpath) copied out of the shared build cache, removed at
+    exit: test_edge.py's cache tests tamper with the cached app and rebuild it, and under
+    pytest-xdist another worker's run of the cached path then found no file (85 hostile cases
+    failed with FileNotFoundError in one such run)."""
+    import atexit
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="edge-app-plain-"))
+    atexit.register(shutil.rmtree, root, True)
+    shutil.copytree(binary.parent.parent / "lib", root / "lib")
+    (root / "bin").mkdir()
+    shutil.copy2(binary, root / "bin" / "edge_app")
+    return root / "bin" / "edge_app"
 
 
 def fuzz_driver() -> Path:
