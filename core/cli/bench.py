@@ -84,10 +84,12 @@ def run_decode(a) -> int:
     from blockforge.bench.decode import DecodeOptions, bench_decode
     from blockforge.errors import BlockforgeError
 
-    for flag, given in (("--shape", a.shape is not None), ("--plot", a.plot is not None), ("--profile", a.profile),
-                        ("--quiet-ceiling", a.quiet_ceiling is not None)):
+    for flag, given in (("--shape", a.shape is not None), ("--plot", a.plot is not None), ("--profile", a.profile)):
         if given:
             raise BlockforgeError(f"--decode binds its own shapes and reports a table: drop {flag}")
+    if a.quiet_ceiling is not None:
+        raise BlockforgeError("--decode relates each point to a memory bandwidth measured beside it, not to the "
+                              "SGEMM ceiling: drop --quiet-ceiling")
     try:
         pasts = tuple(int(x) for x in a.past.split(",") if x.strip())
     except ValueError:
