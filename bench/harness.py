@@ -81,6 +81,44 @@ def sgemm_ceiling(n: int = 2048, repeat: int = 5, clock=time.perf_counter) -> fl
     return 2 * n**3 / best / 1e9
 
 
+def chain_probe(update, a: np.ndarray, b: np.ndarray, acc: tuple[str, int], threads: int, iters: int,
+                chains: int = 24, annotations: dict | None = None):
+    """(call, its accumulators): `chains` independent `acc` = (dtype, lanes) vector accumulators
+    per thread, each set to `update(acc, A, B)` `iters` times, A and B the whole vectors `a`
+    and `b`, everything in registers, on `threads` threads: one instruction's rate as the cores
+    give it now (no loads, no epilogue), timed beside the kernels that use it (benchmarks/
+    int8_gemm.py's VPDPBUSD, bf16_gemm.py's VDPBF16PS). The accumulators, (threads, chains,
+    lanes), hold the sums after each call, for the caller's check that the chains ran.
+    `annotations`: the thread loop's (an instruction in imported LLVM IR needs its pragma)."""
+    import tvm
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    acc_dtype, lanes = acc
+    a_vec, b_vec = f"{a.dtype}x{a.size}", f"{b.dtype}x{b.size}"
+    zero = tirx.const(0, acc_dtype)
+
+    @T.prim_func(s_tir=True)
+    def probe(A: T.Buffer((a.size,), str(a.dtype)), B: T.Buffer((b.size,), str(b.dtype)),
+              C: T.Buffer((threads, chains, lanes), acc_dtype)):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads, annotations=annotations or {}):
+            r = T.alloc_buffer((chains, lanes), acc_dtype, scope="local")
+            for c in T.unroll(chains):
+                r[c, T.ramp(0, 1, lanes)] = T.broadcast(zero, lanes)
+            for _ in range(iters):
+                for c in T.unroll(chains):
+                    r[c, T.ramp(0, 1, lanes)] = update(r[c, T.ramp(0, 1, lanes)], A.vload([0], a_vec),
+                                                       B.vload([0], b_vec))
+            for c in T.unroll(chains):
+                C[t, c, T.ramp(0, 1, lanes)] = r[c, T.ramp(0, 1, lanes)]
+
+    lib = tvm.compile(tvm.IRModule({"main": probe}), target=resolve("host").tvm_target())
+    args = [tvm.runtime.tensor(a), tvm.runtime.tensor(b), tvm.runtime.tensor(np.zeros((threads, chains, lanes), acc_dtype))]
+    lib["main"](*args)
+    return (lambda: lib["main"](*args)), args[2]
+
+
 def profile_vm(runner: TvmRunner, runs: int = 5, warmup: int = 1, clock=time.perf_counter,
                sleep=time.sleep) -> list[KernelProfile]:
     """Per-kernel time through the VM's instrument hook (TVM removed vm.profile()): each

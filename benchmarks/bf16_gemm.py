@@ -69,40 +69,19 @@ def _rel_l2(got, ref) -> float:
 
 def _probe(threads: int, iters: int = 100000, chains: int = 24, smoke: bool = False):
     """(call, FLOPs a call): `chains` independent VDPBF16PS zmm accumulators per thread, in
-    registers, on `threads` threads: the instruction's rate the cores give now (no loads, no
-    epilogue), timed with the contenders, so each one's GFLOP/s reads as a fraction of it.
+    registers, on `threads` threads (bench.harness.chain_probe): the instruction's rate the
+    cores give now, timed with the contenders, so each one's GFLOP/s reads as a fraction of it.
     (The C loop quoted before this probe existed read 953 GFLOP/s on two Zen 5 threads, while
     the FFN at seq 128 alone ran 1.23 ms = 980 GFLOP/s: a rate from another minute.)"""
-    import tvm
-    from tvm.script import tirx as T
-
-    from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_FUNC, LLVM_IR
-    from blockforge.targets import resolve
+    from blockforge.bench.harness import chain_probe
+    from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16
 
     iters = 100 if smoke else iters
-
-    @T.prim_func(s_tir=True)
-    def probe(A: T.Buffer((16,), "int32"), B: T.Buffer((16,), "int32"), C: T.Buffer((threads, chains, 16), "float32")):
-        T.func_attr({"tirx.noalias": True})
-        for t in T.parallel(threads, annotations={IMPORT_PRAGMA: LLVM_IR}):
-            acc = T.alloc_buffer((chains, 16), "float32", scope="local")
-            for c in T.unroll(chains):
-                acc[c, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
-            for _ in range(iters):
-                for c in T.unroll(chains):
-                    acc[c, T.ramp(0, 1, 16)] = T.call_pure_extern(
-                        "float32x16", LLVM_FUNC, acc[c, T.ramp(0, 1, 16)], A.vload([0], "int32x16"),
-                        B.vload([0], "int32x16"))
-            for c in T.unroll(chains):
-                C[t, c, T.ramp(0, 1, 16)] = acc[c, T.ramp(0, 1, 16)]
-
-    lib = tvm.compile(tvm.IRModule({"main": probe}), target=resolve("host").tvm_target())
     one_pair = np.full(16, 0x3F803F80, np.uint32).view(np.int32)  # bf16 (1.0, 1.0) in each lane
-    args = [tvm.runtime.tensor(one_pair), tvm.runtime.tensor(one_pair),
-            tvm.runtime.tensor(np.zeros((threads, chains, 16), np.float32))]
-    lib["main"](*args)
-    assert (args[2].numpy() == 2 * iters).all(), "the probe's chains did not run"
-    return (lambda: lib["main"](*args)), threads * iters * chains * 16 * 2 * 2
+    call, sums = chain_probe(dpbf16, one_pair, one_pair, ("float32", 16), threads, iters, chains,
+                             annotations={IMPORT_PRAGMA: LLVM_IR})
+    assert (sums.numpy() == 2 * iters).all(), "the probe's chains did not run"
+    return call, threads * iters * chains * 16 * 2 * 2
 
 
 def _gemm(shape, repeat: int, probe) -> None:

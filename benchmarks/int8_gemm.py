@@ -81,35 +81,20 @@ def _cpu_mhz() -> float | None:
 
 def _vnni_probe(threads: int, iters: int = 200000, chains: int = 24):
     """(call, ops): `chains` independent VPDPBUSD zmm accumulators per thread, in registers,
-    on `threads` threads: the instruction rate the cores give now (no loads, no epilogue).
+    on `threads` threads (bench.harness.chain_probe): the instruction rate the cores give now.
     ~1.3 ms a call at 3.7 GHz: at 0.13 ms the call's own overhead read ~5% low."""
-    import tvm
-    from tvm.script import tirx as T
+    from tvm import tirx
 
-    from blockforge.targets import resolve
+    from blockforge.bench.harness import chain_probe
 
-    @T.prim_func(s_tir=True)
-    def probe(A: T.Buffer((64,), "uint8"), B: T.Buffer((64,), "int8"), C: T.Buffer((threads, chains, 16), "int32")):
-        T.func_attr({"tirx.noalias": True})
-        for t in T.parallel(threads):
-            acc = T.alloc_buffer((chains, 16), "int32", scope="local")
-            for c in T.unroll(chains):
-                acc[c, T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
-            for _ in range(iters):
-                for c in T.unroll(chains):
-                    acc[c, T.ramp(0, 1, 16)] = T.call_llvm_pure_intrin(
-                        T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc[c, T.ramp(0, 1, 16)],
-                        T.reinterpret(A.vload([0], "uint8x64"), dtype="int8x64"), B.vload([0], "int8x64"),
-                        dtype="int32x16")
-            for c in T.unroll(chains):
-                C[t, c, T.ramp(0, 1, 16)] = acc[c, T.ramp(0, 1, 16)]
+    def vpdpbusd(acc, a, b):
+        return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
+                                          tirx.reinterpret("int8x64", a), b)
 
-    lib = tvm.compile(tvm.IRModule({"main": probe}), target=resolve("host").tvm_target())
-    args = [tvm.runtime.tensor(np.ones(64, np.uint8)), tvm.runtime.tensor(np.ones(64, np.int8)),
-            tvm.runtime.tensor(np.zeros((threads, chains, 16), np.int32))]
-    lib["main"](*args)
-    assert (args[2].numpy() == 4 * iters).all(), "the probe's chains did not run"
-    return (lambda: lib["main"](*args)), threads * iters * chains * VNNI_OPS_PER_CYCLE
+    call, sums = chain_probe(vpdpbusd, np.ones(64, np.uint8), np.ones(64, np.int8), ("int32", 16), threads, iters,
+                             chains)
+    assert (sums.numpy() == 4 * iters).all(), "the probe's chains did not run"
+    return call, threads * iters * chains * VNNI_OPS_PER_CYCLE
 
 
 def _kernel_call(spec, tiles=None):
