@@ -25,7 +25,7 @@ searches) against the default tiles.
 Every line carries the load average: on a shared machine the absolute numbers are not
 quotable, the ratios within one run are.
 
-    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--seq 512] [--no-avx512] [--smoke]
+    flock /tmp/blockforge-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--repeat 20] [--threads 1] [--tiles] [--seq 512] [--no-avx512] [--no-vnni] [--smoke]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ if _T:
     os.environ["TVM_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = _T
 
 import numpy as np  # noqa: E402
+import onnx  # noqa: E402
 
 from blockforge import configure  # noqa: E402
 from blockforge.bench import REGISTRY, measure_interleaved  # noqa: E402
@@ -218,14 +219,15 @@ def _fp32_gemm(af: np.ndarray, wf: np.ndarray):
     return lambda: vm["main"](xt)
 
 
-def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path) -> Path:
+def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path, reduce_range: bool = False) -> Path:
     """ORT's quantizers as issue #19 ran them: dynamic QInt8 weights; static QDQ S8S8
-    per-channel, calibrated on 8 random batches after quant_pre_process."""
+    per-channel, calibrated on 8 random batches after quant_pre_process; reduce_range: 7-bit
+    weights (what x86 without VNNI runs on VPMADDUBSW: compile/quant/isa.py)."""
     from onnxruntime import quantization as q
 
-    out = tmp / f"ffn_{mode}.onnx"
+    out = tmp / f"ffn_{mode}{'_7bit' if reduce_range else ''}.onnx"
     if mode == "dynamic":
-        q.quantize_dynamic(str(fp32), str(out), weight_type=q.QuantType.QInt8)
+        q.quantize_dynamic(str(fp32), str(out), weight_type=q.QuantType.QInt8, reduce_range=reduce_range)
         return out
 
     class Batches(q.CalibrationDataReader):
@@ -240,7 +242,8 @@ def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path) -> Path:
 
     quant_pre_process(str(fp32), str(tmp / "pre.onnx"))
     q.quantize_static(str(tmp / "pre.onnx"), str(out), Batches(), quant_format=q.QuantFormat.QDQ,
-                      activation_type=q.QuantType.QInt8, weight_type=q.QuantType.QInt8, per_channel=True)
+                      activation_type=q.QuantType.QInt8, weight_type=q.QuantType.QInt8, per_channel=True,
+                      reduce_range=reduce_range)
     return out
 
 
@@ -249,10 +252,16 @@ def _quantize(fp32: Path, mode: str, seq: int, d_model: int, tmp: Path) -> Path:
 # this CPU (Zen 5 has AVX-VNNI too), so the ratio is the ISA's, not an Alder Lake's clock.
 NO_AVX512 = (("blockforge int8, x86-64-avxvnni", "x86-64-avxvnni", "quant"),
              ("blockforge fp32, x86-64-avx2", "x86-64-avx2", "fp32"))
+# --no-vnni: what a CPU without VNNI gets (Haswell to Ice Lake clients, Skylake-SP, Zen 1-3):
+# int8 on VPMADDUBSW (compile/quant/isa.py "avx2", "avx512bw") for 7-bit weights, the same
+# model's full-range quantization (which stays int32 / dequantize + fp32 there) and fp32,
+# for x86-64-avx2 and x86-64-avx512, all run on this CPU: the ratios are the ISA's.
+NO_VNNI = tuple((f"blockforge {what}, {preset}", preset, which) for preset in ("x86-64-avx2", "x86-64-avx512")
+                for what, which in (("int8 7-bit", "quant7"), ("int8 full-range", "quant"), ("fp32", "fp32")))
 
 
 def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: str, threads: int,
-         no_avx512: bool = False) -> None:
+         no_avx512: bool = False, no_vnni: bool = False) -> None:
     import tvm
     from tvm import relax
 
@@ -288,12 +297,23 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
         calls["blockforge int8 (reciprocal off)"], _ = tvm_call(sq, {"reciprocal"})
     # the untuned kernels on the 6 x 4 tile (1536 B of accumulators: a workspace per row tile)
     calls["blockforge int8 (int8-stack-tiles off)"], _ = tvm_call(sq, {"int8-stack-tiles"})
-    if no_avx512:
-        from blockforge.targets import resolve
+    files = {"quant": quant, "fp32": fp32}
+    if no_vnni:
+        files["quant7"] = _quantize(fp32, mode, seq, spec.d_model, tmp, reduce_range=True)
+        ref7 = next(iter(ort_runner.run(onnx.load(str(files["quant7"])), inputs).values()))
+        exact = next(iter(ort_runner.run(onnx.load(str(fp32)), inputs).values()))
+        rel = lambda y: float(np.linalg.norm(y - exact) / np.linalg.norm(exact))  # noqa: E731
+        print(f"  rel L2 against the fp32 FFN (ORT on each file): full-range weights {rel(ref):.2e}, "
+              f"7-bit {rel(ref7):.2e}")
+    from blockforge.targets import resolve
 
-        for name, preset, which in NO_AVX512:
-            if resolve(preset).run_problem() is None:
-                calls[name], _ = tvm_call(open_model(quant if which == "quant" else fp32, preset, dims))
+    for name, preset, which in (NO_AVX512 if no_avx512 else ()) + (NO_VNNI if no_vnni else ()):
+        if resolve(preset).run_problem() is None:
+            s = open_model(files[which], preset, dims)
+            calls[name], _ = tvm_call(s)
+            if which == "quant7":
+                got = calls[name]().numpy()
+                print(f"  {name}: max |blockforge - ORT on the 7-bit file| {float(np.abs(got - ref7).max()):.2e}")
     peers = [peer]
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint
@@ -334,6 +354,8 @@ def main() -> int:
     ap.add_argument("--gemm-only", action="store_true", help="the kernels only, not the FFN contenders")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: proves the script runs (tests/test_benchmarks.py), measures nothing")
     ap.add_argument("--seq", type=int, default=None, help="the FFN's rows and the bare GEMM's M (default 128; smoke 8)")
+    ap.add_argument("--no-vnni", action="store_true", help="also int8 (7-bit weights), full-range int8 and fp32 "
+                    "builds for x86-64-avx2 and x86-64-avx512 (CPUs without VNNI: VPMADDUBSW), where this CPU runs them")
     ap.add_argument("--no-avx512", action="store_true", help="also the int8 build for x86-64-avxvnni and the fp32 "
                     "build for x86-64-avx2 (a CPU without AVX-512), where this CPU runs them")
     a = ap.parse_args()
@@ -362,7 +384,7 @@ def main() -> int:
         if a.gemm_only:
             return 0
         for mode, d in zip(("dynamic", "static"), dirs[2:]):
-            _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, d, mode, threads, a.no_avx512)
+            _ffn(cfg["ffn"], cfg["seq"], a.repeat, sgemm, d, mode, threads, a.no_avx512, a.no_vnni)
     return 0
 
 

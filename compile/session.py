@@ -48,6 +48,9 @@ class Session:
     weights_dir: Path | None = None  # where `prepared`'s external tensors are (None: in memory)
     _keep: object = field(default=None, repr=False)  # keeps weights_dir (isolate.Prepared)
     _relax: dict = field(default_factory=dict, repr=False)
+    # what the import could not do as asked, for BuildResult.notes (QDQ weights the target's
+    # int8 instruction cannot take exactly)
+    import_notes: list = field(default_factory=list, repr=False)
     precision: Precision = PRECISIONS["fp32"]  # resolved against the target (targets.precision)
 
     @cached_property
@@ -70,18 +73,13 @@ class Session:
         return self.binding.signature()[1]
 
     def relax(self, int8: bool = True):
-        """The imported Relax module (weights embedded), imported once. On a target with an
-        int8 dot-product instruction (AVX-512 VNNI, aarch64 SDOT) the QDQ matmuls are imported as MatMulInteger (compile/quant/qdq.py),
-        for the int8-gemm phase; int8=False imports them as written (dequantize + float
-        GEMM: what a build without int8-gemm compiles)."""
-        int8 = int8 and self.target.kind == "llvm" and target_int8_isa(self.target) is not None
+        """The imported Relax module (weights embedded), imported once. On a CPU target the
+        quantized matmuls are imported for what its int8 instruction takes
+        (_integer_rewrites); int8=False imports them as written (QDQ: dequantize + float GEMM;
+        MatMulInteger: an int32 one: what a build without int8-gemm compiles)."""
+        int8 = int8 and self.target.kind == "llvm"
         if int8 not in self._relax:
-            rewritten = 0
-            # the rewrite reads the quantized weights: loaded (a copy) only for a model with QDQ
-            if int8 and any(n.op_type == "DequantizeLinear" for n in self.prepared.graph.node):
-                from blockforge.compile.quant.qdq import qdq_matmuls_as_integer
-
-                model, rewritten = qdq_matmuls_as_integer(self.prepared_with_weights())
+            model, rewritten = self._integer_rewrites() if int8 else (None, 0)
             if rewritten:
                 try:
                     with native_output_to_log():
@@ -89,11 +87,54 @@ class Session:
                 except BlockforgeError as e:
                     # The model as written imported in the isolated probe; the rewrite must
                     # not make a model uncompilable: fall back to it (dequantize + fp32 GEMM).
-                    _log.warning("QDQ matmuls kept as written (their MatMulInteger form did not import: %s)", e)
+                    _log.warning("quantized matmuls kept as written (their rewritten form did not import: %s)", e)
                     rewritten = 0
+                    self.import_notes = []
             if not rewritten:
                 self._relax[int8] = self.relax(int8=False) if int8 else self._import_as_written()
         return self._relax[int8]
+
+    def _integer_rewrites(self):
+        """(the prepared model rewritten for the target's int8 instruction, how many rewrites;
+        None, 0 when nothing applies). With an instruction (compile/quant/isa.py), the QDQ
+        matmuls whose weights it takes become MatMulInteger, for the int8-gemm phase
+        (compile/quant/qdq.py); the MatMulIntegers it cannot take (no instruction, or
+        VPMADDUBSW and full-range weights) become float32 GEMMs, which beat the int32 matmul
+        TVM would import (compile/quant/as_float.py). What could not go int8 is said in
+        import_notes. The rewrites read the weights: loaded (a copy) only for a quantized model."""
+        from blockforge.compile.quant.isa import ISAS
+
+        ops = {n.op_type for n in self.prepared.graph.node}
+        name = target_int8_isa(self.target)
+        isa = ISAS[name] if name is not None else None
+        qdq = isa is not None and "DequantizeLinear" in ops
+        if not qdq and "MatMulInteger" not in ops:
+            return None, 0
+        model, count, notes = self.prepared_with_weights(), 0, []
+        exact = isa.exact_for if isa is not None and isa.pair_bound is not None else None
+        why = (f"this target has no VNNI, and its VPMADDUBSW ({isa.name}) would saturate on their full-range "
+               "weights; quantize with --reduce-range (7-bit weights) to run them in int8") if exact else ""
+        if qdq:
+            from blockforge.compile.quant.qdq import qdq_matmuls_as_integer
+
+            refused: list[str] = []
+            model, n = qdq_matmuls_as_integer(model, exact, refused)
+            count += n
+            if refused:
+                notes.append(f"{len(refused)} QDQ matmul(s) ({', '.join(sorted(set(refused)))}, K x N) stay "
+                             f"dequantize + float32: {why}")
+        if "MatMulInteger" in ops and (isa is None or exact is not None):
+            from blockforge.compile.quant.as_float import integer_matmuls_as_float
+
+            refused = []
+            model, n = integer_matmuls_as_float(model, exact, refused)
+            count += n
+            if refused:
+                notes.append(f"{len(refused)} int8 matmul(s) ({', '.join(sorted(set(refused)))}, K x N) run as "
+                             "float32 GEMMs: " + (why or "this target has no int8 dot-product instruction "
+                                                        "(VNNI, VPMADDUBSW, SDOT)"))
+        self.import_notes = notes
+        return model, count
 
     def _import_as_written(self):
         with native_output_to_log():
@@ -129,6 +170,7 @@ class Session:
                         default_schedules=default_schedules, without=without, precision=self.precision.name,
                         lift_weights=lift_weights, dim_bounds=self.binding.bounds_dict())
         res.phases.insert(0, "prepare")
+        res.notes[:0] = [n for n in self.import_notes if "int8-gemm" not in without]
         return res
 
 

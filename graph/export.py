@@ -66,7 +66,8 @@ def manifest_for(model: onnx.ModelProto, data: bytes, spec: Spec | None) -> dict
 
 
 def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
-           quantize: str | None = None, per_channel: bool = False, bias_adds: bool = False) -> ExportResult:
+           quantize: str | None = None, per_channel: bool = False, bias_adds: bool = False,
+           reduce_range: bool = False) -> ExportResult:
     """Build `spec`, validate it and write MODEL.onnx + MODEL.json: both or neither.
     `force`: replace symbolic links there (the links, not their targets). `quantize`:
     "dynamic" or "static" writes the model as graph/quantize.py quantizes it (static:
@@ -88,6 +89,7 @@ def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
         from .quantize import QuantizeOptions, quantize_model
 
         opts = QuantizeOptions(model=path, output=path, mode=quantize, per_channel=per_channel, bias_adds=bias_adds,
+                               reduce_range=reduce_range,
                                shape={k: v for k, v in (("batch", spec.batch), ("seq", spec.seq)) if v}, seed=spec.seed)
         qdata, qres = quantize_model(model, opts)
         model = onnx.load_from_string(qdata)
@@ -95,6 +97,7 @@ def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
     manifest = manifest_for(model, data, spec)
     if quantize:
         manifest["quantization"] = {"mode": qres.mode, "per_channel": per_channel, "bias_adds": bias_adds,
+                                    **({"reduce_range": True} if reduce_range else {}),
                                     "int8_gemms": qres.quantized_nodes,
                                     "kept_float": qres.kept_float, "calibration": qres.calibration}
     try:

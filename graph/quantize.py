@@ -64,6 +64,10 @@ class QuantizeOptions:
     # FFN (blockforge export, seq 128 / 512, against OpenVINO on each file, two runs): 0.76-0.86x
     # against 0.86-0.90x; rel L2 against the float FFN 2.94e-2 against 2.44e-2 (ORT the same).
     bias_adds: bool = False
+    # 7-bit weights ([-64, 63], ORT's reduce_range): what x86 without VNNI (Haswell to Ice Lake
+    # clients, Skylake-SP, Zen 1-3) runs on VPMADDUBSW exactly; full-range weights could
+    # saturate its int16 pair sums, so compile keeps those GEMMs off it (compile/quant/isa.py).
+    reduce_range: bool = False
 
 
 @dataclass
@@ -263,12 +267,12 @@ def quantize_model(model: onnx.ModelProto, opts: QuantizeOptions,
             if opts.mode == "dynamic":
                 progress("quantizing: dynamic, QInt8 weights")
                 quantize_dynamic(str(pre), str(dst), op_types_to_quantize=["MatMul"], per_channel=opts.per_channel,
-                                 weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
+                                 reduce_range=opts.reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
             else:
                 act = QuantType.QInt8 if opts.activation_type == "s8" else QuantType.QUInt8
                 progress(f"quantizing: static QDQ {opts.activation_type.upper()}S8, calibration: {source}")
                 quantize_static(str(pre), str(dst), _Reader(batches, progress), quant_format=QuantFormat.QDQ,
-                                op_types_to_quantize=ops, per_channel=opts.per_channel,
+                                op_types_to_quantize=ops, per_channel=opts.per_channel, reduce_range=opts.reduce_range,
                                 activation_type=act, weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
             out = onnx.load(str(dst))
         except BlockforgeError:
@@ -276,6 +280,7 @@ def quantize_model(model: onnx.ModelProto, opts: QuantizeOptions,
         except Exception as e:  # ORT's quantizer on a model it cannot handle: one line, not its traceback
             raise BlockforgeError(f"{opts.model}: onnxruntime.quantization failed: {error_line(e)}") from None
     info = {"mode": opts.mode, "per_channel": opts.per_channel, "calibration": source,
+            **({"reduce_range": True} if opts.reduce_range else {}),
             **({"activation_type": opts.activation_type, "bias_adds": opts.bias_adds} if opts.mode == "static" else {})}
     props = {p.key: p.value for p in model.metadata_props}  # the spec of a blockforge export survives
     props[QUANT_KEY] = json.dumps(info, sort_keys=True)

@@ -143,11 +143,16 @@ def test_export_models(tmp_path):
 
 
 def test_int8_gemm(tmp_path):
-    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--no-avx512", cwd=tmp_path)
+    out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--no-avx512", "--no-vnni", cwd=tmp_path)
     from blockforge.targets import resolve
 
     if resolve("x86-64-avxvnni").run_problem() is None:  # --no-avx512: both FFNs' builds for the AVX2-class presets
+        # (--no-vnni's fp32 build for x86-64-avx2 is the same contender)
         assert out.count("blockforge int8, x86-64-avxvnni") == 2 and out.count("blockforge fp32, x86-64-avx2") == 2, out
+    if resolve("x86-64-avx512").run_problem() is None:  # --no-vnni: 7-bit int8 on VPMADDUBSW, equal to ORT on its file
+        assert re.findall(r"blockforge int8 7-bit, x86-64-avx(?:2|512): max \|blockforge - ORT on the 7-bit file\| "
+                          r"(\S+)", out) and "rel L2 against the fp32 FFN" in out, out
+        assert out.count("blockforge int8 full-range, x86-64-avx512:") == 2, out
     # the kernels the dynamic and the QDQ FFN run (two specs each, QDQ's with its requantize chain
     # in the epilogue) beside the bare one, none interleaved with numpy
     # (+ the dynamic FFN's two at the 6 x 4 tile, the int8-stack-tiles ablation)

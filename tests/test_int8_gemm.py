@@ -315,7 +315,7 @@ def test_phase_only_on_vnni_targets_and_ablatable():
     # float models: no phase (their phase list, manifests and dumps stay as they were)
     assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}', int8=False)
     assert "int8-gemm" in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
-    assert "int8-gemm" not in names("x86-64-avx512")  # Skylake: no VNNI
+    assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"}')  # SSE2 only: no int8 instruction
     assert "int8-gemm" not in names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}',
                                     without={"int8-gemm"})
     ps = names('{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}')
@@ -789,14 +789,18 @@ def test_qdq_rewrite_reads_weights_the_child_left_on_disk(qdq_ffn, monkeypatch):
     assert len(kernel_specs(mod)) == 2
 
 
-def test_qdq_imported_as_written_where_no_vnni(qdq_ffn, monkeypatch):
-    """x86-64-avx512 (Skylake) has no VNNI: the QDQ model imports as before (no int32
-    matmul, which would run as a scalar int32 loop there)."""
+def test_qdq_imported_as_written_where_no_int8_instruction(qdq_ffn, monkeypatch):
+    """Plain x86-64 (SSE2) has no int8 dot product: the QDQ model imports as before (no int32
+    matmul, which would run as a scalar int32 loop there); nor on Skylake (VPMADDUBSW) with
+    these full-range weights, which it could saturate on: said in one note."""
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     from blockforge.compile.pipeline import has_int8_matmul
     from blockforge.compile.session import open_model
 
-    assert not has_int8_matmul(open_model(qdq_ffn, "x86-64-avx512", {"batch": 1, "seq": 16}).relax())
+    assert not has_int8_matmul(open_model(qdq_ffn, '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"}', {"batch": 1, "seq": 16}).relax())
+    s = open_model(qdq_ffn, "x86-64-avx512", {"batch": 1, "seq": 16})
+    assert not has_int8_matmul(s.relax())
+    assert len(s.import_notes) == 1 and "--reduce-range" in s.import_notes[0], s.import_notes
 
 
 def test_elementwise_chains_scheduled_in_every_cpu_module():
@@ -833,7 +837,7 @@ def test_qdq_rewrite_that_does_not_import_falls_back(qdq_ffn, monkeypatch):
     from blockforge.compile.pipeline import has_int8_matmul
     from blockforge.compile.session import open_model
 
-    def broken(model):
+    def broken(model, *_):
         m = onnx.ModelProto()
         m.CopyFrom(model)
         m.graph.node[0].op_type = "NoSuchOp"

@@ -39,7 +39,7 @@ def test_dotprod_is_read_from_the_target():
     assert _isa({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a76"}) == "sdot"
     assert _isa("aarch64-linux") is None  # plain NEON (Cortex-A53/A72): no SDOT
     assert _isa({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4"}) == "vnni"
-    assert _isa("x86-64-avx512") is None
+    assert _isa("x86-64-avx512") == "avx512bw"  # (no VNNI: VPMADDUBSW)
     from blockforge.compile.pipeline import phases
 
     names = lambda t, **kw: [p.name for p in phases(resolve(t), int8=True, **kw)]  # noqa: E731

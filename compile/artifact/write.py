@@ -261,6 +261,8 @@ def compile_model(opts: CompileOptions) -> CompileResult:
                 # records judged only on another CPU: left out until `tune --check-only` here
                 "unvalidated": [t for t in res.untuned_tasks if t in db_info["unvalidated"]]},
             "precision": session.precision.name,  # what the GEMMs compute in (inputs/outputs keep their dtypes)
+            # what the build could not do as asked (compile prints each as a warning)
+            **({"notes": list(res.notes)} if res.notes else {}),
             "phases": res.phases,  # "prepare" first: the ONNX-level phase (compile/frontend/prepare.py)
             "prepare": session.prepare_report.to_dict(),
             "versions": _versions(),

@@ -233,6 +233,19 @@ def padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def int8_weights(w: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """(W8, c): integer weights as the kernel packs them, int8 with W = W8 - c (c = 0 where W
+    fits int8, e.g. u8 weights less their zero point); None where W spans more than 256 values."""
+    w = np.asarray(w).astype(np.int64)
+    lo, hi = int(w.min()), int(w.max())
+    if lo >= -128 and hi <= 127:
+        return w.astype(np.int8), 0
+    if hi - lo > 255:
+        return None
+    c = -128 - lo  # W + c fits int8; W = (W + c) - c
+    return (w + c).astype(np.int8), c
+
+
 def pack_weights(w: np.ndarray, kgroup: int = 4) -> np.ndarray:
     """(K, N) int8 -> (N/16, K/g, 16, g) int8, the layout the intrinsic reads (g: the ISA's
     kgroup, 8 on SMMLA)."""

@@ -1,4 +1,5 @@
-"""The AVX-512 VNNI dot-product tensor intrinsic, in the form LLVM 22 accepts.
+"""The x86 int8 dot-product tensor intrinsics: AVX-512 VNNI in the form LLVM 22 accepts, and
+VPMADDUBSW where the target has no VNNI.
 
 TVM 0.27 ships `dot_16x4_vnni` (tvm.s_tir.tensor_intrin.x86), but with its bundled LLVM 22
 it does not compile: "Call parameter type does not match function signature" —
@@ -15,6 +16,9 @@ VNNI_16X4 = "blockforge_vnni_16x4_u8s8s32"
 # ({vex} vpdpbusd) with AVX-VNNI (Alder Lake+, Zen 5 client) and no AVX-512, EVEX with
 # AVX512_VNNI + AVX512VL.
 VNNI_8X4 = "blockforge_vnni_8x4_u8s8s32"
+# Without VNNI (compile/quant/isa.py "avx512bw", "avx2"): VPMADDUBSW + VPMADDWD + VPADDD.
+MADDUBS_16X4 = "blockforge_maddubs_16x4_u8s8s32"
+MADDUBS_8X4 = "blockforge_maddubs_8x4_u8s8s32"
 _LLVM = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
 
 
@@ -57,6 +61,40 @@ def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
     return desc, impl
 
 
+def maddubs_funcs(lanes: int):
+    """desc and impl of the `lanes` x 4 u8 x s8 dot product on x86 without VNNI (AVX2: 8 lanes,
+    AVX512BW: 16): VPMADDUBSW multiplies the byte pairs and adds each pair into int16, with
+    saturation; VPMADDWD by ones adds the two int16 of each int32 lane; VPADDD accumulates.
+    Three instructions where VPDPBUSD is one, 2x the multiply-adds of an fp32 FMA of the same
+    width. The desc is the exact sum: it holds where no pair saturates, |a0 w0 + a1 w1| <=
+    255 (|w0| + |w1|) <= 32767, which the int8-gemm phase checks on the constant weights
+    before it picks this instruction (isa.Int8Isa.pair_bound)."""
+    from tvm.script import tirx as T
+
+    desc, _ = dot_funcs(lanes, "uint8", _LLVM[lanes])
+    bits = lanes * 32
+    pairs = "llvm.x86.avx2.pmadd.ub.sw" if lanes == 8 else "llvm.x86.avx512.pmaddubs.w.512"
+    quads = "llvm.x86.avx2.pmadd.wd" if lanes == 8 else "llvm.x86.avx512.pmaddw.d.512"
+    v, h, c = f"int8x{bits // 8}", f"int16x{bits // 16}", f"int32x{lanes}"
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            # one expression, as dot_funcs' (a named temporary becomes a workspace buffer)
+            C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=c) + T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(quads),
+                T.call_llvm_pure_intrin(
+                    T.llvm_lookup_intrinsic_id(pairs),
+                    T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "uint8x4"), dtype="int32"), lanes), dtype=v),
+                    B.vload([0, 0], dtype=v), dtype=h),
+                T.broadcast(T.int16(1), bits // 16), dtype=c)
+
+    return desc, impl
+
+
 def register_once(name: str, funcs) -> str:
     """Registers the intrinsic on first call (TVM's registry is process-global); its name."""
     from tvm.s_tir import TensorIntrin
@@ -73,6 +111,28 @@ def vnni_16x4() -> str:
 def vnni_8x4() -> str:
     """The 256-bit intrinsic (AVX-VNNI, or AVX512_VNNI + AVX512VL), registered on first call."""
     return register_once(VNNI_8X4, lambda: dot_funcs(8, "uint8", _LLVM[8]))
+
+
+def maddubs_8x4() -> str:
+    """The AVX2 form (ymm, no VNNI: Haswell to Ice Lake clients, Zen 1-3), registered on first call."""
+    return register_once(MADDUBS_8X4, lambda: maddubs_funcs(8))
+
+
+def maddubs_16x4() -> str:
+    """The AVX512BW form (zmm, no VNNI: Skylake-SP/X), registered on first call."""
+    return register_once(MADDUBS_16X4, lambda: maddubs_funcs(16))
+
+
+def has_avx512bw(target) -> bool:
+    from blockforge.targets.precision import tvm_target_has
+
+    return tvm_target_has(target, "avx512bw")
+
+
+def has_avx2(target) -> bool:
+    from blockforge.targets.precision import tvm_target_has
+
+    return tvm_target_has(target, "avx2")
 
 
 def has_vnni(target) -> bool:

@@ -10,8 +10,18 @@ mcpu/mattr, never the build machine).
 |------|------------------------|--------------|-------|-----------------------------|------------------|
 | vnni | VPDPBUSD zmm (x86)     | u8 x s8      | 16    | 5 x 3 (under 1 KiB: stack)  | 15 of 32 zmm     |
 | avxvnni | {vex} VPDPBUSD ymm (x86, no AVX-512) | u8 x s8 | 8 | MR x 1 (2 per panel)   | 2 MR of 16 ymm   |
+| avx512bw | VPMADDUBSW + VPMADDWD zmm (x86, no VNNI) | u8 x s8 | 16 | 5 x 3 | 15 of 32 zmm |
+| avx2 | VPMADDUBSW + VPMADDWD ymm (x86, no VNNI) | u8 x s8 | 8 | 4 x 1 (2 per panel) | 8 of 16 ymm |
 | sdot | SDOT v.4s (aarch64)    | s8 x s8      | 4     | 5 x 1 (4 SDOTs per panel)   | 20 of 32 q regs  |
 | i8mm | SMMLA v.4s (aarch64)   | s8 x s8      | 2 x 2 | 4 x 1 (16 SMMLAs per k-step)| 16 of 32 q regs  |
+
+VPMADDUBSW (the "avx512bw" and "avx2" rows: x86 without VNNI, i.e. Haswell to Ice Lake clients,
+Skylake-SP, AMD Zen 1-3) adds each pair of u8 x s8 products into int16 with saturation, so the
+rows are exact only for weights whose pairs along K have |w0| + |w1| <= 128 (`pair_bound`):
+255 x 128 = 32640 fits, 255 x 129 does not. ONNX Runtime's `reduce_range` (7-bit weights,
+[-64, 63]) always does; full-range weights usually do not (ORT's own AVX2 kernel then
+saturates; its documentation recommends reduce_range on such CPUs). The int8-gemm phase checks
+each constant weight matrix: one that could saturate stays as written (QDQ: dequantize + fp32).
 
 SMMLA (`+i8mm`, Armv8.6: Cortex-A510/A710/X2 and later, Neoverse N2/V1/V2, Graviton 3/4) is a
 matrix instruction: a 2 x 8 block of A times an 8 x 2 block of W into a 2 x 2 int32 tile, 32
@@ -39,6 +49,19 @@ class Int8Isa:
     kgroup: int = 4  # bytes of k per column one instruction reads: the packed weights' last dim
     mmla: bool = False  # a 2 x kgroup by kgroup x 2 matrix instruction (rows in pairs), not a dot
     fallback: str | None = None  # the ISA a GEMM takes when K is not whole k-groups of this one
+    # the instruction adds each pair of products (k = 2i, 2i+1) into int16 with saturation:
+    # exact only for weights with |w0| + |w1| <= pair_bound in every pair (None: never saturates)
+    pair_bound: int | None = None
+
+    def exact_for(self, w) -> bool:
+        """The instruction computes A x w exactly for every u8 A: (K, N) int8 weights as the
+        kernel packs them (gemm.int8_weights); K even."""
+        if self.pair_bound is None:
+            return True
+        import numpy as np
+
+        a = np.abs(np.asarray(w, dtype=np.int16))
+        return bool(((a[0::2] + a[1::2]) <= self.pair_bound).all())
 
     def shift(self, dtype: str) -> int:
         """What to add to activations of `dtype` (and their zero point) to make them the
@@ -65,6 +88,13 @@ ISAS: dict[str, Int8Isa] = {
     "i8mm": Int8Isa("i8mm", "int8", 4, 4, 1, arm.smmla_2x2x8, arm.has_i8mm, kgroup=8, mmla=True,
                     fallback="sdot"),
     "sdot": Int8Isa("sdot", "int8", 4, 5, 1, arm.sdot_4x4, arm.has_dotprod),
+    # x86 without VNNI; after the VNNI rows, so a target with either takes that instead.
+    # 5 x 3 as VNNI's: 15 accumulators + 3 weight vectors, the broadcast, the ones and the two
+    # int16/int32 temporaries fit 32 zmm.
+    "avx512bw": Int8Isa("avx512bw", "uint8", 16, 5, 3, intrin.maddubs_16x4, intrin.has_avx512bw,
+                        pair_bound=128),
+    # 16 ymm: 4 rows x 2 = 8 accumulators + 2 weight vectors + broadcast, ones, 2 temporaries
+    "avx2": Int8Isa("avx2", "uint8", 8, 4, 1, intrin.maddubs_8x4, intrin.has_avx2, pair_bound=128),
 }
 
 

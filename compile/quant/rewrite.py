@@ -30,6 +30,7 @@ import numpy as np
 from blockforge.compile.passes.exprs import rewrite_functions
 from blockforge.compile.passes.kernels import add_kernel
 from blockforge.compile.quant import gemm, minmax, sums
+from blockforge.compile.quant.isa import ISAS
 
 _log = logging.getLogger("blockforge.quant")
 
@@ -177,13 +178,12 @@ class _Finder:
         self.isa, self.post, self.products, self.batched, self.addends = isa, post, products, batched, addends
         self.gelu_ops = gelu_ops
         self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
+        self.saturating: list[str] = []  # the K x N of GEMMs left as written: their weights could saturate
         self.dataflow = relax.DataflowVar
 
     def isa_for(self, k: int, n: int) -> str | None:
         """The instruction a (K, N) GEMM runs on: the pass's, or its fallback where K is not
         whole k-groups of it (SMMLA's 8 -> SDOT's 4); None: neither takes it."""
-        from blockforge.compile.quant.isa import ISAS
-
         for isa in (self.isa, ISAS[self.isa].fallback):
             if isa is not None and gemm.supported(k, n, isa):
                 return isa
@@ -233,14 +233,7 @@ class _Finder:
         w = self.const(e)
         if w is None or w.ndim != 2 or not np.issubdtype(w.dtype, np.integer):
             return None
-        w = w.astype(np.int64)
-        lo, hi = int(w.min()), int(w.max())
-        if lo >= -128 and hi <= 127:
-            return w.astype(np.int8), 0
-        if hi - lo > 255:
-            return None
-        c = -128 - lo  # W + c fits int8; W = (W + c) - c
-        return (w + c).astype(np.int8), c
+        return gemm.int8_weights(w)
 
     def ranges(self) -> list[_Range]:
         out = []
@@ -415,8 +408,8 @@ class _Finder:
             return None  # (int8_gemm's batched_products: the int8-batched-products ablation)
         k, n = bshape[-2:]
         isa = self.isa_for(k, n)
-        if _static(ashape[-1]) != k or isa is None:
-            return None
+        if _static(ashape[-1]) != k or isa is None or ISAS[isa].pair_bound is not None:
+            return None  # (a saturating instruction: weights known only at run time)
         rows = _static(ashape[-2])
         if rows is not None and batch * rows * k * n < gemm.PARALLEL_MACS:
             # one thread (gemm.PARALLEL_MACS) plus the packing: BERT-base's QDQ MHA at seq 128
@@ -447,6 +440,10 @@ class _Finder:
         k, n = wz[0].shape
         isa = self.isa_for(k, gemm.padded(n))
         if shape is None or len(shape) < 2 or _static(shape[-1]) != k or isa is None:
+            return None
+        if not ISAS[isa].exact_for(wz[0]):
+            # VPMADDUBSW would saturate on some pair of these weights (isa.py): left as written
+            self.saturating.append(f"{k}x{n}")
             return None
         _, m_static = _rows(shape)
         out, scale, bias, scale_kind = var, None, None, "none"
@@ -485,7 +482,7 @@ class _Finder:
 def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
               epilogue: gemm.Epilogue | None = None, products: bool = True, sums_kernels: bool = True,
               shift_quantize: bool = True, batched_products: bool = True, addends: bool = True,
-              gelu_ops: bool = True):
+              gelu_ops: bool = True, notes: list | None = None):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
@@ -510,8 +507,6 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
     where the float32 one ran 1.46, and the products measured 1.048 / 1.005 (no gain).
     """
     import tvm
-
-    from blockforge.compile.quant.isa import ISAS
 
     shift_for = ISAS[isa].shift
     epilogue = epilogue if epilogue is not None else gemm.epilogue_for(target)
@@ -662,6 +657,13 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
         def plan(m, func) -> bool:
             f = _Finder(func, isa, post, products, batched_products, addends, gelu_ops)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
+            if f.saturating:
+                line = (f"{len(f.saturating)} int8 matmul(s) ({', '.join(sorted(set(f.saturating)))}, K x N) stay "
+                        f"int32: this target has no VNNI, and its VPMADDUBSW ({isa}) would saturate on their "
+                        "full-range weights; quantize with --reduce-range (7-bit weights) to run them in int8")
+                _log.warning("int8 gemm: %s", line)
+                if notes is not None and line not in notes:
+                    notes.append(line)
             if not matches:
                 return False
             _shift_outputs(matches, shift_for)

@@ -39,6 +39,8 @@ def run(a) -> int:
     size = (res.artifact / m["module"]).stat().st_size
     print(f"compiled {a.model} for {res.target.name} -> {res.artifact}/ (module.so {size / 2**20:.1f} MiB, "
           f"phases: {' > '.join(m['phases'])}{', precision ' + m['precision'] if m['precision'] != 'fp32' else ''})")
+    for line in m.get("notes", []):
+        print(f"warning: {line}", file=sys.stderr)
     if m.get("step"):
         print(f"decode steps ({m['step']['dim']} = 1) run the entry {m['step']['function']}; the prompt runs main")
     if m.get("inplace"):

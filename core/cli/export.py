@@ -38,6 +38,8 @@ def add(sub) -> None:
     p.add_argument("--quantize", choices=["dynamic", "static"], default=None,
                    help="write it int8-quantized as `blockforge quantize --mode` does (static: random calibration)")
     p.add_argument("--per-channel", action="store_true", help="with --quantize: one weight scale per column")
+    p.add_argument("--reduce-range", action="store_true",
+                   help="with --quantize: 7-bit weights (x86 without VNNI runs them on its int8 instruction)")
     p.add_argument("--bias-adds", action="store_true",
                    help="with --quantize static: the bias Adds quantized too (`blockforge quantize --bias-adds`)")
     p.add_argument("-o", "--output", default=None, help="MODEL.onnx (default artifacts/<name>.onnx)")
@@ -68,10 +70,12 @@ def run(a) -> int:
 
     if a.per_channel and not a.quantize:
         raise BlockforgeError("--per-channel needs --quantize dynamic|static")
+    if a.reduce_range and not a.quantize:
+        raise BlockforgeError("--reduce-range needs --quantize dynamic|static")
     if a.bias_adds and a.quantize != "static":
         raise BlockforgeError("--bias-adds needs --quantize static")
     res = export(spec_from_args(a), a.output, force=a.force, quantize=a.quantize, per_channel=a.per_channel,
-                 bias_adds=a.bias_adds)
+                 bias_adds=a.bias_adds, reduce_range=a.reduce_range)
     m = res.manifest
     if a.quantize:
         q = m["quantization"]

@@ -19,6 +19,9 @@ def add(sub) -> None:
                    help="static: .npz of inputs (one batch, or batches stacked on a new axis 0); "
                         f"default {RANDOM_BATCHES} random batches from the model's signature")
     p.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
+    p.add_argument("--reduce-range", action="store_true",
+                   help="7-bit weights: what x86 CPUs without VNNI (Haswell to Ice Lake clients, Skylake-SP, "
+                        "AMD Zen 1-3) run on their int8 instruction; full-range weights stay int32 there")
     p.add_argument("--activation-type", choices=list(ACTIVATION_TYPES), default="s8",
                    help="static: activations int8 (S8S8, default) or uint8 (U8S8)")
     p.add_argument("--bias-adds", action="store_true",
@@ -41,7 +44,7 @@ def run(a) -> int:
     opts = QuantizeOptions(model=Path(a.model), output=Path(a.output), mode=a.mode,
                            calibration=path_or_none(a.calibration, "--calibration"), per_channel=a.per_channel,
                            activation_type=a.activation_type, shape=shape(a), seed=a.seed, force=a.force,
-                           bias_adds=a.bias_adds)
+                           bias_adds=a.bias_adds, reduce_range=a.reduce_range)
     res = quantize(opts, progress=lambda s: print(f"quantize: {s}", file=sys.stderr, flush=True))
     for note in res.notes:
         print(f"note: {note_text(note)}")
