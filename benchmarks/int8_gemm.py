@@ -254,8 +254,8 @@ NO_AVX512 = (("blockforge int8, x86-64-avxvnni", "x86-64-avxvnni", "quant"),
              ("blockforge fp32, x86-64-avx2", "x86-64-avx2", "fp32"))
 # --no-vnni: what a CPU without VNNI gets (Haswell to Ice Lake clients, Skylake-SP, Zen 1-3):
 # int8 on VPMADDUBSW (compile/quant/isa.py "avx2", "avx512bw") for 7-bit weights, the same
-# model's full-range quantization (which stays int32 / dequantize + fp32 there) and fp32,
-# for x86-64-avx2 and x86-64-avx512, all run on this CPU: the ratios are the ISA's.
+# model's full-range quantization (on the exact VPMADDWD fallback there) and fp32, for
+# x86-64-avx2 and x86-64-avx512, all run on this CPU: the ratios are the ISA's.
 NO_VNNI = tuple((f"blockforge {what}, {preset}", preset, which) for preset in ("x86-64-avx2", "x86-64-avx512")
                 for what, which in (("int8 7-bit", "quant7"), ("int8 full-range", "quant"), ("fp32", "fp32")))
 

@@ -220,7 +220,7 @@ def target_int8_isa(target: ResolvedTarget) -> str | None:
     return isa.name if isa is not None else None
 
 
-def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset, notes: list | None = None) -> Callable[[], list]:
+def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.quant.gemm import epilogue_for
         from blockforge.compile.quant.rewrite import int8_gemm
@@ -237,8 +237,7 @@ def _int8_gemm(isa: str, target: ResolvedTarget, database, without: frozenset, n
                           products="int8-attention" not in without, sums_kernels="int8-sums" not in without,
                           shift_quantize="int8-shift-quantize" not in without,
                           batched_products="int8-batched-products" not in without,
-                          addends="int8-addend" not in without, gelu_ops="int8-gelu-ops" not in without,
-                          notes=notes)]
+                          addends="int8-addend" not in without, gelu_ops="int8-gelu-ops" not in without)]
     return passes
 
 
@@ -451,7 +450,7 @@ def has_conv(mod) -> bool:
 def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_schedules: bool = True,
            fuse_attention: bool | None = None, without=frozenset(), int8: bool = False,
            precision: str = "fp32", conv: bool = False, lift: list | None = None,
-           kv_inplace: bool = False, dim_bounds: dict | None = None, notes: list | None = None) -> list[Phase]:
+           kv_inplace: bool = False, dim_bounds: dict | None = None) -> list[Phase]:
     """fuse_attention: None follows the setting (BLOCKFORGE_FUSE_ATTENTION); benchmarks pass
     False/True to A/B both builds in one process. without: names from ABLATIONS to leave out.
     int8: the module has integer matmuls (a quantized model): only then the int8-gemm phase,
@@ -489,7 +488,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if kv_inplace and cpu:
         out.append(Phase("kv-inplace", _kv_inplace))
     if isa is not None:
-        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, without, notes)))
+        out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
         out.append(Phase("bf16-gemm", _bf16_gemm(without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
@@ -570,8 +569,7 @@ def run_phases(mod, target: ResolvedTarget, *, database=None, dump_ir: Path | No
         for i, phase in enumerate(phases(target, database, has_fp16(mod), default_schedules, fuse_attention, without,
                                          has_int8_matmul(mod), precision, has_conv(mod),
                                          lift=(report.weights if report is not None else []) if lift_weights
-                                         else None, kv_inplace=has_inplace_entry(mod), dim_bounds=dim_bounds,
-                                         notes=report.notes if report is not None else None),
+                                         else None, kv_inplace=has_inplace_entry(mod), dim_bounds=dim_bounds),
                                   start=1):
             if phase.name == "apply-tuning":
                 if report is not None:

@@ -48,8 +48,8 @@ class Session:
     weights_dir: Path | None = None  # where `prepared`'s external tensors are (None: in memory)
     _keep: object = field(default=None, repr=False)  # keeps weights_dir (isolate.Prepared)
     _relax: dict = field(default_factory=dict, repr=False)
-    # what the import could not do as asked, for BuildResult.notes (QDQ weights the target's
-    # int8 instruction cannot take exactly)
+    # what the import could not do as asked, for BuildResult.notes (int8 matmuls computed in
+    # float32 on a CPU without an int8 instruction)
     import_notes: list = field(default_factory=list, repr=False)
     precision: Precision = PRECISIONS["fp32"]  # resolved against the target (targets.precision)
 
@@ -97,43 +97,28 @@ class Session:
     def _integer_rewrites(self):
         """(the prepared model rewritten for the target's int8 instruction, how many rewrites;
         None, 0 when nothing applies). With an instruction (compile/quant/isa.py), the QDQ
-        matmuls whose weights it takes become MatMulInteger, for the int8-gemm phase
-        (compile/quant/qdq.py); the MatMulIntegers it cannot take (no instruction, or
-        VPMADDUBSW and full-range weights) become float32 GEMMs, which beat the int32 matmul
-        TVM would import (compile/quant/as_float.py). What could not go int8 is said in
-        import_notes. The rewrites read the weights: loaded (a copy) only for a quantized model."""
-        from blockforge.compile.quant.isa import ISAS
-
+        matmuls become MatMulInteger, for the int8-gemm phase (compile/quant/qdq.py); without
+        one (SSE2-only x86, aarch64 without +dotprod), the MatMulIntegers become float32 GEMMs,
+        which beat the int32 matmul TVM would import (compile/quant/as_float.py), and
+        import_notes says so. The rewrites read the weights: loaded (a copy) only for a
+        quantized model."""
         ops = {n.op_type for n in self.prepared.graph.node}
-        name = target_int8_isa(self.target)
-        isa = ISAS[name] if name is not None else None
-        qdq = isa is not None and "DequantizeLinear" in ops
-        if not qdq and "MatMulInteger" not in ops:
-            return None, 0
-        model, count, notes = self.prepared_with_weights(), 0, []
-        exact = isa.exact_for if isa is not None and isa.pair_bound is not None else None
-        why = (f"this target has no VNNI, and its VPMADDUBSW ({isa.name}) would saturate on their full-range "
-               "weights; quantize with --reduce-range (7-bit weights) to run them in int8") if exact else ""
-        if qdq:
+        if target_int8_isa(self.target) is not None:
+            if "DequantizeLinear" not in ops:
+                return None, 0
             from blockforge.compile.quant.qdq import qdq_matmuls_as_integer
 
-            refused: list[str] = []
-            model, n = qdq_matmuls_as_integer(model, exact, refused)
-            count += n
-            if refused:
-                notes.append(f"{len(refused)} QDQ matmul(s) ({', '.join(sorted(set(refused)))}, K x N) stay "
-                             f"dequantize + float32: {why}")
-        if "MatMulInteger" in ops and (isa is None or exact is not None):
-            from blockforge.compile.quant.as_float import integer_matmuls_as_float
+            return qdq_matmuls_as_integer(self.prepared_with_weights())
+        if "MatMulInteger" not in ops:
+            return None, 0
+        from blockforge.compile.quant.as_float import integer_matmuls_as_float
 
-            refused = []
-            model, n = integer_matmuls_as_float(model, exact, refused)
-            count += n
-            if refused:
-                notes.append(f"{len(refused)} int8 matmul(s) ({', '.join(sorted(set(refused)))}, K x N) run as "
-                             "float32 GEMMs: " + (why or "this target has no int8 dot-product instruction "
-                                                        "(VNNI, VPMADDUBSW, SDOT)"))
-        self.import_notes = notes
+        done: list[str] = []
+        model, count = integer_matmuls_as_float(self.prepared_with_weights(), done)
+        if done:
+            self.import_notes = [f"{len(done)} int8 matmul(s) ({', '.join(sorted(set(done)))}, K x N) run as "
+                                 "float32 GEMMs: this target has no int8 dot-product instruction (VNNI, "
+                                 "VPMADDUBSW/VPMADDWD: AVX2, SDOT: aarch64 +dotprod)"]
         return model, count
 
     def _import_as_written(self):

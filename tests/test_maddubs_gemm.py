@@ -1,12 +1,15 @@
 """The int8 GEMM on x86 without VNNI (compile/quant/isa.py "avx2", "avx512bw": VPMADDUBSW +
-VPMADDWD + VPADDD), and QDQ Gemm nodes on the int8 kernel (compile/quant/qdq.py).
+VPMADDWD + VPADDD; their exact fallbacks "avx2-wd", "avx512bw-wd": VPMADDWD on int16), QDQ Gemm
+nodes on the int8 kernel (compile/quant/qdq.py), and float32 GEMMs where a CPU has no int8
+instruction (compile/quant/as_float.py).
 
-VPMADDUBSW adds each pair of u8 x s8 products into int16 with saturation, so the kernel is exact
-only for weights whose pairs along K have |w0| + |w1| <= 128: the phase checks the constant
-weights and leaves any matrix that could saturate as written, with one note. Tested here: the
+VPMADDUBSW adds each pair of u8 x s8 products into int16 with saturation, so that kernel is
+exact only for weights whose pairs along K have |w0| + |w1| <= 128: the phase checks the
+constant weights and gives any matrix that could saturate the VPMADDWD kernel. Tested here: the
 instruction each target gets, the inner loop's assembly on fixed targets, exact int32 at the
-bound (u8 255 against pairs summing to 128 in magnitude), the refusal one past it, and quantized
-FFNs (7-bit weights: `quantize --reduce-range`) against ONNX Runtime on the same file."""
+bound (u8 255 against pairs summing to 128 in magnitude) and for any weights on the fallback,
+the choice one past the bound, and quantized FFNs (7-bit weights: `quantize --reduce-range`,
+and full-range) against ONNX Runtime on the same file."""
 
 from __future__ import annotations
 
@@ -160,11 +163,9 @@ def test_reduce_range_ffn_on_the_kernel_matches_ort(tmp_path, monkeypatch, name,
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
-def test_full_range_weights_stay_off_the_kernel_with_a_note(tmp_path, monkeypatch, mode):
-    """Full-range weights (ORT's default) have pairs over the bound: not one GEMM on the
-    saturating kernel, nor an int32 matmul: the dynamic form's MatMulIntegers become float32
-    GEMMs (compile/quant/as_float.py), the QDQ form stays dequantize + fp32; the build says so
-    in one note, and the output still matches ORT."""
+def test_full_range_weights_take_the_exact_kernel(tmp_path, monkeypatch, mode):
+    """Full-range weights (ORT's default) have pairs over the bound: the GEMMs take the exact
+    VPMADDWD fallback ("avx2-wd"), never the saturating kernel, and match ORT."""
     _need("x86-64-avx2")
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     from tvm import relax
@@ -175,18 +176,77 @@ def test_full_range_weights_stay_off_the_kernel_with_a_note(tmp_path, monkeypatc
 
     model = _ffn(tmp_path, mode, reduce_range=False)
     s = open_model(model, "x86-64-avx2", {"batch": 1, "seq": 16})
-    from blockforge.compile.pipeline import has_int8_matmul
-
     mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
-    assert gemm.kernel_specs(mod) == [] and not has_int8_matmul(mod)
+    assert [sp.isa for sp in gemm.kernel_specs(mod)] == ["avx2-wd", "avx2-wd"]
     res = s.build()
-    assert len(res.notes) == 1 and "would saturate" in res.notes[0] and "--reduce-range" in res.notes[0], res.notes
-    assert res.notes[0].startswith("2 QDQ matmul(s)" if mode == "static" else "2 int8 matmul(s)"), res.notes
-    assert ("run as float32 GEMMs" in res.notes[0]) == (mode == "dynamic")
+    assert not res.notes, res.notes
     x = np.random.default_rng(2).standard_normal((1, 16, 64)).astype(np.float32)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
     assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 127
+
+
+@pytest.mark.parametrize("name", ["avx2-wd", "avx512bw-wd"])
+@pytest.mark.parametrize("m", [13, None])
+def test_exact_fallback_int32_any_weights(name, m):
+    """The VPMADDWD rows on the 8-bit extremes (u8 255 against -128 and 127 columns), K only
+    whole pairs (98: not whole 4-byte groups), static and symbolic M."""
+    preset = PRESETS[name.split("-")[0]]
+    _need(preset)
+    isa = ISAS[name]
+    assert isa.pair_bound is None and isa.kgroup == 2 and isa.act_dtype == isa.w_dtype == "int16"
+    rng = np.random.default_rng(9)
+    spec = gemm.Int8GemmSpec(k=98, n=16 * 3 * isa.nv, m=m, isa=name)
+    w = rng.integers(-128, 128, (98, spec.n), dtype=np.int8)
+    w[:, 0], w[:, 1] = -128, 127
+    lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=resolve(preset).tvm_target())
+    for rows in ([m] if m else [1, isa.mr, isa.mr + 1, 20]):
+        a = rng.integers(0, 256, (rows, 98), dtype=np.uint8)
+        a[0] = 255
+        out = tvm.runtime.tensor(np.zeros((rows, spec.n), np.int32))
+        lib["main"](*[tvm.runtime.tensor(x) for x in (a.astype(np.int16), gemm.pack_weights(w.astype(np.int16), 2),
+                                                       gemm.column_sums(w), np.array(131, np.int32))], out)
+        np.testing.assert_array_equal(out.numpy(), gemm.reference(spec, a, w, 131), err_msg=f"M={rows}")
+
+
+def test_saturating_weights_take_the_fallback():
+    """The phase's choice per GEMM: VPMADDUBSW for pair-bounded weights, VPMADDWD otherwise and
+    for a B known only at run time, and for K in whole pairs but not whole 4-byte groups."""
+    from blockforge.compile.quant.rewrite import _Finder
+
+    f = _Finder.__new__(_Finder)
+    f.isa = "avx2"
+    bounded = np.full((8, 16), 64, np.int8)
+    assert f.isa_for(8, 16, bounded) == "avx2"
+    assert f.isa_for(8, 16, np.full((8, 16), 65, np.int8)) == "avx2-wd"
+    assert f.isa_for(8, 16, None) == "avx2-wd"  # runtime weights
+    assert f.isa_for(6, 16, bounded[:6]) == "avx2-wd"  # K % 4
+    assert f.isa_for(7, 16, bounded[:7]) is None  # K odd: neither
+    f.isa = "vnni"
+    assert f.isa_for(8, 16, np.full((8, 16), 127, np.int8)) == "vnni" and f.isa_for(8, 16, None) == "vnni"
+
+
+def test_no_int8_instruction_computes_in_float_with_a_note(tmp_path, monkeypatch):
+    """SSE2-only x86 has no int8 instruction: a dynamic model's MatMulIntegers become float32
+    GEMMs (compile/quant/as_float.py; an int32 matmul before), matching ORT, said in one note."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.pipeline import has_int8_matmul
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+
+    model = _ffn(tmp_path, "dynamic", reduce_range=False)
+    s = open_model(model, '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"}', {"batch": 1, "seq": 16})
+    assert not has_int8_matmul(s.relax())
+    res = s.build()
+    assert len(res.notes) == 1 and res.notes[0].startswith("2 int8 matmul(s) (128x64, 64x128, K x N) run as "
+                                                           "float32 GEMMs"), res.notes
+    x = np.random.default_rng(4).standard_normal((1, 16, 64)).astype(np.float32)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    ref = next(iter(ort_runner.run(s.model, {"x": x}).values()))
+    assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 127
+    assert s.relax(int8=False) is not s.relax() and has_int8_matmul(s.relax(int8=False))  # the ablation's import
 
 
 def _qdq_gemm_model(path, trans_b: bool, per_channel: bool):
@@ -236,9 +296,6 @@ def test_qdq_gemm_on_the_int8_kernel(tmp_path, monkeypatch, trans_b, per_channel
     out, count = qdq_matmuls_as_integer(onnx.load(str(model)))
     assert count == 1 and [n.op_type for n in out.graph.node if n.op_type in ("Gemm", "MatMulInteger", "Add")] == \
         ["MatMulInteger", "Add"]
-    # refused by the instruction: left as written, and said
-    refused = []
-    assert qdq_matmuls_as_integer(onnx.load(str(model)), lambda w: False, refused)[1] == 0 and refused == ["32x48"]
     # alpha != 1 or transA: not a plain Gemm, left as written
     m = onnx.load(str(model))
     gemm_node = next(n for n in m.graph.node if n.op_type == "Gemm")
@@ -259,15 +316,15 @@ def test_qdq_gemm_on_the_int8_kernel(tmp_path, monkeypatch, trans_b, per_channel
         mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
         x = np.random.default_rng(3).standard_normal((8, 32)).astype(np.float32)
         ref = ort_runner.run(s.model, {"x": x})["y"]
-        # full-range weights: on VNNI, not on the saturating VPMADDUBSW
-        assert len(gemm.kernel_specs(mod)) == (0 if isa.pair_bound else 1), target
+        # full-range weights: on VNNI, or VPMADDUBSW's exact fallback
+        assert [sp.isa for sp in gemm.kernel_specs(mod)] == [isa.fallback if isa.pair_bound else isa.name], target
         got = relax.VirtualMachine(s.build().executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
         assert np.abs(got - ref).max() <= float(np.abs(ref).max()) / 127, target
 
 
 def test_cli_reduce_range(workdir):
     """`quantize --reduce-range` writes 7-bit weights and records it; `export --reduce-range`
-    without --quantize is one line and exit 2; compile says when full-range weights stay int32."""
+    without --quantize is one line and exit 2; compile says when int8 matmuls run in float32."""
     pytest.importorskip("onnxruntime.quantization")
     import json
 
@@ -285,12 +342,11 @@ def test_cli_reduce_range(workdir):
     assert len(ws) == 2 and all(-64 <= int(w.min()) and int(w.max()) <= 64 for w in ws)
     meta = {p.key: p.value for p in m.metadata_props}
     assert json.loads(meta["blockforge.quantization"])["reduce_range"] is True
+    sse2 = '{"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"}'
+    r = run_cli_in_process("compile", workdir / "q7.onnx", "--target", sse2, "-o", workdir / "a8")
+    assert r.rc == 0 and "warning: 2 int8 matmul(s)" in r.err and "run as float32 GEMMs" in r.err, r.err
+    assert "no int8 dot-product instruction" in json.loads((workdir / "a8" / "manifest.json").read_text())["notes"][0]
     if resolve("x86-64-avx2").run_problem() is None:
-        r = run_cli_in_process("quantize", workdir / "f.onnx", "--mode", "dynamic", "-o", workdir / "q8.onnx")
-        assert r.rc == 0, r.err
-        r = run_cli_in_process("compile", workdir / "q8.onnx", "--target", "x86-64-avx2", "-o", workdir / "a8")
-        assert r.rc == 0 and "warning: 2 int8 matmul(s)" in r.err and "--reduce-range" in r.err, r.err
-        assert "would saturate" in json.loads((workdir / "a8" / "manifest.json").read_text())["notes"][0]
         r = run_cli_in_process("compile", workdir / "q7.onnx", "--target", "x86-64-avx2", "-o", workdir / "a7")
         assert r.rc == 0 and "warning" not in r.err, r.err
         assert "notes" not in json.loads((workdir / "a7" / "manifest.json").read_text())

@@ -1,11 +1,11 @@
-"""Integer matmuls the int8 kernel will not take, as float32 GEMMs, before TVM's import.
+"""Integer matmuls on a CPU without an int8 instruction, as float32 GEMMs, before TVM's import.
 
 TVM imports MatMulInteger(x_q, W, zp_x, zp_w) as an int32 matmul: a GEMM with no vector
 instruction behind it on any CPU schedule, slower than the model's own fp32 (BERT-base FFN,
-`quantize_dynamic`, x86-64-avx2 build on Zen 5: 9.8 ms against 8.1 ms fp32). Where the target
-has no int8 instruction (SSE2-only x86, aarch64 without +dotprod) or its instruction cannot
-take the weights exactly (VPMADDUBSW and full-range weights: compile/quant/isa.py), each such
-MatMulInteger with constant weights becomes
+`quantize_dynamic`, an x86-64-avx2 build before it had the VPMADDUBSW/VPMADDWD kernels, on
+Zen 5: 9.8 ms against 8.1 ms fp32). Where the target has no int8 instruction (SSE2-only
+x86, aarch64 without +dotprod: compile/quant/isa.py), each MatMulInteger with constant
+weights becomes
 
     MatMul(Cast(x_q, float) - Cast(zp_x, float), float32(W - zp_w))
 
@@ -26,13 +26,9 @@ _INT8 = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
 FLOAT = onnx.TensorProto.FLOAT
 
 
-def integer_matmuls_as_float(model: onnx.ModelProto, keep=None, refused: list | None = None
-                             ) -> tuple[onnx.ModelProto, int]:
-    """(model with the MatMulIntegers rewritten, how many); the input is not modified.
-    `keep(W8)`: the int8 kernel takes these (K, N) weights as it packs them (gemm.int8_weights):
-    left as written for it (None: the target has no int8 instruction, every one is rewritten).
-    The "KxN" of each rewritten one is appended to `refused`."""
-    from blockforge.compile.quant.gemm import int8_weights
+def integer_matmuls_as_float(model: onnx.ModelProto, rewritten: list | None = None) -> tuple[onnx.ModelProto, int]:
+    """(model with the MatMulIntegers rewritten, how many); the input is not modified. The
+    "KxN" of each rewritten one is appended to `rewritten`."""
     from blockforge.compile.quant.qdq import with_nodes
 
     g = model.graph
@@ -52,8 +48,8 @@ def integer_matmuls_as_float(model: onnx.ModelProto, keep=None, refused: list | 
         nodes = None
         if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
             try:
-                nodes = _rewrite(node, init, inits, consumers, producer, graph_outputs, f"bf_i2f{count}", keep,
-                                 refused, int8_weights, new_inits)
+                nodes = _rewrite(node, init, inits, consumers, producer, graph_outputs, f"bf_i2f{count}",
+                                 rewritten, new_inits)
             except (ValueError, TypeError):  # an initializer numpy cannot read: leave it
                 nodes = None
         if nodes is None:
@@ -80,7 +76,7 @@ def _scalar(name, inits, producer) -> bool:
     return p is not None and p.op_type == "DynamicQuantizeLinear" and len(p.output) > 2 and p.output[2] == name
 
 
-def _rewrite(node, init, inits, consumers, producer, graph_outputs, tag, keep, refused, int8_weights, new_inits):
+def _rewrite(node, init, inits, consumers, producer, graph_outputs, tag, rewritten, new_inits):
     if len(node.input) < 2 or node.input[1] not in inits or inits[node.input[1]].data_type not in _INT8:
         return None
     w = init(node.input[1])
@@ -99,11 +95,8 @@ def _rewrite(node, init, inits, consumers, producer, graph_outputs, tag, keep, r
             u.op_type == "Cast" and any(a.name == "to" and a.i == FLOAT for a in u.attribute) for u in users):
         return None
     weff = w.astype(np.int64) - zw.reshape(-1).astype(np.int64)
-    w8 = int8_weights(weff)
-    if keep is not None and w8 is not None and keep(w8[0]):
-        return None
-    if refused is not None:
-        refused.append(f"{k}x{n}")
+    if rewritten is not None:
+        rewritten.append(f"{k}x{n}")
     names = {s: f"{tag}_{s}" for s in ("w", "xf", "zf", "xc")}
     new_inits.append(numpy_helper.from_array(weff.astype(np.float32), names["w"]))
     nodes = [helper.make_node("Cast", [x], [names["xf"]], to=FLOAT, name=f"{tag}_cast_x")]

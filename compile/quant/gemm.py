@@ -333,7 +333,7 @@ def compute(spec: Int8GemmSpec, mr: int | None = None, epilogue: Epilogue = Epil
     lead = (i64(spec.batch),) if spec.batch > 1 else ()  # every per-GEMM tensor's leading dim
     a = te.placeholder((*lead, m, i64(K)), isa.act_dtype, name="A")
     g = isa.kgroup
-    wp = te.placeholder((*lead, i64(N // 16), i64(K // g), i64(16), i64(g)), "int8", name="Wp")
+    wp = te.placeholder((*lead, i64(N // 16), i64(K // g), i64(16), i64(g)), isa.w_dtype, name="Wp")
     colsum = te.placeholder((*lead, i64(N)), "int32", name="colsum")
     zpa = te.placeholder((), "int32", name="zp_a")
     ins = [a, wp, colsum, zpa]
@@ -547,7 +547,7 @@ def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogu
         i, j, k = sch.get_loops(mm)[len(batch):]
         io, ii = sch.split(i, [None, tiles.mr])
         jo, jv, ji = sch.split(j, [None, nv, 16])
-        ko, ki = sch.split(k, [None, 4])
+        ko, ki = sch.split(k, [None, isa.kgroup])
         # A narrower instruction (SDOT: 4 lanes) covers the 16-column group in 16 / lanes steps,
         # each on its 16 contiguous bytes of the packed group; the A broadcast is shared.
         jq, ji = sch.split(ji, [None, isa.lanes]) if isa.lanes < 16 else (None, ji)

@@ -19,7 +19,30 @@ VNNI_8X4 = "blockforge_vnni_8x4_u8s8s32"
 # Without VNNI (compile/quant/isa.py "avx512bw", "avx2"): VPMADDUBSW + VPMADDWD + VPADDD.
 MADDUBS_16X4 = "blockforge_maddubs_16x4_u8s8s32"
 MADDUBS_8X4 = "blockforge_maddubs_8x4_u8s8s32"
+# ... and exact for any weights, both operands widened to int16 (isa.py "avx2-wd", "avx512bw-wd")
+MADDWD_16X2 = "blockforge_maddwd_16x2_s16s16s32"
+MADDWD_8X2 = "blockforge_maddwd_8x2_s16s16s32"
 _LLVM = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
+
+
+def dot_desc(lanes: int, g: int, a_dtype: str, b_dtype: str):
+    """What every int8 dot-product intrinsic computes: C[i] += sum_k A[k] B[i, k] in int32
+    (i < lanes, k < g): its description for tensorize."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((g,), a_dtype, offset_factor=1), B: T.Buffer((lanes, g), b_dtype, offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:g], B[0:lanes, 0:g])
+            T.writes(C[0:lanes])
+            for i in T.serial(0, lanes):
+                for k in T.serial(0, g):
+                    with T.sblock("update"):
+                        vi, vk = T.axis.remap("SR", [i, k])
+                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+
+    return desc
 
 
 def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
@@ -30,18 +53,7 @@ def dot_funcs(lanes: int, a_dtype: str, llvm_intrinsic: str):
 
     v = f"int8x{lanes * 4}"  # what both instructions take: the bytes, reinterpreted
     c = f"int32x{lanes}"
-
-    @T.prim_func(s_tir=True)
-    def desc(A: T.Buffer((4,), a_dtype, offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
-             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
-        with T.sblock("root"):
-            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
-            T.writes(C[0:lanes])
-            for i in T.serial(0, lanes):
-                for k in T.serial(0, 4):
-                    with T.sblock("update"):
-                        vi, vk = T.axis.remap("SR", [i, k])
-                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+    desc = dot_desc(lanes, 4, a_dtype, "int8")
 
     @T.prim_func(s_tir=True)
     def impl(A: T.Buffer((4,), a_dtype, offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
@@ -71,7 +83,7 @@ def maddubs_funcs(lanes: int):
     before it picks this instruction (isa.Int8Isa.pair_bound)."""
     from tvm.script import tirx as T
 
-    desc, _ = dot_funcs(lanes, "uint8", _LLVM[lanes])
+    desc = dot_desc(lanes, 4, "uint8", "int8")
     bits = lanes * 32
     pairs = "llvm.x86.avx2.pmadd.ub.sw" if lanes == 8 else "llvm.x86.avx512.pmaddubs.w.512"
     quads = "llvm.x86.avx2.pmadd.wd" if lanes == 8 else "llvm.x86.avx512.pmaddw.d.512"
@@ -91,6 +103,34 @@ def maddubs_funcs(lanes: int):
                     T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "uint8x4"), dtype="int32"), lanes), dtype=v),
                     B.vload([0, 0], dtype=v), dtype=h),
                 T.broadcast(T.int16(1), bits // 16), dtype=c)
+
+    return desc, impl
+
+
+def maddwd_funcs(lanes: int):
+    """desc and impl of the exact `lanes` x 2 int16 dot product (VPMADDWD, then VPADDD): A's two
+    int16 (8-bit activations widened) broadcast as one int32, B (lanes, 2) int16 (8-bit weights
+    widened at packing). Each lane's two products are summed straight into int32 (at most
+    2 x 255 x 128 in magnitude): no saturation, for any weights. Where VPMADDUBSW + VPMADDWD
+    make 32 multiply-adds of two multiplying instructions, this makes 16 of one, so the two rate
+    alike where those instructions share their ports (Zen 5: isa.py)."""
+    from tvm.script import tirx as T
+
+    bits = lanes * 32
+    quads = "llvm.x86.avx2.pmadd.wd" if lanes == 8 else "llvm.x86.avx512.pmaddw.d.512"
+    h, c = f"int16x{bits // 16}", f"int32x{lanes}"
+    desc = dot_desc(lanes, 2, "int16", "int16")
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((lanes, 2), "int16", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:2], B[0:lanes, 0:2])
+            T.writes(C[0:lanes])
+            C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=c) + T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(quads),
+                T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "int16x2"), dtype="int32"), lanes), dtype=h),
+                B.vload([0, 0], dtype=h), dtype=c)
 
     return desc, impl
 
@@ -121,6 +161,16 @@ def maddubs_8x4() -> str:
 def maddubs_16x4() -> str:
     """The AVX512BW form (zmm, no VNNI: Skylake-SP/X), registered on first call."""
     return register_once(MADDUBS_16X4, lambda: maddubs_funcs(16))
+
+
+def maddwd_8x2() -> str:
+    """The exact AVX2 form (full-range weights), registered on first call."""
+    return register_once(MADDWD_8X2, lambda: maddwd_funcs(8))
+
+
+def maddwd_16x2() -> str:
+    """The exact AVX512BW form (full-range weights), registered on first call."""
+    return register_once(MADDWD_16X2, lambda: maddwd_funcs(16))
 
 
 def has_avx512bw(target) -> bool:

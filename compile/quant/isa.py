@@ -12,6 +12,7 @@ mcpu/mattr, never the build machine).
 | avxvnni | {vex} VPDPBUSD ymm (x86, no AVX-512) | u8 x s8 | 8 | MR x 1 (2 per panel)   | 2 MR of 16 ymm   |
 | avx512bw | VPMADDUBSW + VPMADDWD zmm (x86, no VNNI) | u8 x s8 | 16 | 5 x 3 | 15 of 32 zmm |
 | avx2 | VPMADDUBSW + VPMADDWD ymm (x86, no VNNI) | u8 x s8 | 8 | 4 x 1 (2 per panel) | 8 of 16 ymm |
+| avx512bw-wd, avx2-wd | VPMADDWD zmm / ymm (their exact fallbacks) | s16 x s16 | 16 / 8 | 5 x 3 / 4 x 1 | as above |
 | sdot | SDOT v.4s (aarch64)    | s8 x s8      | 4     | 5 x 1 (4 SDOTs per panel)   | 20 of 32 q regs  |
 | i8mm | SMMLA v.4s (aarch64)   | s8 x s8      | 2 x 2 | 4 x 1 (16 SMMLAs per k-step)| 16 of 32 q regs  |
 
@@ -21,7 +22,10 @@ rows are exact only for weights whose pairs along K have |w0| + |w1| <= 128 (`pa
 255 x 128 = 32640 fits, 255 x 129 does not. ONNX Runtime's `reduce_range` (7-bit weights,
 [-64, 63]) always does; full-range weights usually do not (ORT's own AVX2 kernel then
 saturates; its documentation recommends reduce_range on such CPUs). The int8-gemm phase checks
-each constant weight matrix: one that could saturate stays as written (QDQ: dequantize + fp32).
+each constant weight matrix; one that could saturate, and a product whose B is known only at
+run time, take the row's exact fallback: both operands widened to int16, VPMADDWD straight
+into int32. On Zen 5 (BERT-base FFN's 128x768x3072, 2 threads) VPMADDUBSW ran 272 / 532 GOP/s
+(ymm / zmm, at its register-only probe's rate), VPMADDWD 234 / 462.
 
 SMMLA (`+i8mm`, Armv8.6: Cortex-A510/A710/X2 and later, Neoverse N2/V1/V2, Graviton 3/4) is a
 matrix instruction: a 2 x 8 block of A times an 8 x 2 block of W into a 2 x 2 int32 tile, 32
@@ -52,6 +56,7 @@ class Int8Isa:
     # the instruction adds each pair of products (k = 2i, 2i+1) into int16 with saturation:
     # exact only for weights with |w0| + |w1| <= pair_bound in every pair (None: never saturates)
     pair_bound: int | None = None
+    w_dtype: str = "int8"  # the packed weights' (int16 on VPMADDWD: the 8-bit values widened)
 
     def exact_for(self, w) -> bool:
         """The instruction computes A x w exactly for every u8 A: (K, N) int8 weights as the
@@ -66,7 +71,7 @@ class Int8Isa:
     def shift(self, dtype: str) -> int:
         """What to add to activations of `dtype` (and their zero point) to make them the
         instruction's: +128 for s8 on VPDPBUSD, -128 for u8 on SDOT, 0 when they already are."""
-        if dtype == self.act_dtype:
+        if dtype == self.act_dtype or self.act_dtype == "int16":
             return 0
         return 128 if self.act_dtype == "uint8" else -128
 
@@ -92,9 +97,17 @@ ISAS: dict[str, Int8Isa] = {
     # 5 x 3 as VNNI's: 15 accumulators + 3 weight vectors, the broadcast, the ones and the two
     # int16/int32 temporaries fit 32 zmm.
     "avx512bw": Int8Isa("avx512bw", "uint8", 16, 5, 3, intrin.maddubs_16x4, intrin.has_avx512bw,
-                        pair_bound=128),
+                        pair_bound=128, fallback="avx512bw-wd"),
     # 16 ymm: 4 rows x 2 = 8 accumulators + 2 weight vectors + broadcast, ones, 2 temporaries
-    "avx2": Int8Isa("avx2", "uint8", 8, 4, 1, intrin.maddubs_8x4, intrin.has_avx2, pair_bound=128),
+    "avx2": Int8Isa("avx2", "uint8", 8, 4, 1, intrin.maddubs_8x4, intrin.has_avx2, pair_bound=128,
+                    fallback="avx2-wd"),
+    # The exact fallbacks of the two above, for weights whose pairs could saturate VPMADDUBSW (and
+    # K not whole 4-byte groups): activations and weights widened to int16, VPMADDWD into int32.
+    # Never a target's first choice (has: never), only a GEMM's.
+    "avx512bw-wd": Int8Isa("avx512bw-wd", "int16", 16, 5, 3, intrin.maddwd_16x2, lambda t: False, kgroup=2,
+                           w_dtype="int16"),
+    "avx2-wd": Int8Isa("avx2-wd", "int16", 8, 4, 1, intrin.maddwd_8x2, lambda t: False, kgroup=2,
+                       w_dtype="int16"),
 }
 
 

@@ -28,13 +28,8 @@ def _axis(node) -> int:
     return next((a.i for a in node.attribute if a.name == "axis"), 1)
 
 
-def qdq_matmuls_as_integer(model: onnx.ModelProto, weights_ok=None,
-                           refused: list | None = None) -> tuple[onnx.ModelProto, int]:
-    """(model with the QDQ MatMuls rewritten, how many); the input is not modified.
-    `weights_ok(W8)`: whether the target's instruction takes these (K, N) int8 weights as the
-    kernel packs them (isa.Int8Isa.exact_for); a MatMul whose weights it refuses stays
-    dequantize + float32, which beats the int32 matmul it would otherwise import as; its
-    "KxN" is appended to `refused`."""
+def qdq_matmuls_as_integer(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """(model with the QDQ MatMuls rewritten, how many); the input is not modified."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
@@ -56,7 +51,7 @@ def qdq_matmuls_as_integer(model: onnx.ModelProto, weights_ok=None,
             a, b = dq_parts(node.input[0]), dq_parts(node.input[1])
             if a is not None and b is not None:
                 try:
-                    rewritten = _rewrite(node, a, b, init, inits, f"bf_qdq{count}", weights_ok, refused)
+                    rewritten = _rewrite(node, a, b, init, inits, f"bf_qdq{count}")
                 except (ValueError, TypeError):  # an initializer numpy cannot read: leave the MatMul
                     rewritten = None
         if rewritten is None:
@@ -91,7 +86,7 @@ def _plain(node) -> bool:
     return _attr(node, "alpha", 1.0) == 1.0 and _attr(node, "beta", 1.0) == 1.0 and not _attr(node, "transA", 0)
 
 
-def _rewrite(node, a, b, init, inits, tag, weights_ok=None, refused=None):
+def _rewrite(node, a, b, init, inits, tag):
     (_, xq, sx_name, zx_name), (bnode, wq_name, sw_name, zw_name) = a, b
     w, sx, sw = init(wq_name), init(sx_name), init(sw_name)
     if w is None or sx is None or sw is None or w.ndim != 2 or inits[wq_name].data_type not in _INT8:
@@ -112,14 +107,6 @@ def _rewrite(node, a, b, init, inits, tag, weights_ok=None, refused=None):
     zw = init(zw_name) if zw_name else None
     if zw_name and (zw is None or zw.size not in (1, n)):
         return None
-    if weights_ok is not None:
-        from blockforge.compile.quant.gemm import int8_weights
-
-        w8 = int8_weights(w.astype(np.int64) - (0 if zw is None else zw.reshape(-1).astype(np.int64)))
-        if w8 is None or not weights_ok(w8[0]):
-            if refused is not None:
-                refused.append(f"{k}x{n}")
-            return None
     scale = (sx.reshape(()) * sw).astype(np.float32)  # the one float scale per column
     names = {s: f"{tag}_{s}" for s in ("scale", "acc", "accf", "w", "scaled")}
     tensors = [numpy_helper.from_array(scale, names["scale"])]

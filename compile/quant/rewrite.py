@@ -178,15 +178,19 @@ class _Finder:
         self.isa, self.post, self.products, self.batched, self.addends = isa, post, products, batched, addends
         self.gelu_ops = gelu_ops
         self.values, self.users = graph(func)  # var -> value; var -> the binding vars that read it
-        self.saturating: list[str] = []  # the K x N of GEMMs left as written: their weights could saturate
         self.dataflow = relax.DataflowVar
 
-    def isa_for(self, k: int, n: int) -> str | None:
+    def isa_for(self, k: int, n: int, w: np.ndarray | None = None) -> str | None:
         """The instruction a (K, N) GEMM runs on: the pass's, or its fallback where K is not
-        whole k-groups of it (SMMLA's 8 -> SDOT's 4); None: neither takes it."""
+        whole k-groups of it (SMMLA's 8 -> SDOT's 4) or, for an instruction that saturates
+        (VPMADDUBSW), where the weights `w` could saturate it or are known only at run time
+        (None): VPMADDWD on int16; None: neither takes it."""
         for isa in (self.isa, ISAS[self.isa].fallback):
-            if isa is not None and gemm.supported(k, n, isa):
-                return isa
+            if isa is None or not gemm.supported(k, n, isa):
+                continue
+            if ISAS[isa].pair_bound is not None and (w is None or not ISAS[isa].exact_for(w)):
+                continue
+            return isa
         return None
 
     def value(self, e):
@@ -408,8 +412,8 @@ class _Finder:
             return None  # (int8_gemm's batched_products: the int8-batched-products ablation)
         k, n = bshape[-2:]
         isa = self.isa_for(k, n)
-        if _static(ashape[-1]) != k or isa is None or ISAS[isa].pair_bound is not None:
-            return None  # (a saturating instruction: weights known only at run time)
+        if _static(ashape[-1]) != k or isa is None:
+            return None
         rows = _static(ashape[-2])
         if rows is not None and batch * rows * k * n < gemm.PARALLEL_MACS:
             # one thread (gemm.PARALLEL_MACS) plus the packing: BERT-base's QDQ MHA at seq 128
@@ -438,12 +442,8 @@ class _Finder:
             return None
         shape = _shape(value.args[0])
         k, n = wz[0].shape
-        isa = self.isa_for(k, gemm.padded(n))
+        isa = self.isa_for(k, gemm.padded(n), wz[0])
         if shape is None or len(shape) < 2 or _static(shape[-1]) != k or isa is None:
-            return None
-        if not ISAS[isa].exact_for(wz[0]):
-            # VPMADDUBSW would saturate on some pair of these weights (isa.py): left as written
-            self.saturating.append(f"{k}x{n}")
             return None
         _, m_static = _rows(shape)
         out, scale, bias, scale_kind = var, None, None, "none"
@@ -482,7 +482,7 @@ class _Finder:
 def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, stack: bool = True,
               epilogue: gemm.Epilogue | None = None, products: bool = True, sums_kernels: bool = True,
               shift_quantize: bool = True, batched_products: bool = True, addends: bool = True,
-              gelu_ops: bool = True, notes: list | None = None):
+              gelu_ops: bool = True):
     """The `int8-gemm` pass for a CPU target with the dot-product instruction `isa`
     (compile/quant/isa.py: "vnni" for AVX-512 VNNI, "sdot" for aarch64 +dotprod); a kernel's
     tiles come from the tuning database where it has a record for its spec
@@ -561,14 +561,18 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                 # (c = -128); the column-sum term then takes the shifted zero point.
                 a2 = _resigned(bb, a2, shift)
                 zp = bb.emit(relax.op.add(zp, relax.const(shift, "int32")))
+            isa = ISAS[sp.isa]
+            # VPMADDWD's operands are int16: the 8-bit activations widened (fused into their
+            # quantize); the row sums below still read the 8-bit ones
+            a_in = bb.emit(relax.op.astype(a2, isa.act_dtype)) if isa.act_dtype == "int16" else a2
             if mt.w_var is not None:
                 n, pad = sp.n, 0
-                args = [a2, *self.runtime_weights(mt.w_var, sp.k, sp.n, ISAS[sp.isa].kgroup, lead), zp]
+                args = [a_in, *self.runtime_weights(mt.w_var, sp.k, sp.n, isa, lead), zp]
             else:
                 n = mt.w.shape[1]
                 pad = sp.n - n  # a ragged N (GPT-2's lm_head: 50257): zero columns, cropped below
                 w = np.pad(mt.w, ((0, 0), (0, pad))) if pad else mt.w
-                args = [a2, relax.const(gemm.pack_weights(w, ISAS[sp.isa].kgroup)),
+                args = [a_in, relax.const(gemm.pack_weights(w.astype(isa.w_dtype), isa.kgroup)),
                         relax.const(gemm.column_sums(w)), zp]
             if sp.rowcorr:
                 # -zp_w rowsum(A) + K zp_a zp_w, per row (exact in int32 for K*255*255 < 2^31).
@@ -597,15 +601,18 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
                                                          relax.const(mt.shift_out, "int32")), _dtype(mt.out))
             return relax.op.reshape(y, relax.ShapeExpr(mt.out_shape))
 
-        def runtime_weights(self, b, k: int, n: int, g: int, lead: list):
+        def runtime_weights(self, b, k: int, n: int, isa, lead: list):
             """A runtime (K, N) 8-bit operand as the kernel reads weights: packed (N/16, K/g, 16,
-            g) as gemm.pack_weights packs constants, and its column sums; u8 stored as s8 (b - 128,
-            the zero point moved alike at match time); `lead` [batch]: one such per GEMM."""
+            g) as gemm.pack_weights packs constants (g the ISA's kgroup; int16 on VPMADDWD), and
+            its column sums; u8 stored as s8 (b - 128, the zero point moved alike at match time);
+            `lead` [batch]: one such per GEMM."""
             bb = self.builder_
+            g = isa.kgroup
             b = bb.emit(relax.op.reshape(self.visit_expr(b), relax.ShapeExpr([*lead, k, n])))
             if _dtype(b) == "uint8":
                 b = _resigned(bb, b, -128)
-            groups = relax.op.reshape(b, relax.ShapeExpr([*lead, k // g, g, n // 16, 16]))
+            wide = relax.op.astype(b, isa.w_dtype) if isa.w_dtype != "int8" else b
+            groups = relax.op.reshape(wide, relax.ShapeExpr([*lead, k // g, g, n // 16, 16]))
             o = len(lead)
             packed = bb.emit(relax.op.permute_dims(groups, [*range(o), o + 2, o, o + 3, o + 1]))
             if not sums_kernels:
@@ -657,13 +664,6 @@ def int8_gemm(isa: str = "vnni", target=None, database=None, post: bool = True, 
         def plan(m, func) -> bool:
             f = _Finder(func, isa, post, products, batched_products, addends, gelu_ops)
             matches = [mt for v, val in f.values.items() if (mt := f.match(v, val)) is not None]
-            if f.saturating:
-                line = (f"{len(f.saturating)} int8 matmul(s) ({', '.join(sorted(set(f.saturating)))}, K x N) stay "
-                        f"int32: this target has no VNNI, and its VPMADDUBSW ({isa}) would saturate on their "
-                        "full-range weights; quantize with --reduce-range (7-bit weights) to run them in int8")
-                _log.warning("int8 gemm: %s", line)
-                if notes is not None and line not in notes:
-                    notes.append(line)
             if not matches:
                 return False
             _shift_outputs(matches, shift_for)

@@ -39,7 +39,7 @@ def add(sub) -> None:
                    help="write it int8-quantized as `blockforge quantize --mode` does (static: random calibration)")
     p.add_argument("--per-channel", action="store_true", help="with --quantize: one weight scale per column")
     p.add_argument("--reduce-range", action="store_true",
-                   help="with --quantize: 7-bit weights (x86 without VNNI runs them on its int8 instruction)")
+                   help="with --quantize: 7-bit weights (x86 without VNNI runs them on VPMADDUBSW)")
     p.add_argument("--bias-adds", action="store_true",
                    help="with --quantize static: the bias Adds quantized too (`blockforge quantize --bias-adds`)")
     p.add_argument("-o", "--output", default=None, help="MODEL.onnx (default artifacts/<name>.onnx)")

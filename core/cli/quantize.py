@@ -21,7 +21,8 @@ def add(sub) -> None:
     p.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
     p.add_argument("--reduce-range", action="store_true",
                    help="7-bit weights: what x86 CPUs without VNNI (Haswell to Ice Lake clients, Skylake-SP, "
-                        "AMD Zen 1-3) run on their int8 instruction; full-range weights stay int32 there")
+                        "AMD Zen 1-3) run on VPMADDUBSW; full-range weights take the exact VPMADDWD kernel there "
+                        "(0.85x its speed on Zen 5) at a smaller error against float")
     p.add_argument("--activation-type", choices=list(ACTIVATION_TYPES), default="s8",
                    help="static: activations int8 (S8S8, default) or uint8 (U8S8)")
     p.add_argument("--bias-adds", action="store_true",
