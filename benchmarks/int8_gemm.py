@@ -318,8 +318,14 @@ def _ffn(spec: FFNSpec, seq: int, repeat: int, sgemm: float, tmp: Path, mode: st
     ov = REGISTRY["openvino"]
     if ov.available():  # bench's OpenVINO contender: f32 hint (QDQ still runs in int8), latency hint
         bm = BenchModel(session=sq, onnx=sq.model, spec=None, dims=dims)
-        calls["OpenVINO (same file)"] = ov.make_runner(bm, inputs, threads)
-        peers.append("OpenVINO (same file)")
+        # ONEDNN_MAX_CPU_ISA=AVX2 in the environment caps OpenVINO's oneDNN at AVX2 (no VNNI):
+        # the peer a CPU without VNNI has (its fp32 FFN 3.9 ms there against 2.8, Zen 5). ORT's
+        # MLAS has no such cap. (AVX512_CORE did not keep its int8 off VNNI: 951 GOP/s, above
+        # VPMADDUBSW zmm's 531.)
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        name = f"OpenVINO (same file{', ONEDNN_MAX_CPU_ISA=' + cap if cap else ''})"
+        calls[name] = ov.make_runner(bm, inputs, threads)
+        peers.append(name)
     # one thread: the process's CPU time (as the kernels' thread time above; the process's, so
     # that OpenVINO's work on a stream thread of its own is counted too)
     samples = measure_interleaved(calls, repeat, warmup=2, clock=time.process_time if threads == 1 else time.perf_counter)

@@ -8,6 +8,9 @@ unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE
 .venv/bin/python tests/devtree.py build/dev-src >/dev/null
 uptime > $D/novnni.log
 .venv/bin/python benchmarks/int8_gemm.py --repeat 20 --no-vnni >> $D/novnni.log 2>&1
+# OpenVINO capped at AVX2 (the peer of a CPU without VNNI); ORT's MLAS has no such cap
+uptime > $D/novnni_ov_avx2.log
+ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python benchmarks/int8_gemm.py --repeat 20 --no-vnni >> $D/novnni_ov_avx2.log 2>&1
 T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
 B=".venv/bin/python -m blockforge"
 $B export ffn --d-model 768 --batch 1 --seq 128 -o $T/ffn.onnx >/dev/null
