@@ -9,6 +9,8 @@ To regenerate an expected function after a deliberate schedule change, print
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 tvm = pytest.importorskip("tvm")
@@ -101,10 +103,46 @@ def _matmul_expected(nr: int):
     return main
 
 
-@pytest.mark.parametrize("target, nr", [(AVX512, 64), (AVX2, 32)])
+@pytest.mark.parametrize("target, nr", [(AVX512, 64), (AVX2, 16)])
 def test_matmul_static(target, nr):
+    """AVX-512: 6 x 4 zmm accumulators; AVX2: 6 x 2 ymm (its 16 registers: schedule.base.nr_vecs)."""
     tvm.ir.assert_structural_equal(_schedule(CPUMatmul(), matmul_before, target), _matmul_expected(nr))
 
+
+@pytest.mark.parametrize("target, vecs", [(AVX512, 4), (AVX2, 2), (NEON, 4),
+                                          (tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu"}), 2)])
+def test_micro_tile_fits_the_register_file(target, vecs):
+    """6 rows x vecs accumulators: 24 of AVX-512's and NEON's 32 registers, 12 of x86's 16 below
+    AVX-512 (24 spilled there); the prepacked panels are that wide."""
+    from blockforge.compile.schedule.base import nr_vecs
+    from blockforge.compile.schedule.matmul import panel_width
+
+    assert nr_vecs(target) == vecs and panel_width(target) == vecs * vector_lanes(target)
+
+
+# fmt: off
+@T.prim_func(s_tir=True)
+def one_row_packed(a: T.Buffer((T.int64(1), T.int64(32)), "float32"), wp: T.Buffer((T.int64(8), T.int64(32), T.int64(16)), "float32"), out: T.Buffer((T.int64(1), T.int64(128)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    for i, j, k in T.grid(T.int64(1), T.int64(128), T.int64(32)):
+        with T.sblock("packed_matmul"):
+            v_i, v_j, v_k = T.axis.remap("SSR", [i, j, k])
+            T.reads(a[v_i, v_k], wp[v_j // T.int64(16), v_k, v_j % T.int64(16)])
+            T.writes(out[v_i, v_j])
+            with T.init():
+                out[v_i, v_j] = T.float32(0.0)
+            out[v_i, v_j] = out[v_i, v_j] + a[v_i, v_k] * wp[v_j // T.int64(16), v_k, v_j % T.int64(16)]
+# fmt: on
+
+
+def test_few_rows_read_narrow_panels_side_by_side():
+    """A decode step's one row on AVX2's 2-ymm panels: two panels per k step (4 FMA chains, as
+    one 4-vector panel gave), an unrolled loop of 2 around the vectorised 16 columns, the
+    write-back vectorised over both."""
+    text = _schedule(CPUMatmul(), one_row_packed, AVX2).script()
+    assert re.search(r"for k in range\(T.int64\(32\)\):\n\s+for i_1 in T.unroll\(T.int64\(6\)\):\n\s+"
+                     r"for j_1 in T.unroll\(T.int64\(2\)\):\n\s+for j_2 in T.vectorized\(T.int64\(16\)\)", text), text
+    assert re.search(r"T.vectorized\(T.int64\(32\)\)", text), text  # the write-back
 
 
 # fmt: off
