@@ -90,7 +90,7 @@ def export(spec: Spec, output: str | Path | None = None, *, force: bool = False,
 
         opts = QuantizeOptions(model=path, output=path, mode=quantize, per_channel=per_channel, bias_adds=bias_adds,
                                reduce_range=reduce_range,
-                               shape={k: v for k, v in (("batch", spec.batch), ("seq", spec.seq)) if v}, seed=spec.seed)
+                               seed=spec.seed)  # (no shape: a static --batch/--seq is no symbolic dim to bind)
         qdata, qres = quantize_model(model, opts)
         model = onnx.load_from_string(qdata)
     data = model.SerializeToString()  # weights inline: no external-data files to trust

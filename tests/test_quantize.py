@@ -146,6 +146,22 @@ def test_export_quantize_writes_the_quantized_model_and_counts_its_ops(tmp_path)
     assert_user_error(cli("export", "ffn", "--per-channel", "-o", str(tmp_path / "x.onnx")), "--quantize")
 
 
+@pytest.mark.parametrize("dims, left", [(("--batch", "1", "--seq", "16"), ()), (("--seq", "16"), ("--shape", "batch=1")),
+                                        (("--batch", "1"), ("--shape", "seq=16"))])
+def test_export_quantize_static_with_static_dims(tmp_path, dims, left):
+    """A static --batch/--seq is no symbolic dim: the random calibration binds only what is left
+    (it named the static ones before, and the export failed: "--shape names batch, seq, which the
+    model does not have"); the export verifies against its float oracle."""
+    q = tmp_path / "q.onnx"
+    res = cli("export", "mha", "--d-model", "32", "--heads", "4", *dims, "--quantize", "static", "-o", str(q))
+    assert res.rc == 0 and "wrote" in res.out, res.text
+    import json
+
+    assert json.loads((tmp_path / "q.json").read_text())["quantization"]["int8_gemms"] > 0
+    v = cli("verify", str(q), *left)
+    assert v.rc == 0 and "precision int8" in v.out, v.text
+
+
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
 def test_verify_quantized_export_uses_accuracy_gate_against_the_oracle(tmp_path, mode):
     """The oracle is the float model: a quantized export passes by relative L2 (it failed the
