@@ -350,3 +350,40 @@ def test_cli_reduce_range(workdir):
         r = run_cli_in_process("compile", workdir / "q7.onnx", "--target", "x86-64-avx2", "-o", workdir / "a7")
         assert r.rc == 0 and "warning" not in r.err, r.err
         assert "notes" not in json.loads((workdir / "a7" / "manifest.json").read_text())
+
+
+def test_qdq_attention_products_take_the_exact_kernel(tmp_path, monkeypatch):
+    """A QDQ MHA's Q K^T and P V have their B at run time, so no weight check can clear them for
+    VPMADDUBSW: they run on VPMADDWD with B widened to int16 as it is packed, within one output
+    step of ORT (and equal to the VNNI build's output where this CPU has VNNI)."""
+    _need("x86-64-avx2")
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    from tvm import relax
+
+    from blockforge.compile.pipeline import run_phases
+    from blockforge.compile.session import open_model
+    from blockforge.graph import ort as ort_runner
+    from blockforge.graph.model_io import random_inputs
+
+    q = tmp_path / "mha.onnx"
+    r = run_cli_in_process("export", "mha", "--d-model", "128", "--heads", "2", "--batch", "1", "--seq", "256",
+                           "--quantize", "static", "-o", q)
+    assert r.rc == 0, r.err
+    outs = {}
+    for target in ("x86-64-avx2", "host"):
+        s = open_model(q, target)
+        mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
+        specs = gemm.kernel_specs(mod)
+        products = [sp for sp in specs if sp.k in (64, 256) and sp.n in (64, 256) and sp.rowcorr]
+        if target == "x86-64-avx2":
+            assert len(products) == 4 and {sp.isa for sp in specs} == {"avx2-wd"}, [sp.describe() for sp in specs]
+        elif for_target(s.target.tvm_target()) is None or for_target(s.target.tvm_target()).pair_bound:
+            break
+        ins = random_inputs(s.inputs, {}, seed=0)
+        got = relax.VirtualMachine(s.build().executable, tvm.cpu())["main"](*[tvm.runtime.tensor(ins[i.name])
+                                                                             for i in s.inputs])
+        outs[target] = got.numpy()
+        ref = next(iter(ort_runner.run(s.model, ins).values()))
+        assert np.abs(outs[target] - ref).max() <= float(np.abs(ref).max()) / 127, target
+    if "host" in outs:
+        np.testing.assert_array_equal(outs["x86-64-avx2"], outs["host"])
