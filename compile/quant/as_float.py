@@ -43,12 +43,12 @@ def integer_matmuls_as_float(model: onnx.ModelProto, rewritten: list | None = No
     def init(name):
         return numpy_helper.to_array(inits[name]) if name in inits else None
 
-    new_nodes, new_inits, count = [], [], 0
+    new_nodes, new_inits, changed = [], [], set()
     for node in g.node:
         nodes = None
         if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
             try:
-                nodes = _rewrite(node, init, inits, consumers, producer, graph_outputs, f"bf_i2f{count}",
+                nodes = _rewrite(node, init, inits, consumers, producer, graph_outputs, f"bf_i2f{len(changed)}",
                                  rewritten, new_inits)
             except (ValueError, TypeError):  # an initializer numpy cannot read: leave it
                 nodes = None
@@ -56,16 +56,15 @@ def integer_matmuls_as_float(model: onnx.ModelProto, rewritten: list | None = No
             new_nodes.append(node)
             continue
         new_nodes += nodes
-        count += 1
-    if not count:
+        changed.add(node.output[0])
+    if not changed:
         return model, 0
     out = with_nodes(model, new_nodes, new_inits)
     # the rewritten outputs are float now: drop their (int32) shape-inference records
-    changed = {o for n in new_nodes if n.name.startswith("bf_i2f") and n.op_type == "MatMul" for o in n.output}
     kept = [v for v in out.graph.value_info if v.name not in changed]
     del out.graph.value_info[:]
     out.graph.value_info.extend(kept)
-    return out, count
+    return out, len(changed)
 
 
 def _scalar(name, inits, producer) -> bool:
