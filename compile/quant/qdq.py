@@ -10,9 +10,9 @@ runs), each such MatMul becomes
     Cast(MatMulInteger(x_q, W_q, zp_x, zp_w), float) * (s_x * s_w)
 
 which is the same sum in integers ((x_q - zp_x)(W_q - zp_w), scaled once): what the
-int8-gemm pass then puts on the VNNI kernel. Only weights given as initializers, activation
+int8-gemm pass then puts on the int8 kernel. Only weights given as initializers, activation
 scale and zero point per tensor (8-bit zero point given), weight scale per tensor or per
-column (axis 1); anything else is left as written.
+column (axis 1; 0 for a Gemm reading them transposed); anything else is left as written.
 """
 
 from __future__ import annotations
