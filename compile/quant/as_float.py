@@ -22,15 +22,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-_INT8 = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+from blockforge.compile.quant.qdq import INT8_TYPES, with_nodes
+
 FLOAT = onnx.TensorProto.FLOAT
 
 
 def integer_matmuls_as_float(model: onnx.ModelProto, rewritten: list | None = None) -> tuple[onnx.ModelProto, int]:
     """(model with the MatMulIntegers rewritten, how many); the input is not modified. The
     "KxN" of each rewritten one is appended to `rewritten`."""
-    from blockforge.compile.quant.qdq import with_nodes
-
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     consumers: dict[str, list] = {}
@@ -76,7 +75,7 @@ def _scalar(name, inits, producer) -> bool:
 
 
 def _rewrite(node, init, inits, consumers, producer, graph_outputs, tag, rewritten, new_inits):
-    if len(node.input) < 2 or node.input[1] not in inits or inits[node.input[1]].data_type not in _INT8:
+    if len(node.input) < 2 or node.input[1] not in inits or inits[node.input[1]].data_type not in INT8_TYPES:
         return None
     w = init(node.input[1])
     if w is None or w.ndim != 2:

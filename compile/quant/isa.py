@@ -52,7 +52,9 @@ class Int8Isa:
     has: Callable[[object], bool]  # the TVM target has the instruction
     kgroup: int = 4  # bytes of k per column one instruction reads: the packed weights' last dim
     mmla: bool = False  # a 2 x kgroup by kgroup x 2 matrix instruction (rows in pairs), not a dot
-    fallback: str | None = None  # the ISA a GEMM takes when K is not whole k-groups of this one
+    # the ISA a GEMM takes when K is not whole k-groups of this one, or (pair_bound) when its
+    # weights could saturate this one or are known only at run time
+    fallback: str | None = None
     # the instruction adds each pair of products (k = 2i, 2i+1) into int16 with saturation:
     # exact only for weights with |w0| + |w1| <= pair_bound in every pair (None: never saturates)
     pair_bound: int | None = None

@@ -21,11 +21,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-_INT8 = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+INT8_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
 
 
 def _axis(node) -> int:
-    return next((a.i for a in node.attribute if a.name == "axis"), 1)
+    return _attr(node, "axis", 1)
 
 
 def qdq_matmuls_as_integer(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -89,7 +89,7 @@ def _plain(node) -> bool:
 def _rewrite(node, a, b, init, inits, tag):
     (_, xq, sx_name, zx_name), (bnode, wq_name, sw_name, zw_name) = a, b
     w, sx, sw = init(wq_name), init(sx_name), init(sw_name)
-    if w is None or sx is None or sw is None or w.ndim != 2 or inits[wq_name].data_type not in _INT8:
+    if w is None or sx is None or sw is None or w.ndim != 2 or inits[wq_name].data_type not in INT8_TYPES:
         return None
     trans_b = node.op_type == "Gemm" and bool(_attr(node, "transB", 0))
     w = np.ascontiguousarray(w.T) if trans_b else w  # (K, N) either way
@@ -102,7 +102,7 @@ def _rewrite(node, a, b, init, inits, tag):
     # The activations' zero point says their type (MatMulInteger takes 8-bit only; a
     # DequantizeLinear without one may read int32): required, per tensor, 8-bit.
     zx = init(zx_name) if zx_name else None
-    if zx is None or zx.size != 1 or inits[zx_name].data_type not in _INT8:
+    if zx is None or zx.size != 1 or inits[zx_name].data_type not in INT8_TYPES:
         return None
     zw = init(zw_name) if zw_name else None
     if zw_name and (zw is None or zw.size not in (1, n)):

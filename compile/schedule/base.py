@@ -62,6 +62,17 @@ def nr_vecs(target: Target) -> int:
     return 2 if x86 and vector_lanes(target) < 16 else NR_VECS
 
 
+def panel_group(nr: int, n: int | None, lanes: int, rows: int | None = None) -> int:
+    """How many `nr`-wide weight panels a micro-tile reads side by side, so that each row keeps
+    NR_VECS vector FMA chains where the panels are narrower (AVX2's 2 vectors: nr_vecs): 1 where
+    N is unknown or not whole groups, or where `rows` x the group's vectors would pass the 12
+    accumulators 16 registers leave room for (None: no such bound)."""
+    wide = NR_VECS * lanes
+    if n is None or wide % nr or (n // nr) % (wide // nr) or (rows is not None and rows * wide > 12 * lanes):
+        return 1
+    return wide // nr
+
+
 def target_cores(target: Target) -> int:
     n = target.attrs.get("num-cores") if target.attrs is not None else None
     return int(n) if n else 1

@@ -6,7 +6,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from blockforge.compile.passes.panel_prefetch import PREFETCH_LOOP
-from blockforge.compile.schedule.base import CPURule, K_BLOCK, MR, NR_VECS, PARTITION_HINT, nr_vecs, block_alive, const_int, log_skip, schedule_elementwise, single_reduction, target_cores, vector_lanes, vectorize_inner
+from blockforge.compile.schedule.base import CPURule, K_BLOCK, MR, PARTITION_HINT, nr_vecs, panel_group, block_alive, const_int, log_skip, schedule_elementwise, single_reduction, target_cores, vector_lanes, vectorize_inner
 
 
 def is_nn_matmul(block) -> tuple[bool, int | None]:
@@ -144,11 +144,9 @@ class CPUMatmul(CPURule):
         # A few rows on narrow panels (AVX2's 2 ymm, schedule.base.nr_vecs) are too few FMA
         # chains: a decode step's 1 x 768 x 3072 ran 0.157 ms against 0.111 on 4-vector panels
         # (x86-64-avx2 build, Zen 5). Panels are then read in groups of `group`, side by side.
-        wide = NR_VECS * lanes
         # (while rows x the group's vectors stay within AVX2's 12 accumulators: 4 rows grouped
         # spilled, 0.419 ms against 0.172 for 4 x 768 x 3072)
-        group = wide // nr if (packed_nr and n is not None and m_rows is not None and m_rows * wide <= 12 * lanes
-                               and wide % nr == 0 and (n // nr) % (wide // nr) == 0) else 1
+        group = panel_group(nr, n, lanes, m_rows) if packed_nr and m_rows is not None else 1
         if group > 1:
             jo, jg, ji = sch.split(j, [None, group, nr])
         else:

@@ -23,7 +23,7 @@ import math
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from blockforge.compile.schedule.base import CPURule, NR_VECS, block_alive, const_int, log_skip, schedule_elementwise, single_reduction, target_cores, vector_lanes, vectorize_inner
+from blockforge.compile.schedule.base import CPURule, NR_VECS, block_alive, panel_group, const_int, log_skip, schedule_elementwise, single_reduction, target_cores, vector_lanes, vectorize_inner
 from blockforge.compile.schedule.matmul import collapse_epilogue, fold_into_writeback, inline_producers, is_crop, packed_panel_width
 
 MATVEC_ROWS = 4  # rows (batch x M) up to which a packed matmul is a matvec
@@ -71,8 +71,8 @@ class CPUMatvec(CPURule):
         # that (AVX2's 2 ymm: schedule.base.nr_vecs) is read beside the next ones, so each row
         # keeps NR_VECS chains: one 2-vector panel at a time ran 1 x 768 x 3072 in 0.157 ms
         # against 0.111 with the 4-vector panels before (x86-64-avx2 build, Zen 5).
-        wide, n = NR_VECS * lanes, const_int(sch.get(j).extent)
-        group = wide // nr if wide % nr == 0 and n is not None and (n // nr) % (wide // nr) == 0 else 1
+        wide = NR_VECS * lanes
+        group = panel_group(nr, const_int(sch.get(j).extent), lanes)
         cols = wide if nr % wide == 0 else nr  # strips tile the panel exactly
         if group > 1:
             jo, js, ji = sch.split(j, [None, group, nr])  # js: the panels read together
