@@ -247,12 +247,14 @@ def _int8_combine() -> list:
     return [int8_combine()]
 
 
-def _bf16_gemm(without: frozenset[str]) -> Callable[[], list]:
+def _bf16_gemm(target: ResolvedTarget, database, without: frozenset[str]) -> Callable[[], list]:
     def passes() -> list:
         from blockforge.compile.bf16.rewrite import bf16_gemm
 
-        # Before optimize, as int8-gemm: gelu is still one op the epilogue can take.
-        return [bf16_gemm(row_fit="bf16-row-fit" not in without, gelu_segments="bf16-gelu-segments" not in without)]
+        # Before optimize, as int8-gemm: gelu is still one op the epilogue can take. The
+        # database: tuned tiles per kernel (compile/bf16/tiles.py).
+        return [bf16_gemm(row_fit="bf16-row-fit" not in without, gelu_segments="bf16-gelu-segments" not in without,
+                          target=target.tvm_target(), database=database)]
     return passes
 
 
@@ -490,7 +492,7 @@ def phases(target: ResolvedTarget, database=None, fp16: bool = False, default_sc
     if isa is not None:
         out.append(Phase("int8-gemm", _int8_gemm(isa, target, database, without)))
     if precision == "bf16" and cpu and default_schedules and "bf16-gemm" not in without:
-        out.append(Phase("bf16-gemm", _bf16_gemm(without)))
+        out.append(Phase("bf16-gemm", _bf16_gemm(target, database, without)))
     if cpu and default_schedules and "conv-gemm" not in without and conv:
         out.append(Phase("conv-gemm", _conv_gemm(target, without)))
     out.append(Phase("optimize", _optimize(without, target if cpu and default_schedules else None)))

@@ -392,11 +392,13 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     from blockforge.compile.records.reader import load_database
     from blockforge.compile.pipeline import tuning_coverage
 
+    from blockforge.compile.attention import tiles as attention_tiles
+
     two = ((32, 4 * LANES), (64, 4 * LANES))
-    monkeypatch.setattr(attention, "tile_candidates", lambda lanes: two)
+    monkeypatch.setattr(attention_tiles, "candidates", lambda spec, lanes, bf16=False: two)
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")  # the tile search is under test, not the isolation child
     session = open_model(_model(tmp_path, layout="packed"), HOST, {"batch": 1, "seq": 64})
-    db = DeviceDB(tmp_path / "db", HOST, create=True)
+    db = DeviceDB(tmp_path / "db", HOST, create=True, cpu="cpu-a")
     mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
     builder = make_builder(HOST, str(tmp_path))
     runner = make_runner(TuneOptions(model=Path("m.onnx")), HOST, 0)
@@ -406,13 +408,25 @@ def test_tune_times_the_tile_candidates_and_compile_applies_the_winner(tmp_path,
     assert set(entry["attention_tiles"]) == {f"{q}x{k}" for q, k in two} and lines
     assert tune_attention_tiles(mod, db, HOST, builder, runner, session.dims, "t") == 0, "reused"
     ms_db, _ = load_database(db.path)
-    best = min(entry["attention_tiles"], key=entry["attention_tiles"].get)
+    timed = entry["attention_tiles"]
     legal, _ = run_phases(session.relax(), HOST, database=ms_db, stop_after="legalize")
-    tiles = {str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) for _, f in legal.functions_items()
-             if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)}
-    assert tiles == {best}
+    (tiles,) = {str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) for _, f in legal.functions_items()
+                if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)}
+    assert timed[tiles] == min(timed.values()), (tiles, timed)  # the fastest (the ledger rounds: ties)
     n, missing = tuning_coverage(legal, HOST, ms_db)
     assert not any(m.startswith("fused_attention") for m in missing)
+
+    # tune's last A/B (the tuned build against the untuned one) covers these records: when
+    # the tuned build loses, they are marked to keep the default on this CPU (before, they were
+    # left out of it, applied anyway, and tune reported tuned = untuned)
+    from test_int8_tiles import tuned_build_loses
+
+    summary = tuned_build_loses(monkeypatch, session, db)
+    assert [n for n in summary.kept_default if n.startswith("fused_attention (")] == [entry["task"]]
+    ms_db, _ = load_database(db.path, cpu="cpu-a")
+    legal, _ = run_phases(session.relax(), HOST, database=ms_db, stop_after="fuse-attention")
+    assert {str(f.attrs[attention.KERNEL_ATTR + ".tiles"]) for _, f in legal.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)} == {"%dx%d" % attention.default_tiles(LANES)}
 
 
 # ---------------------------------------------------------------- end to end

@@ -57,7 +57,7 @@ def test_kernel_is_vex_ymm_only(m):
     """Every VPDPBUSD is the VEX ymm form and nothing touches a zmm register (an Alder Lake has
     none); a 16-column panel is two instructions, so 6 rows x 1 panel = 12 per k-group."""
     spec = gemm.Int8GemmSpec(k=256, n=64, m=m, isa="avxvnni", scale="scalar", bias=True)
-    assert gemm.default_tiles(spec) == gemm.Int8Tiles(6, 1, "panels" if m is None else "tiles")
+    assert gemm.default_tiles(spec) == gemm.GemmTiles(6, 1, "panels" if m is None else "tiles")
     asm = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=ALDERLAKE).mod.inspect_source("asm")
     dots = _inner_loop_dots(asm)
     assert dots and all(d.startswith("{vex} vpdpbusd") and "%ymm" in d for d in dots), dots[:4]

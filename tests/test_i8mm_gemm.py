@@ -49,7 +49,7 @@ def test_weights_pack_in_eight_byte_groups():
         gemm.Int8GemmSpec(k=36, n=32, isa="i8mm")
     assert gemm.supported(36, 32, "sdot") and not gemm.supported(36, 32, "i8mm")
     with pytest.raises(ValueError, match="rows in pairs"):
-        gemm.kernel(gemm.Int8GemmSpec(k=64, n=32, m=8, isa="i8mm"), gemm.Int8Tiles(3, 1, "tiles"))
+        gemm.kernel(gemm.Int8GemmSpec(k=64, n=32, m=8, isa="i8mm"), gemm.GemmTiles(3, 1, "tiles"))
 
 
 @pytest.mark.parametrize("m", [202, None, 1])  # a ragged last tile (one row pair), symbolic rows, a decode row

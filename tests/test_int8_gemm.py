@@ -68,13 +68,13 @@ def test_tile_loop_calls_no_workspace_allocator():
     gave that one a workspace alloc/free pair per row tile: 128x768x3072 +gelu at 6x64, one
     thread, 1.02 -> 0.90 ms); an accumulator tile under 1 KiB (kMaxStackAlloca) is on the stack."""
     spec = gemm.Int8GemmSpec(k=256, n=192, m=120, scale="scalar", bias=True, activation="gelu")
-    assert _workspace_allocs(gemm.kernel(spec, gemm.Int8Tiles(5, 3))) == 0  # 15 x 64 B accumulators
-    assert _workspace_allocs(gemm.kernel(spec, gemm.Int8Tiles(6, 4))) == 1  # 1536 B: the accumulator only
+    assert _workspace_allocs(gemm.kernel(spec, gemm.GemmTiles(5, 3))) == 0  # 15 x 64 B accumulators
+    assert _workspace_allocs(gemm.kernel(spec, gemm.GemmTiles(6, 4))) == 1  # 1536 B: the accumulator only
     # the untuned tiles are the stack-sized ones (3 panels, else 2: 7 rows); the ablation's are 6 x 4
-    assert gemm.default_tiles(spec) == gemm.Int8Tiles(5, 3) and _workspace_allocs(gemm.kernel(spec)) == 0
+    assert gemm.default_tiles(spec) == gemm.GemmTiles(5, 3) and _workspace_allocs(gemm.kernel(spec)) == 0
     two = gemm.Int8GemmSpec(k=256, n=128, m=None)
-    assert gemm.default_tiles(two) == gemm.Int8Tiles(7, 2, "panels") and _workspace_allocs(gemm.kernel(two)) == 0
-    assert gemm.default_tiles(spec, stack=False) == gemm.Int8Tiles(6, 4)
+    assert gemm.default_tiles(two) == gemm.GemmTiles(7, 2, "panels") and _workspace_allocs(gemm.kernel(two)) == 0
+    assert gemm.default_tiles(spec, stack=False) == gemm.GemmTiles(6, 4)
 
 
 def test_stack_tiles_ablation_builds_the_6x4_tile(quantized_ffn):

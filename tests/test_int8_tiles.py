@@ -1,5 +1,5 @@
 """The int8 GEMM's tile space (compile/quant/gemm.py tile_candidates, compile/quant/tiles.py
-records, tune/int8_tiles.py search): every candidate fits the registers and is exact int32
+records, tune/gemm_tiles.py search): every candidate fits the registers and is exact int32
 against numpy, its IR on a fixed target, the choice round-trips through a tuning database
 (untrusted: only candidates are taken), and tune's A/B keeps the default unless a candidate
 beats it."""
@@ -31,17 +31,17 @@ def test_candidates_fit_the_registers_and_the_spec():
     assert {t.split for t in gemm.tile_candidates(symbolic)} == {"panels"}  # the guarded tail needs it
     assert {t.split for t in gemm.tile_candidates(static)} == set(gemm.SPLITS)
     with pytest.raises(ValueError, match="tiles"):
-        gemm.Int8Tiles(8, 4)  # 32 accumulators + 4 weights + 1 broadcast: more than 32 zmm
+        gemm.GemmTiles(8, 4)  # 32 accumulators + 4 weights + 1 broadcast: more than 32 zmm
     with pytest.raises(ValueError, match="do not fit"):
-        gemm.kernel(gemm.Int8GemmSpec(k=64, n=64, m=8), gemm.Int8Tiles(4, 3))  # 3 vectors do not divide N
+        gemm.kernel(gemm.Int8GemmSpec(k=64, n=64, m=8), gemm.GemmTiles(4, 3))  # 3 vectors do not divide N
     with pytest.raises(ValueError, match="do not fit"):
-        gemm.kernel(symbolic, gemm.Int8Tiles(6, 2, "tiles"))
+        gemm.kernel(symbolic, gemm.GemmTiles(6, 2, "tiles"))
 
 
 def test_default_tiles_are_the_untuned_kernel_and_others_change_the_tile():
     spec = gemm.Int8GemmSpec(k=256, n=96, m=128, scale="scalar", bias=True)
     tvm.ir.assert_structural_equal(gemm.kernel(spec), gemm.kernel(spec, gemm.default_tiles(spec)))
-    f = gemm.kernel(spec, gemm.Int8Tiles(8, 3, "panels"))
+    f = gemm.kernel(spec, gemm.GemmTiles(8, 3, "panels"))
     text = f.script()
     assert str(f.attrs[gemm.TILES_ATTR]) == "8x48 panels"
     assert "T.unroll(T.int64(8))" in text and "T.unroll(T.int64(3))" in text and text.count("vpdpbusd.512") == 1
@@ -71,28 +71,35 @@ def test_every_candidate_is_exact_int32():
                                               err_msg=f"{t.describe()} M={m}")
 
 
-def test_tile_choice_round_trips_and_the_database_picks_only_candidates(tmp_path):
+def round_trip(tiles_module, spec, other_spec, odd, target, tmp_path):
+    """A tile module's choices through a MetaSchedule database: the fastest record of the spec's
+    workload wins, another spec's workload has none, and a record of `odd` (valid registers, not
+    a candidate; recorded fastest) picks nothing: returns (the database, its candidates)."""
     from tvm.s_tir import meta_schedule as ms
 
-    spec = gemm.Int8GemmSpec(k=64, n=96, m=40)
-    cands = gemm.tile_candidates(spec)
-    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
-    wl = db.commit_workload(tiles.workload(spec))
-    for t, secs in ((cands[0], 3e-5), (cands[3], 1e-5), (cands[-1], 2e-5)):
-        trace = tiles.tile_trace(spec, t)
-        assert tiles.tiles_from_trace(trace) == t
-        db.commit_tuning_record(ms.database.TuningRecord(trace, wl, [secs], ZNVER4, None))
-    reread = ms.database.JSONDatabase(work_dir=str(tmp_path))
-    assert tiles.tile_record(reread, spec, ZNVER4) == cands[3], "the fastest record wins"
-    assert tiles.tile_record(reread, gemm.Int8GemmSpec(k=64, n=96, m=41), ZNVER4) is None, "another workload"
-    # recorded fastest, but not a tile tune times for this spec (2x128: valid registers, not a candidate)
-    odd = gemm.Int8Tiles(2, 8)
+    cands = tiles_module.tile_candidates(spec)
     assert odd not in cands
-    db.commit_tuning_record(ms.database.TuningRecord(tiles.tile_trace(spec, odd, [odd, *cands]), wl, [1e-6], ZNVER4, None))
-    assert tiles.tile_record(db, spec, ZNVER4) is None
-    # codes no Int8Tiles can be (too many registers, an unknown split, negative) decode to nothing
-    assert [tiles.decode(c) for c in (840, 643, -1, 10**9)] == [None] * 4
-    assert tiles.decode(tiles.encode(cands[3])) == cands[3]
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    wl = db.commit_workload(tiles_module.workload(spec))
+    for t, secs in ((cands[0], 3e-5), (cands[3], 1e-5), (cands[-1], 2e-5)):
+        trace = tiles_module.tile_trace(spec, t)
+        assert tiles_module.tiles_from_trace(trace) == t
+        db.commit_tuning_record(ms.database.TuningRecord(trace, wl, [secs], target, None))
+    reread = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    assert tiles_module.tile_record(reread, spec, target) == cands[3], "the fastest record wins"
+    assert tiles_module.tile_record(reread, other_spec, target) is None, "another workload"
+    db.commit_tuning_record(ms.database.TuningRecord(tiles_module.tile_trace(spec, odd, [odd, *cands]), wl, [1e-6],
+                                                     target, None))
+    assert tiles_module.tile_record(db, spec, target) is None
+    return reread, cands
+
+
+def test_tile_choice_round_trips_and_the_database_picks_only_candidates(tmp_path):
+    _, cands = round_trip(tiles, gemm.Int8GemmSpec(k=64, n=96, m=40), gemm.Int8GemmSpec(k=64, n=96, m=41),
+                          gemm.GemmTiles(2, 8), ZNVER4, tmp_path)
+    # codes no GemmTiles can be (too many registers, an unknown split, negative) decode to nothing
+    assert [gemm.GemmTiles.from_code(c) for c in (840, 643, -1, 10**9)] == [None] * 4
+    assert gemm.GemmTiles.from_code(cands[3].code()) == cands[3]
 
 
 def _tune(tmp_path, quantized_ffn, monkeypatch, fake_secs=None):
@@ -101,22 +108,25 @@ def _tune(tmp_path, quantized_ffn, monkeypatch, fake_secs=None):
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     from blockforge.compile.pipeline import run_phases
     from blockforge.compile.session import open_model
-    from blockforge.tune import int8_tiles
+    from blockforge.tune import gemm_tiles, kernel_timing
     from blockforge.tune.database import DeviceDB
     from blockforge.tune.jobs import TuneOptions, make_builder, make_runner
 
     s = open_model(quantized_ffn, "host", {"batch": 1, "seq": 16})
     mod, _ = run_phases(s.relax(), s.target, stop_after="int8-gemm")
     if fake_secs is not None:
-        monkeypatch.setattr(int8_tiles, "run_kernel", lambda art, func, *a: [fake_secs[str(func.attrs[gemm.TILES_ATTR])]])
+        fake = lambda art, func, *a: [fake_secs[str(func.attrs[gemm.TILES_ATTR])]]  # noqa: E731
+        monkeypatch.setattr(gemm_tiles, "run_kernel", fake)  # the A/B
+        monkeypatch.setattr(kernel_timing, "run_kernel", fake)  # the first timings
     db = DeviceDB(tmp_path / "db", s.target, create=True, cpu="cpu-a")
-    two = lambda spec: [gemm.default_tiles(spec), gemm.Int8Tiles(4, 4, "panels")]  # noqa: E731
+    two = lambda spec: [gemm.default_tiles(spec), gemm.GemmTiles(4, 4, "panels")]  # noqa: E731
     builder, runner = make_builder(s.target, str(tmp_path)), make_runner(TuneOptions(model=Path("m.onnx")), s.target, 0)
     lines = []
-    assert int8_tiles.tune_int8_tiles(mod, db, s.target, builder, runner, s.dims, "t", "cpu-a", lines.append,
+    kinds = gemm_tiles.int8_kernels()
+    assert gemm_tiles.tune_gemm_tiles(kinds, mod, db, s.target, builder, runner, s.dims, "t", "cpu-a", lines.append,
                                       candidates=two) == 2
-    assert int8_tiles.tune_int8_tiles(mod, db, s.target, builder, runner, s.dims, "t", "cpu-a", candidates=two) == 0, \
-        "timed by an earlier job: reused"
+    assert gemm_tiles.tune_gemm_tiles(kinds, mod, db, s.target, builder, runner, s.dims, "t", "cpu-a",
+                                      candidates=two) == 0, "timed by an earlier job: reused"
     return s, db, lines
 
 
@@ -162,17 +172,24 @@ def test_whole_model_ab_that_loses_keeps_the_default_tiles_too(tmp_path, quantiz
     """tune's last A/B (all winning records together vs the untuned build) covers the int8
     tile records: when the tuned build loses, they are marked to keep the default as well."""
     _need_vnni_host()
+    s, db, _ = _tune(tmp_path, quantized_ffn, monkeypatch, {DEFAULT: 2e-5, "4x64 panels": 1e-5})
+    assert _applied_tiles(s, db.path, "cpu-a") == ["4x64 panels"] * 2
+    summary = tuned_build_loses(monkeypatch, s, db)
+    assert len(summary.kept_default) == 2 and all(n.startswith("int8_gemm (") for n in summary.kept_default)
+    assert _applied_tiles(s, db.path, "cpu-a") == [DEFAULT] * 2
+
+
+def tuned_build_loses(monkeypatch, session, db, cpu: str = "cpu-a"):
+    """tune's last step (jobs._measure_model) on `cpu` with the whole-model A/B decided: the
+    tuned build slower than the untuned one. Returns the summary."""
     from types import SimpleNamespace
 
     from blockforge.tune import jobs
 
-    s, db, _ = _tune(tmp_path, quantized_ffn, monkeypatch, {DEFAULT: 2e-5, "4x64 panels": 1e-5})
-    assert _applied_tiles(s, db.path, "cpu-a") == ["4x64 panels"] * 2
-    monkeypatch.setattr(jobs, "cpu_id", lambda: "cpu-a")
+    monkeypatch.setattr(jobs, "cpu_id", lambda: cpu)
     monkeypatch.setattr(jobs, "measure_latency_ms", lambda *a, **k: 1.0)
     monkeypatch.setattr(jobs, "validate_in_model", lambda *a, **k: [])
     monkeypatch.setattr(jobs, "_ab_ms", lambda *a, **k: ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]))  # tuned loses
     summary = SimpleNamespace()
-    jobs._measure_model(SimpleNamespace(session=s, db=db, tasks=[], workloads=[]), summary, naive=False)
-    assert len(summary.kept_default) == 2 and all(n.startswith("int8_gemm (") for n in summary.kept_default)
-    assert _applied_tiles(s, db.path, "cpu-a") == [DEFAULT] * 2
+    jobs._measure_model(SimpleNamespace(session=session, db=db, tasks=[], workloads=[]), summary, naive=False)
+    return summary

@@ -77,7 +77,7 @@ def test_kernel_assembly(name):
     accumulator in a register (no stack access in the loop), no VPDPBUSD, and on AVX2 no zmm."""
     isa = ISAS[name]
     spec = gemm.Int8GemmSpec(k=256, n=16 * 3 * isa.nv, m=200, isa=name, scale="scalar", bias=True)
-    assert gemm.default_tiles(spec) == gemm.Int8Tiles(isa.mr, isa.nv, "tiles")
+    assert gemm.default_tiles(spec) == gemm.GemmTiles(isa.mr, isa.nv, "tiles")
     asm = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec)}), target=resolve(PRESETS[name]).tvm_target()) \
         .mod.inspect_source("asm")
     loop = _inner_loop(asm)

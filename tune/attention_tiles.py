@@ -14,48 +14,54 @@ from __future__ import annotations
 from blockforge.compile import attention
 from blockforge.compile.records.reader import FAILED_RUN_SECS
 
-from .kernel_timing import time_kernel
+from .kernel_timing import time_candidates
+
+LEDGER_KEY = "attention_tiles"
 
 
 def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int], job_id: str,
-                         say=lambda line: None) -> int:
+                         say=lambda line: None, bf16: bool = False) -> int:
     """Time the tile candidates of every fused attention kernel of `mod` (a module after the
-    fuse-attention phase) not yet in the device database `db`; returns kernels tuned."""
+    fuse-attention phase) not yet in the device database `db`; returns kernels tuned. bf16:
+    the module was fused at `--precision bf16`: a kernel whose products run on VDPBF16PS
+    has the bf16 kernel's candidates and workload (attention.tiles), the rest the float32 one's."""
     from tvm.s_tir import meta_schedule as ms
 
+    from blockforge.compile.attention.flash import bf16_pairs, bf16_tiles
+    from blockforge.compile.attention.tiles import candidates as tile_candidates
     from blockforge.compile.schedule.base import vector_lanes
 
     tgt = target.tvm_target()
     lanes = vector_lanes(tgt)
     done = 0
     for n, spec in enumerate(attention.kernel_specs(mod), start=1):
-        wl_mod = attention.workload(spec, lanes)
+        bt = bf16_tiles(lanes, spec.skv) if bf16 else None
+        on_bf16 = bt is not None and bf16_pairs(spec, bt[1], lanes)  # as fuse-attention decides
+        wl_mod = attention.workload(spec, lanes, on_bf16)
         shash = ms.database.Workload(wl_mod).as_json()[0]
         entry = db.ledger().get(shash, {})
-        if entry.get("attention_tiles"):
+        if entry.get(LEDGER_KEY):
             continue  # timed by an earlier job on this device
         rnd = db.begin_round(job_id, 10000 + n)
         scratch = ms.database.JSONDatabase(work_dir=str(rnd.path))
         wl = scratch.commit_workload(wl_mod)
         times = {}
-        candidates = attention.tile_candidates(lanes)
-        for tiles in candidates:
-            secs = time_kernel(attention.kernel(spec, tiles, lanes), target, builder, runner, dims,
-                               "attention tile candidate")
-            if secs is None:
-                continue
+        candidates = tile_candidates(spec, lanes, on_bf16)
+        timed = time_candidates({t: attention.kernel(spec, t, lanes, bf16=on_bf16) for t in candidates},
+                                target, builder, runner, dims, "attention tile candidate")
+        for tiles, (secs, _) in timed.items():
             scratch.commit_tuning_record(ms.database.TuningRecord(
-                attention.tile_trace(spec, lanes, tiles, candidates), wl, secs, tgt, None))
-            times[f"{tiles[0]}x{tiles[1]}"] = round(sum(secs) / len(secs) * 1e6, 1)
+                attention.tile_trace(spec, lanes, tiles, candidates, bf16=on_bf16), wl, [secs], tgt, None))
+            times[f"{tiles[0]}x{tiles[1]}"] = round(secs * 1e6, 1)
         db.commit_round(rnd)
         if not times:
             continue
         best = min(times, key=times.get)
         if times[best] * 1e-6 >= FAILED_RUN_SECS:
             continue
-        db.set_ledger_flag(shash, "task", f"fused_attention ({spec.describe()})")
-        db.set_ledger_flag(shash, "attention_tiles", times)  # us per call, per candidate
-        say(f"fused attention {spec.describe()}: tiles {best} ({times[best]:.1f} us; "
+        db.set_ledger_flag(shash, "task", f"fused_attention ({spec.describe()}{' bf16' if on_bf16 else ''})")
+        db.set_ledger_flag(shash, LEDGER_KEY, times)  # us per call, per candidate
+        say(f"fused attention {spec.describe()}{' bf16' if on_bf16 else ''}: tiles {best} ({times[best]:.1f} us; "
             + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + ")")
         done += 1
     return done

@@ -35,7 +35,8 @@ from blockforge.targets.toolchain import cpu_id
 
 from .builder import job_builder, shutdown_pool
 from .database import DeviceDB
-from .int8_tiles import LEDGER_KEY as INT8_TILES
+from .attention_tiles import LEDGER_KEY as ATTENTION_TILES
+from .gemm_tiles import LEDGER_KEYS as GEMM_TILES
 from .kernel_timing import wins
 from .measure import time_direct
 from .rpc import parse_tracker, wait_for_devices
@@ -78,6 +79,9 @@ class TuneOptions:
     # No search: re-run the in-model A/B of the database's records on this CPU and record
     # the verdicts (how records tuned on another CPU become usable here).
     check_only: bool = False
+    # What the GEMMs compute in (targets.precision): bf16 tunes the bf16 GEMM kernels' tiles
+    # and the float32 tasks left beside them, and measures the bf16 build. None: fp32.
+    precision: str | None = None
 
 
 @dataclass
@@ -116,6 +120,7 @@ class TuneSummary:
     refused: list[str] = field(default_factory=list)  # one line per record record_policy refused
     rpc: str | None = None
     wall_s: float = 0.0
+    precision: str = "fp32"  # what the GEMMs computed in (the tiles timed, the builds measured)
 
     @property
     def trials_new(self) -> int:
@@ -381,7 +386,7 @@ def _plan(opts: TuneOptions, session: Session, db: DeviceDB) -> _Job:
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 
-    legal, _ = run_phases(session.relax(), session.target, stop_after="legalize")
+    legal, _ = run_phases(session.relax(), session.target, stop_after="legalize", precision=session.precision.name)
     tasks = sorted(extract_tasks(legal, session.target), key=lambda t: t.task_name)
     budget = per_task_budget(len(tasks), opts.trials, opts.trials_per_task)
     workloads = [ms.database.Workload(t.dispatched[0]).as_json()[0] for t in tasks]
@@ -420,24 +425,29 @@ def _attention_tiles(job: _Job, builder, runner, term) -> None:
     target = job.session.target
     if "fuse-attention" not in [p.name for p in phases(target)]:
         return
-    mod, _ = run_phases(job.session.relax(), target, stop_after="fuse-attention")
+    precision = job.session.precision.name
+    mod, _ = run_phases(job.session.relax(), target, stop_after="fuse-attention", precision=precision)
     tune_attention_tiles(mod, job.db, target, builder, runner, job.session.dims, job.id,
-                         say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
+                         say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None,
+                         bf16=precision == "bf16")
 
 
-def _int8_tiles(job: _Job, builder, runner, term) -> None:
-    """Time the int8 GEMM kernels' tile candidates (not MetaSchedule tasks; see
-    blockforge.tune.int8_tiles). Like seeds, they do not count against the budget."""
+def _gemm_tiles(job: _Job, builder, runner, term) -> None:
+    """Time the int8 and bf16 GEMM kernels' tile candidates (not MetaSchedule tasks; see
+    blockforge.tune.gemm_tiles). Like seeds, they do not count against the budget."""
     from blockforge.compile.pipeline import has_int8_matmul, phases
 
-    from .int8_tiles import tune_int8_tiles
+    from .gemm_tiles import bf16_kernels, int8_kernels, tune_gemm_tiles
 
-    target, relax_mod = job.session.target, job.session.relax()
-    if "int8-gemm" not in [p.name for p in phases(target, int8=has_int8_matmul(relax_mod))]:
-        return
-    mod, _ = run_phases(relax_mod, target, stop_after="int8-gemm")
-    tune_int8_tiles(mod, job.db, target, builder, runner, job.session.dims, job.id, job.db.cpu,
-                    say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None)
+    target, relax_mod, precision = job.session.target, job.session.relax(), job.session.precision.name
+    names = [p.name for p in phases(target, int8=has_int8_matmul(relax_mod), precision=precision)]
+    for base, kinds in ((20000, int8_kernels()), (30000, bf16_kernels())):
+        if kinds.phase not in names:
+            continue
+        mod, _ = run_phases(relax_mod, target, stop_after=kinds.phase, precision=precision)
+        tune_gemm_tiles(kinds, mod, job.db, target, builder, runner, job.session.dims, job.id, job.db.cpu,
+                        say=lambda line: print(f"blockforge tune: {line}", file=term) if job.opts.progress else None,
+                        round_base=base)
 
 
 def _tune_round(job: _Job, task, w: str, builder, runner, cost_model) -> int:
@@ -496,7 +506,7 @@ def _search(job: _Job, term) -> None:
             cost_model = ms.cost_model.XGBModel(num_tuning_cores=physical_cores())
             _seed_all(job, builder, runner)
             _attention_tiles(job, builder, runner, term)
-            _int8_tiles(job, builder, runner, term)
+            _gemm_tiles(job, builder, runner, term)
             while job.todo():
                 for task, w, fl in job.todo():
                     if bar:
@@ -550,7 +560,7 @@ def _summarize(job: _Job, salvaged: dict) -> TuneSummary:
     t = job.session.target
     return TuneSummary(str(job.opts.model), t.name, t.key(), str(job.db.path), job.budget, tasks,
                        salvaged=sum(salvaged.values()), seeded=job.seeded, rpc=job.opts.rpc_key,
-                       refused=list(job.db.refused))
+                       refused=list(job.db.refused), precision=job.session.precision.name)
 
 
 def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
@@ -570,9 +580,11 @@ def _measure_model(job: _Job, summary: TuneSummary, naive: bool = True) -> None:
     plan = plan_apply(db.path, cpu)
     by_w = db.contents().by_workload()
     applied = [(t.task_name, w) for t, w in zip(job.tasks, job.workloads) if by_w.get(w) and w not in plan.exclude]
-    # the int8 GEMMs' tile records (tune/int8_tiles.py) are in the tuned build too
+    # the hand-written kernels' tile records are in the tuned build too: the int8 and bf16 GEMMs'
+    # (tune/gemm_tiles.py) and the fused attention's (tune/attention_tiles.py: before, its records
+    # applied in every tuned build while this A/B left them out and reported tuned = untuned)
     applied += [(str(e.get("task", sh)), sh) for sh, e in db.ledger().items()
-                if e.get(INT8_TILES) and by_w.get(sh) and sh not in plan.exclude]
+                if any(e.get(k) for k in (ATTENTION_TILES, *GEMM_TILES)) and by_w.get(sh) and sh not in plan.exclude]
     summary.tuned_ms = summary.untuned_ms  # nothing applies: the tuned build is the untuned one
     if applied:
         tuned_db, _ = load_database(db.path, exclude=plan.exclude)
@@ -596,7 +608,7 @@ def tune(opts: TuneOptions) -> TuneSummary:
     db_arg = opts.tuning_db if opts.tuning_db is not None else default_db_dir(target, opts.rpc_key)
     check_outputs([Output("tuning_db", db_arg, INTO, "tuning database")], [opts.model])  # refused: costs nothing
     db_dir = Path(db_arg)
-    session = open_model(opts.model, target, opts.shape)
+    session = open_model(opts.model, target, opts.shape, precision=opts.precision)
     local = not opts.rpc_tracker and target.run_problem() is None
     db = DeviceDB(db_dir, target, create=not opts.check_only, cpu=cpu_id() if local else None)
     term = _terminal()

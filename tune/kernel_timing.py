@@ -1,5 +1,5 @@
-"""Building and timing one hand-written kernel with a tuning job's own builder and runner
-(so an RPC device times its own): the fused attention's and the int8 GEMM's tile searches."""
+"""Building and timing hand-written kernels with a tuning job's own builder and runner (so an
+RPC device times its own): the fused attention's and the int8 and bf16 GEMMs' tile searches."""
 
 from __future__ import annotations
 
@@ -50,9 +50,27 @@ def run_kernel(artifact: str, func, target, runner, dims, what: str) -> list[flo
     return [float(x) for x in res.run_secs]
 
 
-def time_kernel(func, target, builder, runner, dims, what: str) -> list[float] | None:
-    artifact = build_kernel(func, target, builder, what)
-    return None if artifact is None else run_kernel(artifact, func, target, runner, dims, what)
+PASSES = 2  # times each candidate is timed, in turns
+
+
+def time_candidates(funcs: dict, target, builder, runner, dims, what: str) -> dict:
+    """key -> (seconds per call, the built artifact) for each kernel in `funcs` (key -> PrimFunc;
+    keys that did not build or run are left out): the least over every sample of PASSES turns.
+
+    All are built before any is timed: the job's build workers (each a TVM import, ~3 s of
+    CPU, and a compiler) otherwise shared the 2 cores with the timings. Interference only ever
+    slows a sample, so the least is the kernel's own time: timed one after another, the runner's
+    medians of 3 samples read up to 2x a kernel's time (a 128x768x3072 bf16 GEMM read 1.1-1.2 ms
+    in single samples, 0.60-0.62 in the rest, on Zen 5; whole candidates read 6x at a job's start)."""
+    built = {k: art for k, f in funcs.items() if (art := build_kernel(f, target, builder, f"{what} {k}")) is not None}
+    samples: dict = {k: [] for k in built}
+    keys = list(built)
+    for p in range(PASSES):
+        for k in (keys if p % 2 == 0 else keys[::-1]):
+            s = run_kernel(built[k], funcs[k], target, runner, dims, f"{what} {k}")
+            if s:
+                samples[k] += s
+    return {k: (min(s), built[k]) for k, s in samples.items() if s}
 
 
 def wins(base: list[float], cand: list[float], margin: float) -> bool:

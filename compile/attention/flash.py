@@ -240,6 +240,23 @@ def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int] | None:
     return None if kt is None else (128, kt)
 
 
+def bf16_tile_candidates(lanes: int, skv: int | None = None) -> tuple[tuple[int, int], ...]:
+    """What `tune --precision bf16` times per kernel (the default, bf16_tiles, first): query tiles
+    of 64-256 rows, key tiles of 4-16 vectors that a static Skv holds (a wider one would be a
+    single partial, float32, tile). The measurement above had 128 x 256 at 0.91x and 256 x 128
+    at 0.86x of the default's time at seq 512 (load 7), 1.02x-2.17x at 128: per shape."""
+    default = bf16_tiles(lanes, skv)
+    if default is None:
+        return ()
+    out = [default]
+    for qt in (64, 128, 256):
+        for w in (4, 8, 16):
+            t = (qt, w * lanes)
+            if (skv is None or t[1] <= skv) and t not in out:
+                out.append(t)
+    return tuple(out)
+
+
 def bf16_pairs(spec: AttentionSpec, kt: int, lanes: int) -> bool:
     """Whether the kernel can run Q K^T and P V on VDPBF16PS (`--precision bf16`, AVX-512:
     16 float32 lanes): float32 tensors, K^T (not key rows), d of whole vector pairs (a Q K^T

@@ -40,7 +40,8 @@ class _Rewrite:
 
         bt = bf16_tiles(self.lanes, spec.skv) if self.bf16 else None
         if bt is not None and bf16_pairs(spec, bt[1], self.lanes):
-            tiles = bt  # records time the float32 kernel (flash.bf16_tiles)
+            # the bf16 kernel's own records (tune --precision bf16), not the float32 kernel's
+            tiles = tile_record(self.database, spec, self.target, bf16=True) or bt
         else:
             tiles = tile_record(self.database, spec, self.target) or default_tiles(self.lanes)
         key = (spec, tiles)

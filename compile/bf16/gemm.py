@@ -21,10 +21,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from blockforge.compile.quant.gemm import MICRO_TILES, SPLITS, GemmTiles
+
 MR = 6  # rows per micro-tile
 NV = 4  # 16-lane float32 vectors per row of the micro-tile
 PARALLEL_MACS = 1 << 22  # below this (static M) one thread: the pool's wake-up costs more
 KERNEL_ATTR = "blockforge.bf16_gemm"  # PrimFunc attr: the spec (tests and dumps count these)
+TILES_ATTR = KERNEL_ATTR + ".tiles"  # PrimFunc attr: the tiles it was scheduled with (describe())
 ACTIVATIONS = ("none", "relu", "gelu")
 
 
@@ -76,6 +79,30 @@ class Bf16GemmSpec:
             (f" +{self.activation}" if self.activation != "none" else "")
 
 
+def default_tiles(spec: Bf16GemmSpec) -> GemmTiles:
+    """The untuned kernel's tiles: spec.tile(); row tiles parallel beside the column panels
+    for a static M, column panels alone for a symbolic one."""
+    mr, nv = spec.tile()
+    return GemmTiles(mr, nv, "panels" if spec.m is None else "tiles")
+
+
+def check_tiles(spec: Bf16GemmSpec, tiles: GemmTiles) -> None:
+    if (spec.np_ // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
+        raise ValueError(f"bf16 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
+
+
+def tile_candidates(spec: Bf16GemmSpec) -> list[GemmTiles]:
+    """What tune times for a spec (the default first): the micro-tiles whose vectors divide
+    the padded N, under each split the spec allows."""
+    out = [default_tiles(spec)]
+    for mr, nv in MICRO_TILES:
+        for split in ("panels",) if spec.m is None else SPLITS:
+            t = GemmTiles(mr, nv, split)
+            if (spec.np_ // 16) % nv == 0 and t not in out:
+                out.append(t)
+    return out
+
+
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bits (uint16), round to nearest even; NaN stays a (quiet) NaN."""
     b = np.ascontiguousarray(x, np.float32).view(np.uint32)
@@ -108,10 +135,11 @@ def _round_bits(x):
     return round_bits(x).astype("uint16")
 
 
-def compute(spec: Bf16GemmSpec, gelu_segments: bool = False):
+def compute(spec: Bf16GemmSpec, gelu_segments: bool = False, mr: int | None = None):
     """The TE definition: (inputs, output) tensors, in the kernel's argument order;
     `gelu_segments`: a gelu as compile/quant/gelu.py computes it where the write-back is
-    vectorized by 16 (N % 16 == 0), else fast_math's."""
+    vectorized by 16 (N % 16 == 0), else fast_math's; mr: rows per micro-tile (None: the
+    default tile's)."""
     from tvm import te, tirx
 
     from blockforge.compile.bf16.intrin import widen
@@ -125,7 +153,7 @@ def compute(spec: Bf16GemmSpec, gelu_segments: bool = False):
     ins = [a, wp] + ([bias] if bias is not None else [])
     # Whole MR-row tiles: the rows past M re-read row M-1 and are never written out (as the
     # int8 kernel: a guarded tile is what tensorize cannot match).
-    mr = spec.tile()[0]
+    mr = mr or spec.tile()[0]
     rows = (m + i64(mr - 1)) // i64(mr) * i64(mr)
     ragged = spec.m is None or spec.m % mr != 0
     row = (lambda i: tirx.min(i, m - i64(1))) if ragged else (lambda i: i)
@@ -154,15 +182,18 @@ def compute(spec: Bf16GemmSpec, gelu_segments: bool = False):
     return ins, out
 
 
-def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False):
+def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False, tiles: GemmTiles | None = None):
     """The scheduled, tensorized PrimFunc (needs an AVX512_BF16 target to build);
-    `gelu_segments`: see compute (what the bf16-gemm phase builds unless its ablation)."""
+    `gelu_segments`: see compute (what the bf16-gemm phase builds unless its ablation);
+    tiles: the micro-tile and parallel split (None: default_tiles(spec); tune times the rest)."""
     from tvm import s_tir, te
 
     from blockforge.compile.schedule.base import PARTITION_HINT
     from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16_16x2
 
-    ins, out = compute(spec, gelu_segments)
+    tiles = tiles or default_tiles(spec)
+    check_tiles(spec, tiles)
+    ins, out = compute(spec, gelu_segments, tiles.mr)
     func = te.create_prim_func([*ins, out])
     sch = s_tir.Schedule(func)
     mm, ab = sch.get_sblock("acc"), sch.get_sblock("a_bf16")
@@ -180,7 +211,7 @@ def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False):
     if big:
         sch.parallel(ai)
     i, j, k = sch.get_loops(mm)
-    mr, nv = spec.tile()
+    mr, nv = tiles.mr, tiles.nv
     io, ii = sch.split(i, [None, mr])
     jo, jv, ji = sch.split(j, [None, nv, 16])
     ko, ki = sch.split(k, [None, 2])
@@ -189,9 +220,13 @@ def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False):
     *_, ei, ej = sch.get_loops(ep)
     if spec.n % 16 == 0:
         sch.vectorize(sch.split(ej, [None, 16])[1])
-    if spec.m is None:
-        sch.parallel(jo)  # column panels parallel; row tiles serial, the guarded last one split off
-        sch.annotate(io, PARTITION_HINT, 1)
+    if tiles.split == "panels":
+        # column panels parallel, row tiles serial inside (a symbolic M: the guarded last one
+        # split off by LoopPartition)
+        if big:
+            sch.parallel(jo)
+        if spec.m is None:
+            sch.annotate(io, PARTITION_HINT, 1)
         outer = jo
     else:
         outer = sch.fuse(jo, io)
@@ -204,7 +239,8 @@ def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False):
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(ji, dpbf16_16x2())
     f = sch.mod["main"]
-    return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json()})
+    return f.with_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: spec.to_json(),
+                        TILES_ATTR: tiles.describe()})
 
 
 def reference(a: np.ndarray, w: np.ndarray, bias=None) -> np.ndarray:

@@ -115,10 +115,12 @@ class _Finder:
         return out, _Match(x, wt, bias, [*shape[:-1], n], spec)
 
 
-def bf16_gemm(row_fit: bool = True, gelu_segments: bool = True):
+def bf16_gemm(row_fit: bool = True, gelu_segments: bool = True, target=None, database=None):
     """The `bf16-gemm` pass (CPU targets with AVX512_BF16, `--precision bf16`). row_fit=False:
     every kernel in 6 x 4 micro-tiles (ablation bf16-row-fit; gemm.Bf16GemmSpec.tile);
-    gelu_segments=False: the write-back's gelu is fast_erf's (ablation bf16-gelu-segments)."""
+    gelu_segments=False: the write-back's gelu is fast_erf's (ablation bf16-gelu-segments).
+    A kernel's tiles come from the tuning database (a TVM target's records) where it has a
+    record for its spec (compile/bf16/tiles.py), else the defaults."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -133,7 +135,12 @@ def bf16_gemm(row_fit: bool = True, gelu_segments: bool = True):
 
         def kernel_gv(self, spec):
             if spec not in self.funcs:
-                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, gelu_segments),
+                from blockforge.compile.bf16.tiles import tile_record
+
+                tiles = tile_record(database, spec, target, gelu_segments) if target is not None else None
+                if tiles is not None:
+                    _log.info("bf16 gemm %s: tuned tiles %s", spec.describe(), tiles.describe())
+                self.funcs[spec] = add_kernel(self.builder_, gemm.kernel(spec, gelu_segments, tiles),
                                               f"bf16_gemm_{len(self.funcs)}")
             return self.funcs[spec]
 

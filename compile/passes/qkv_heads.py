@@ -451,14 +451,13 @@ def heads_kernel(shape_x: list, outs: list[HeadsOut], tables: list, lanes: int =
                             _row(T, X, b, s, base, o, tabs, put, i64)
                         if tile is not None:
                             with T.serial(i64(0), i64(o.d)) as j:
-                                _store_tile(T, tirx, tile, buf, at, h, s0, j, sb, rows, full_tiles,
-                                            None if isinstance(s_len, int) else seq, i64)
+                                _store_tile(T, tirx, tile, buf, at, h, s0, j, sb, rows, full_tiles, seq, i64)
     return ib.get()
 
 
 def _store_tile(T, tirx, tile, buf, at, h, s0, j, sb, rows, full_tiles, seq, i64):
     """Column j of a K^T row tile into buf: one vector of sb rows where the tile is whole (all
-    tiles of a static S that 16 divides; with S symbolic, all but the last), else row by row."""
+    tiles of an S that 16 divides; else all but the last), the last row by row."""
     def vector():
         with T.vectorized(i64(0), i64(sb)) as i:
             T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
@@ -468,8 +467,6 @@ def _store_tile(T, tirx, tile, buf, at, h, s0, j, sb, rows, full_tiles, seq, i64
             T.buffer_store(buf, tile[i, j], at(h, s0 + i, j))
     if full_tiles:
         vector()
-    elif seq is None:
-        rowwise()
     else:
         with T.If(s0 + i64(sb) <= seq):
             with T.Then():

@@ -178,21 +178,37 @@ def _check_post(spec: "Int8GemmSpec") -> None:
 
 
 @dataclass(frozen=True)
-class Int8Tiles:
-    """The micro-kernel's shape: rows per tile, 16-lane vectors per row, the parallel split."""
+class GemmTiles:
+    """The micro-kernel's shape: rows per tile, 16-lane vectors per row, the parallel split
+    (the int8 kernel's and the bf16 kernel's, compile/bf16/gemm.py: the same register budget)."""
     mr: int = MR
     nv: int = NV
     split: str = "tiles"
 
     def __post_init__(self):
         if self.mr < 1 or self.nv < 1 or self.mr * self.nv + self.nv + 1 > ZMM or self.split not in SPLITS:
-            raise ValueError(f"int8 GEMM tiles: {self}")
+            raise ValueError(f"GEMM tiles: {self}")
 
     def describe(self) -> str:
         return f"{self.mr}x{self.nv * 16} {self.split}"
 
+    def code(self) -> int:
+        """The integer a tuning record's decision stores (compile/records/choice.py)."""
+        return self.mr * 100 + self.nv * 10 + SPLITS.index(self.split)
 
-def default_tiles(spec: "Int8GemmSpec", stack: bool = True) -> Int8Tiles:
+    @staticmethod
+    def from_code(code) -> "GemmTiles | None":
+        """code() inverted; None for an integer no GemmTiles encodes (too many registers, an
+        unknown split, out of range): a database is untrusted input."""
+        code = int(code)
+        mr, nv, split = code // 100, code // 10 % 10, code % 10
+        try:
+            return GemmTiles(mr, nv, SPLITS[split]) if 0 <= code and split < len(SPLITS) else None
+        except ValueError:
+            return None
+
+
+def default_tiles(spec: "Int8GemmSpec", stack: bool = True) -> GemmTiles:
     """The untuned kernel's tiles; stack False: the 6 x 4 tile before the stack-sized default
     (LEGACY_TILE, VNNI only: the int8-stack-tiles ablation)."""
     isa = ISAS[spec.isa]
@@ -206,10 +222,10 @@ def default_tiles(spec: "Int8GemmSpec", stack: bool = True) -> Int8Tiles:
     # full tile re-reads row M-1 into MR - M dead rows (6x the VPDPBUSDs at M = 1).
     mr = mr if spec.m is None else min(mr, spec.m)
     mr += mr % 2 if isa.mmla else 0  # rows in pairs: M = 1 computes one clamped row beside it
-    return Int8Tiles(mr, nv, "panels" if spec.m is None else "tiles")
+    return GemmTiles(mr, nv, "panels" if spec.m is None else "tiles")
 
 
-def tile_candidates(spec: "Int8GemmSpec") -> list[Int8Tiles]:
+def tile_candidates(spec: "Int8GemmSpec") -> list[GemmTiles]:
     """What tune times for a spec (the default first): the micro-tiles whose vectors divide
     N, under each split the spec allows."""
     splits = ("panels",) if spec.m is None else SPLITS
@@ -218,7 +234,7 @@ def tile_candidates(spec: "Int8GemmSpec") -> list[Int8Tiles]:
         return out
     for mr, nv in MICRO_TILES:
         for split in splits:
-            t = Int8Tiles(mr, nv, split)
+            t = GemmTiles(mr, nv, split)
             if (spec.n // 16) % nv == 0 and t not in out:
                 out.append(t)
     return out
@@ -501,7 +517,7 @@ def _post_step(x, step: tuple, bias, reciprocal: bool = False, segments: bool = 
                                                  f32(lo)).astype(dtype), name="post_q")
 
 
-def kernel(spec: Int8GemmSpec, tiles: Int8Tiles | None = None, epilogue: Epilogue = Epilogue()):
+def kernel(spec: Int8GemmSpec, tiles: GemmTiles | None = None, epilogue: Epilogue = Epilogue()):
     """The scheduled, tensorized PrimFunc (needs a target with the spec's instruction to build:
     AVX-512 VNNI, or aarch64 +dotprod); `tiles` None: default_tiles (what an untuned build runs);
     `epilogue`: how the post steps are computed (what a build runs: epilogue_for(target); the
