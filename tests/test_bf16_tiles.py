@@ -265,3 +265,13 @@ def test_tune_builder_builds_as_compile_does(tmp_path):
     ours = build_cpu(mod, target, None).inspect_source("ll")
     tvms = tvm_build(mod, target=target).inspect_source("ll")
     assert ours.count("TVMBackendAllocWorkspace") == 0 < tvms.count("TVMBackendAllocWorkspace")
+
+
+def test_tune_refuses_bf16_on_a_target_without_it(tmp_path):
+    """One error line, before anything is tuned or written (the database is not created)."""
+    from conftest import assert_user_error, run_cli_in_process
+
+    res = run_cli_in_process("tune", str(_bf16_ffn(tmp_path)), "--target", "x86-64-avx512", "--precision", "bf16",
+                             "--tuning-db", str(tmp_path / "db"), "--no-progress")
+    assert_user_error(res, "needs a CPU target with AVX512_BF16")
+    assert not (tmp_path / "db").exists()

@@ -103,7 +103,7 @@ def test_tile_choice_round_trips_and_the_database_picks_only_candidates(tmp_path
 
 
 def _tune(tmp_path, quantized_ffn, monkeypatch, fake_secs=None):
-    """tune_int8_tiles on the tiny FFN's two kernels, two candidates each; fake_secs: tiles ->
+    """tune_gemm_tiles on the tiny FFN's two kernels, two candidates each; fake_secs: tiles ->
     seconds the runner reports (the A/B's outcome fixed), else real timings."""
     monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
     from blockforge.compile.pipeline import run_phases

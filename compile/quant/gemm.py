@@ -85,7 +85,7 @@ _QRANGE = {"int8": (-128, 127), "uint8": (0, 255)}
 # split for a symbolic M: LoopPartition splits the guarded last row tile off the full ones).
 SPLITS = ("tiles", "panels")
 ZMM = 32  # vector registers the micro-tile must fit: MR*NV accumulators, NV weights, 1 broadcast
-# (rows, vectors) per micro-tile that tune times (tune/int8_tiles.py); each fits ZMM registers.
+# (rows, vectors) per micro-tile that tune times (tune/gemm_tiles.py; the bf16 kernel too); each fits ZMM registers.
 # K is not blocked: one panel (K x 16*NV bytes: 36 KiB at K=768, NV=3) streams from L2 per
 # row tile and a row tile of A (MR x K bytes) stays in L1.
 MICRO_TILES = ((6, 4), (4, 4), (5, 4), (4, 6), (5, 3), (4, 3), (6, 3), (8, 3), (9, 3), (7, 2), (8, 2), (12, 2),
