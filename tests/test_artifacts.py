@@ -146,3 +146,35 @@ def test_unsupported_op_named(tmp_path):
     r = run_cli_in_process("compile", tmp_path / "dft.onnx", "--target", "host", cwd=tmp_path)
     assert_user_error(r, "DFT")
     assert not (tmp_path / "artifacts").exists() or not list((tmp_path / "artifacts").glob("dft*"))
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_library_caller_without_configure_is_told_about_the_thread_pool(built, tmp_path, configured):
+    """TVM sizes its pool itself when nobody set TVM_NUM_THREADS, halving an x86 machine's
+    hardware threads (one thread on a 2-vCPU VM without SMT: half the speed). load_artifact
+    says so once, where the pool has fewer threads than the cores (made certain here by 64
+    cores); after blockforge.configure() it does not."""
+    import os
+    import subprocess
+    import sys
+
+    d, _, _ = built
+    code = f"""
+import logging, sys
+import blockforge
+from blockforge import settings
+settings.physical_cores = lambda: 64
+if {configured}:
+    blockforge.configure(redirect_native_output=False)
+logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(message)s")
+from blockforge.compile import load_artifact
+load_artifact({str(d / "art")!r}); load_artifact({str(d / "art")!r})
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "blockforge.configure()" in ln]
+    if configured:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith("WARNING TVM's thread pool runs ") and "64 cores" in lines[0]

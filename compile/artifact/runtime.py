@@ -212,6 +212,8 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
         except Exception as e:
             raise BlockforgeError(f"{artifact}: cannot load {module}: {error_line(e, last=True)}") from None
     # (the copy is unlinked once loaded: the mapping stays)
+    if target.kind == "llvm":
+        _warn_thread_pool()
     vm = relax.VirtualMachine(lib, dev)
     step = (manifest.get("step") or {}).get("function")
     if step is not None and not vm.module.implements_function(step):  # a manifest naming what is not there
@@ -222,6 +224,17 @@ def load_artifact(artifact: str | Path) -> LoadedModule:
         raise BlockforgeError(f"{artifact}: manifest.json's 'inplace' names function {inplace!r}, which {module} "
                               "does not have; refusing to run it")
     return LoadedModule(artifact, manifest, vm, dev, weights, arena)
+
+
+@functools.cache
+def _warn_thread_pool() -> None:
+    """Once per process: a library caller who skipped blockforge.configure() may be running on
+    half the cores (settings.thread_pool_note)."""
+    import logging
+
+    note = settings.thread_pool_note()
+    if note:
+        logging.getLogger("blockforge").warning(note)
 
 
 def _weights(artifact: Path, manifest: dict, device_kind: str | None, dev) -> tuple[object, list]:
