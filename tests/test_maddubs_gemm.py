@@ -118,6 +118,33 @@ def test_exact_int32_at_the_bound(name, m):
         np.testing.assert_array_equal(out.numpy(), gemm.reference(spec, a, w, 131), err_msg=f"M={rows}")
 
 
+@pytest.mark.parametrize("name", ["avx512bw", "avx512bw-wd"])
+def test_avx512bw_tiles_tune_searches_fit_the_registers_and_are_exact(name):
+    """tune times the zmm rows' micro-tiles as VNNI's (gemm.tile_candidates), 3 registers fewer
+    (the ones vector, two temporaries); the ymm rows keep their one tile. Every candidate gives
+    the default's int32 sums, a ragged static M and a symbolic one."""
+    for m in (40, None):
+        cands = gemm.tile_candidates(gemm.Int8GemmSpec(k=96, n=96, m=m, isa=name))
+        assert len(cands) > 4 and all(t.mr * t.nv + t.nv + 4 <= gemm.ZMM for t in cands[1:])
+    assert len(gemm.tile_candidates(gemm.Int8GemmSpec(k=96, n=96, m=40, isa="avx2"))) == 1
+    _need("x86-64-avx512")
+    rng = np.random.default_rng(7)
+    w = _bounded_weights(rng, 96, 96) if name == "avx512bw" else rng.integers(-128, 128, (96, 96), dtype=np.int8)
+    target = resolve("x86-64-avx512").tvm_target()
+    for spec, rows in ((gemm.Int8GemmSpec(k=96, n=96, m=40, isa=name), (40,)),
+                       (gemm.Int8GemmSpec(k=96, n=96, isa=name), (1, 13))):
+        for t in gemm.tile_candidates(spec):
+            lib = tvm.compile(tvm.IRModule({"main": gemm.kernel(spec, t)}), target=target)
+            for m in rows:
+                a = rng.integers(0, 256, (m, 96), dtype=np.uint8)
+                wide = name.endswith("-wd")  # VPMADDWD: both operands int16, K in pairs
+                ins = (a.astype(np.int16), gemm.pack_weights(w.astype(np.int16), 2)) if wide else (a, gemm.pack_weights(w))
+                out = tvm.runtime.tensor(np.zeros((m, 96), np.int32))
+                lib["main"](*[tvm.runtime.tensor(x) for x in (*ins, gemm.column_sums(w), np.array(131, np.int32))], out)
+                np.testing.assert_array_equal(out.numpy(), gemm.reference(spec, a, w, 131),
+                                              err_msg=f"{t.describe()} M={m}")
+
+
 def _ffn(tmp_path, mode: str, reduce_range: bool, seq: int | None = None):
     """A small FFN quantized by `blockforge quantize` (transformer-safe defaults)."""
     pytest.importorskip("onnxruntime.quantization")

@@ -230,12 +230,16 @@ def tile_candidates(spec: "Int8GemmSpec") -> list[GemmTiles]:
     N, under each split the spec allows."""
     splits = ("panels",) if spec.m is None else SPLITS
     out = [default_tiles(spec)]
-    if spec.isa != "vnni":  # the micro-tiles are sized for 32 zmm (SDOT's: isa.py)
+    # the micro-tiles are sized for 32 zmm: VNNI's, and VPMADDUBSW's / VPMADDWD's (AVX-512 BW)
+    # with 3 more registers (the ones vector and two int16/int32 temporaries: isa.py); SDOT's,
+    # SMMLA's and the ymm rows keep their one tile (isa.py)
+    spare = {"vnni": 0, "avx512bw": 3, "avx512bw-wd": 3}.get(spec.isa)
+    if spare is None:
         return out
     for mr, nv in MICRO_TILES:
         for split in splits:
             t = GemmTiles(mr, nv, split)
-            if (spec.n // 16) % nv == 0 and t not in out:
+            if (spec.n // 16) % nv == 0 and mr * nv + nv + 1 + spare <= ZMM and t not in out:
                 out.append(t)
     return out
 

@@ -28,3 +28,8 @@ for seq in 512 128; do for b in mha block ffn; do
 done; done
 echo "== end $(date -u +%T) load: $(cat /proc/loadavg)"
 } 2>&1 | tee $OUT/bench_tuned.log
+# int8 tiles on AVX-512 without VNNI (the x86-64-avx512 preset): BERT-base FFN, dynamic, 7-bit weights
+$BF quantize $M/ffn.onnx --mode dynamic --reduce-range -o $M/ffn_int8_7.onnx --force
+rm -rf $DB/int8bw
+$NB timeout 900 $BF tune $M/ffn_int8_7.onnx --target x86-64-avx512 --shape batch=1,seq=128 --trials-per-task 1 \
+  --tuning-db $DB/int8bw 2>&1 | grep -E "blockforge tune: int8|whole model|kept" | tee $OUT/int8bw_tune.log
