@@ -35,10 +35,10 @@ def decode_tiles(code: int) -> tuple[int, int]:
     return int(code) // 10000, int(code) % 10000
 
 
-def tile_trace(spec: AttentionSpec, lanes: int, tiles: tuple[int, int], candidates_=None, bf16: bool = False):
-    """A MetaSchedule trace whose one decision is the tile choice among the candidates: how a
-    tile choice is stored as a tuning record."""
-    codes = [encode_tiles(t) for t in (candidates_ or candidates(spec, lanes, bf16))]
+def tile_trace(spec: AttentionSpec, lanes: int, tiles: tuple[int, int], among=None, bf16: bool = False):
+    """A MetaSchedule trace whose one decision is the tile choice among `among` (None: the
+    spec's candidates): how a tile choice is stored as a tuning record."""
+    codes = [encode_tiles(t) for t in (among or candidates(spec, lanes, bf16))]
     return choice_trace(workload(spec, lanes, bf16), codes, encode_tiles(tiles))
 
 
