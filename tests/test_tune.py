@@ -169,6 +169,29 @@ def test_tune_bad_input(ffn, tmp_path, args, fragment):
     assert_user_error(r, fragment)
 
 
+def test_tune_binds_every_dim_or_says_which(ffn, tmp_path, monkeypatch):
+    """MetaSchedule times tasks at fixed shapes: a dim --shape leaves symbolic is one error line
+    naming it, and nothing is written (before, `tune MODEL --target host` on a model with a
+    symbolic seq was an internal error in MetaSchedule's ArgInfo, exit 70). Without --shape the
+    dims the model has get bench's default, batch=1 and seq=128."""
+    r = run_cli_in_process("tune", ffn, "--target", "host", "--shape", "batch=1", "--db", tmp_path / "db",
+                           "--no-progress", cwd=tmp_path)
+    assert_user_error(r, "symbolic dim 'seq'", "--shape")
+    assert not (tmp_path / "db").exists()
+    import blockforge.tune as tune_api
+
+    seen = []
+
+    def fake_tune(opts):
+        seen.append(opts)
+        raise KeyboardInterrupt  # stop here: what the CLI asked for is under test
+    monkeypatch.setattr(tune_api, "tune", fake_tune)
+    run_cli_in_process("tune", ffn, "--target", "host", "--db", tmp_path / "db", cwd=tmp_path)
+    run_cli_in_process("tune", ffn, "--target", "host", "--shape", "batch=2,seq=8", "--db", tmp_path / "db",
+                       cwd=tmp_path)
+    assert [o.default_dims for o in seen] == [{"batch": 1, "seq": 128}, {}]
+
+
 def test_tune_unknown_target(ffn, tmp_path):
     assert_user_error(run_cli_in_process("tune", ffn, "--target", "nope", cwd=tmp_path), "unknown target")
 

@@ -82,6 +82,11 @@ class TuneOptions:
     # What the GEMMs compute in (targets.precision): bf16 tunes the bf16 GEMM kernels' tiles
     # and the float32 tasks left beside them, and measures the bf16 build. None: fp32.
     precision: str | None = None
+    # Bound where the model has such a dim and `shape` left it open (the CLI: batch=1, seq=128
+    # without --shape). Every dim must end up bound: MetaSchedule times tasks at fixed shapes
+    # (a symbolic one was an internal error in its ArgInfo, `tune MODEL --target host` on any
+    # export with a symbolic seq).
+    default_dims: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -608,7 +613,8 @@ def tune(opts: TuneOptions) -> TuneSummary:
     db_arg = opts.tuning_db if opts.tuning_db is not None else default_db_dir(target, opts.rpc_key)
     check_outputs([Output("tuning_db", db_arg, INTO, "tuning database")], [opts.model])  # refused: costs nothing
     db_dir = Path(db_arg)
-    session = open_model(opts.model, target, opts.shape, precision=opts.precision)
+    session = open_model(opts.model, target, opts.shape, precision=opts.precision, default_dims=opts.default_dims,
+                         static=True)
     local = not opts.rpc_tracker and target.run_problem() is None
     db = DeviceDB(db_dir, target, create=not opts.check_only, cpu=cpu_id() if local else None)
     term = _terminal()

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import add_force, add_precision, add_shape, check_outputs, note_text, shape, path_or_none, write_json
-
-
-DEFAULT_SHAPE = "batch=1,seq=128"
+from .common import (DEFAULT_SHAPE, add_force, add_precision, add_shape, check_outputs, default_dims, note_text, shape,
+                     path_or_none, write_json)
 
 
 def add(sub) -> None:
@@ -41,15 +39,6 @@ def add(sub) -> None:
                    help="--decode: no in-place row (the loop artifact built without --kv-capacity)")
     add_force(p)
     p.set_defaults(func=run)
-
-
-def default_dims(a) -> dict:
-    """The default applies when --shape is absent, and then only to the dims the model has
-    (a static model, or an export's s33/s50, is not broken by it); a --shape given by the
-    user is the whole binding."""
-    from blockforge.graph.model_io import parse_dims
-
-    return parse_dims(DEFAULT_SHAPE) if a.shape is None else {}
 
 
 def run(a) -> int:

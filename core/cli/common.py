@@ -77,6 +77,19 @@ def add_shape(p: argparse.ArgumentParser, default_note: str | None = None) -> No
                         + (f" (default {default_note})" if default_note else ""))
 
 
+# What bench and tune time a model at when --shape is absent (they need every dim bound).
+DEFAULT_SHAPE = "batch=1,seq=128"
+
+
+def default_dims(a) -> dict:
+    """The default applies when --shape is absent, and then only to the dims the model has
+    (a static model, or an export's s33/s50, is not broken by it); a --shape given by the
+    user is the whole binding."""
+    from blockforge.graph.model_io import parse_dims
+
+    return parse_dims(DEFAULT_SHAPE) if a.shape is None else {}
+
+
 def add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuning-db", default=None,
                    help="tuning database dir (default: the device's, in the blockforge cache; see `blockforge env`)")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_force, add_precision, add_shape, check_outputs, shape, print_table, write_json
+from .common import (DEFAULT_SHAPE, add_force, add_precision, add_shape, check_outputs, default_dims, shape,
+                     print_table, write_json)
 
 
 def add(sub) -> None:
@@ -27,7 +28,8 @@ def add(sub) -> None:
     p.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker")
     p.add_argument("--rpc-key", default=None, help="device key registered at the tracker")
     p.add_argument("--rpc-wait", type=float, default=10.0, help="seconds to wait for a device")
-    add_shape(p)
+    add_shape(p, default_note=f"{DEFAULT_SHAPE} for the dims the model has; tasks are timed at fixed shapes, so "
+                              "every dim must end up bound")
     add_precision(p)
     p.add_argument("--no-measure", action="store_true", help="skip the untuned-vs-tuned whole-model timing")
     p.add_argument("--check-only", action="store_true",
@@ -51,7 +53,7 @@ def run(a) -> int:
                          tuning_db=a.tuning_db, rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
                          shape=shape(a), round_trials=a.round_trials, measure=not a.no_measure,
                          progress=not a.no_progress, rpc_wait_s=a.rpc_wait, check_only=a.check_only,
-                         population=a.population, precision=a.precision))
+                         population=a.population, precision=a.precision, default_dims=default_dims(a)))
     rows = [[t.name, f"{t.flops / 1e6:.2f}", f"{t.best_us:.1f}" if t.best_us else "-",
              f"{t.gflops:.1f}" if t.gflops else "-", f"{min(t.trials_before, t.budget) + t.trials_new}/{t.budget}",
              t.trials_new, t.status] for t in s.tasks]
