@@ -123,3 +123,19 @@ def test_pool_shutdown_that_races_a_dying_worker_leaves_no_held_lock():
     assert not pool._lock.locked() and pool._shutdown
     assert pool._lock.acquire(timeout=1)  # what __del__ or a later shutdown would wait on
     pool._lock.release()
+
+
+def test_the_runner_reports_a_candidates_least_sample(monkeypatch):
+    """MetaSchedule ranks by the mean of what run_direct returns; a run's single samples read up
+    to 2x the kernel's time under interference, which only ever slows a sample: one number,
+    the least."""
+    from types import SimpleNamespace
+
+    from blockforge.tune import measure
+
+    samples = iter([[3e-3, 1e-3, 2e-3], [1.5e-3, 1.2e-3, 4e-3]])
+    monkeypatch.setattr(measure, "time_direct", lambda *a, **k: next(samples))
+    rt = type("M", (), {"entry_name": "main", "__getitem__": lambda self, k: (lambda *a: None)})()
+    cfg = SimpleNamespace(repeat=3, number=3, min_repeat_ms=10)
+    dev = SimpleNamespace(sync=lambda: None)
+    assert measure.run_direct(rt, dev, cfg, [(), ()]) == [1e-3]

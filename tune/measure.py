@@ -31,6 +31,11 @@ def run_direct(rt_mod, device, evaluator_config, repeated_args):
     pool cold: measured on 2 cores, a 128x768x768 GEMM took 0.59-1.2 ms under
     time_evaluator and 0.31 ms called directly. Rankings then favour kernels that are
     fast in the evaluator, not in the model.
+
+    The result is the least sample, once: MetaSchedule ranks candidates by the mean of what
+    this returns, and single samples of a run read up to 2x the kernel's time (a 128x768x3072
+    bf16 GEMM: runs of [1177, 1124, 607] and [1200, 804, 614] us among [595-619] ones, Zen 5,
+    2 threads). Interference only ever slows a sample.
     """
     f = rt_mod[rt_mod.entry_name]
     costs = []
@@ -38,7 +43,7 @@ def run_direct(rt_mod, device, evaluator_config, repeated_args):
         costs += time_direct(lambda: f(*args), device.sync, warmup=2, repeat=max(1, evaluator_config.repeat),
                              number=max(1, evaluator_config.number),
                              min_ms=evaluator_config.min_repeat_ms or 0)
-    return costs
+    return [min(costs)] if costs else costs
 
 
 def time_direct(call, sync, *, warmup: int, repeat: int, number: int, min_ms: float) -> list[float]:
