@@ -27,7 +27,7 @@ def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int],
     has the bf16 kernel's candidates and workload (attention.tiles), the rest the float32 one's."""
     from tvm.s_tir import meta_schedule as ms
 
-    from blockforge.compile.attention.flash import bf16_pairs, bf16_tiles
+    from blockforge.compile.attention.flash import bf16_default
     from blockforge.compile.attention.tiles import candidates as tile_candidates
     from blockforge.compile.schedule.base import vector_lanes
 
@@ -35,8 +35,7 @@ def tune_attention_tiles(mod, db, target, builder, runner, dims: dict[str, int],
     lanes = vector_lanes(tgt)
     done = 0
     for n, spec in enumerate(attention.kernel_specs(mod), start=1):
-        bt = bf16_tiles(lanes, spec.skv) if bf16 else None
-        on_bf16 = bt is not None and bf16_pairs(spec, bt[1], lanes)  # as fuse-attention decides
+        on_bf16 = bf16 and bf16_default(spec, lanes) is not None  # as fuse-attention decides
         wl_mod = attention.workload(spec, lanes, on_bf16)
         shash = ms.database.Workload(wl_mod).as_json()[0]
         entry = db.ledger().get(shash, {})

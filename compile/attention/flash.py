@@ -240,6 +240,13 @@ def bf16_tiles(lanes: int, skv: int | None = None) -> tuple[int, int] | None:
     return None if kt is None else (128, kt)
 
 
+def bf16_default(spec: "AttentionSpec", lanes: int) -> tuple[int, int] | None:
+    """The untuned tiles of `spec`'s bf16 kernel where its products can run on VDPBF16PS
+    (bf16_tiles, bf16_pairs), else None (`--precision bf16` builds the float32 kernel)."""
+    bt = bf16_tiles(lanes, spec.skv)
+    return bt if bt is not None and bf16_pairs(spec, bt[1], lanes) else None
+
+
 def bf16_tile_candidates(lanes: int, skv: int | None = None) -> tuple[tuple[int, int], ...]:
     """What `tune --precision bf16` times per kernel (the default, bf16_tiles, first): query tiles
     of 64-256 rows, key tiles of 4-16 vectors that a static Skv holds (a wider one would be a

@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import replace
 
-from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, bf16_pairs, bf16_tiles, default_tiles, kernel
+from blockforge.compile.attention.flash import AttentionSpec, KERNEL_ATTR, bf16_default, bf16_pairs, default_tiles, kernel
 from blockforge.compile.attention.match import Heads, Match, find_attention, static_int, static_shape
 from blockforge.compile.attention.tiles import tile_record
 from blockforge.compile.passes.kernels import add_kernel
@@ -38,8 +38,8 @@ class _Rewrite:
     def call(self, spec: AttentionSpec, args: list, out_shape: list):
         from tvm import relax
 
-        bt = bf16_tiles(self.lanes, spec.skv) if self.bf16 else None
-        if bt is not None and bf16_pairs(spec, bt[1], self.lanes):
+        bt = bf16_default(spec, self.lanes) if self.bf16 else None
+        if bt is not None:
             # the bf16 kernel's own records (tune --precision bf16), not the float32 kernel's
             tiles = tile_record(self.database, spec, self.target, bf16=True) or bt
         else:

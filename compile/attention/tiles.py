@@ -54,7 +54,4 @@ def tile_record(database, spec: AttentionSpec, target, bf16: bool = False) -> tu
     if database is None:
         return None
     lanes = vector_lanes(target)
-    code = recorded_choice(database, workload(spec, lanes, bf16), target)
-    tiles = None if code is None else decode_tiles(code)
-    # a database (untrusted input) picks among the tiles tune times, nothing else
-    return tiles if tiles in candidates(spec, lanes, bf16) else None
+    return recorded_choice(database, workload(spec, lanes, bf16), target, decode_tiles, candidates(spec, lanes, bf16))

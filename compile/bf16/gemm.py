@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from blockforge.compile.quant.gemm import MICRO_TILES, SPLITS, GemmTiles
+from blockforge.compile.quant.gemm import GemmTiles, micro_tile_candidates
 
 MR = 6  # rows per micro-tile
 NV = 4  # 16-lane float32 vectors per row of the micro-tile
@@ -86,21 +86,10 @@ def default_tiles(spec: Bf16GemmSpec) -> GemmTiles:
     return GemmTiles(mr, nv, "panels" if spec.m is None else "tiles")
 
 
-def check_tiles(spec: Bf16GemmSpec, tiles: GemmTiles) -> None:
-    if (spec.np_ // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
-        raise ValueError(f"bf16 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
-
-
 def tile_candidates(spec: Bf16GemmSpec) -> list[GemmTiles]:
     """What tune times for a spec (the default first): the micro-tiles whose vectors divide
     the padded N, under each split the spec allows."""
-    out = [default_tiles(spec)]
-    for mr, nv in MICRO_TILES:
-        for split in ("panels",) if spec.m is None else SPLITS:
-            t = GemmTiles(mr, nv, split)
-            if (spec.np_ // 16) % nv == 0 and t not in out:
-                out.append(t)
-    return out
+    return micro_tile_candidates(default_tiles(spec), spec.np_ // 16, spec.m is None)
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -192,7 +181,8 @@ def kernel(spec: Bf16GemmSpec, gelu_segments: bool = False, tiles: GemmTiles | N
     from blockforge.compile.bf16.intrin import IMPORT_PRAGMA, LLVM_IR, dpbf16_16x2
 
     tiles = tiles or default_tiles(spec)
-    check_tiles(spec, tiles)
+    if not tiles.fits(spec.np_ // 16, spec.m is None):
+        raise ValueError(f"bf16 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
     ins, out = compute(spec, gelu_segments, tiles.mr)
     func = te.create_prim_func([*ins, out])
     sch = s_tir.Schedule(func)

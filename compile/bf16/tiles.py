@@ -7,7 +7,8 @@ record's tiles, only if they are one of the candidates tune would time for that 
 from __future__ import annotations
 
 from blockforge.compile.bf16.gemm import Bf16GemmSpec, GemmTiles, kernel, tile_candidates
-from blockforge.compile.records.choice import choice_from_trace, choice_trace, recorded_choice
+from blockforge.compile.quant.tiles import tiles_from_trace  # noqa: F401  (the same codes: GemmTiles)
+from blockforge.compile.records.choice import choice_trace, recorded_choice
 
 
 def workload(spec: Bf16GemmSpec, gelu_segments: bool = True):
@@ -23,13 +24,9 @@ def tile_trace(spec: Bf16GemmSpec, tiles: GemmTiles, candidates=None, gelu_segme
     return choice_trace(workload(spec, gelu_segments), codes, tiles.code())
 
 
-def tiles_from_trace(trace) -> GemmTiles | None:
-    code = choice_from_trace(trace)
-    return None if code is None else GemmTiles.from_code(code)
-
-
 def tile_record(database, spec: Bf16GemmSpec, target, gelu_segments: bool = True) -> GemmTiles | None:
     """The tuned tiles for `spec` on `target` from a MetaSchedule database, or None."""
-    code = recorded_choice(database, workload(spec, gelu_segments), target) if database is not None else None
-    tiles = None if code is None else GemmTiles.from_code(code)
-    return tiles if tiles in tile_candidates(spec) else None
+    if database is None:
+        return None
+    return recorded_choice(database, workload(spec, gelu_segments), target, GemmTiles.from_code,
+                           tile_candidates(spec))

@@ -196,6 +196,11 @@ class GemmTiles:
         """The integer a tuning record's decision stores (compile/records/choice.py)."""
         return self.mr * 100 + self.nv * 10 + SPLITS.index(self.split)
 
+    def fits(self, panels: int, symbolic: bool) -> bool:
+        """The tile's vectors divide the kernel's `panels` (16-column panels of N), and a
+        symbolic M runs the column panels parallel (its guarded last row tile split off)."""
+        return panels % self.nv == 0 and (not symbolic or self.split == "panels")
+
     @staticmethod
     def from_code(code) -> "GemmTiles | None":
         """code() inverted; None for an integer no GemmTiles encodes (too many registers, an
@@ -225,23 +230,29 @@ def default_tiles(spec: "Int8GemmSpec", stack: bool = True) -> GemmTiles:
     return GemmTiles(mr, nv, "panels" if spec.m is None else "tiles")
 
 
+def micro_tile_candidates(default: GemmTiles, panels: int, symbolic: bool, spare: int = 0) -> list[GemmTiles]:
+    """What tune times for a kernel (the int8 and the bf16 GEMM): `default` first, then the
+    MICRO_TILES that fit (GemmTiles.fits) under each split a static or symbolic M allows, with
+    `spare` registers beyond the accumulators, weights and broadcast."""
+    out = [default]
+    for mr, nv in MICRO_TILES:
+        for split in ("panels",) if symbolic else SPLITS:
+            t = GemmTiles(mr, nv, split)
+            if t.fits(panels, symbolic) and mr * nv + nv + 1 + spare <= ZMM and t not in out:
+                out.append(t)
+    return out
+
+
 def tile_candidates(spec: "Int8GemmSpec") -> list[GemmTiles]:
     """What tune times for a spec (the default first): the micro-tiles whose vectors divide
     N, under each split the spec allows."""
-    splits = ("panels",) if spec.m is None else SPLITS
-    out = [default_tiles(spec)]
     # the micro-tiles are sized for 32 zmm: VNNI's, and VPMADDUBSW's / VPMADDWD's (AVX-512 BW)
     # with 3 more registers (the ones vector and two int16/int32 temporaries: isa.py); SDOT's,
     # SMMLA's and the ymm rows keep their one tile (isa.py)
     spare = {"vnni": 0, "avx512bw": 3, "avx512bw-wd": 3}.get(spec.isa)
     if spare is None:
-        return out
-    for mr, nv in MICRO_TILES:
-        for split in splits:
-            t = GemmTiles(mr, nv, split)
-            if (spec.n // 16) % nv == 0 and mr * nv + nv + 1 + spare <= ZMM and t not in out:
-                out.append(t)
-    return out
+        return [default_tiles(spec)]
+    return micro_tile_candidates(default_tiles(spec), spec.n // 16, spec.m is None, spare)
 
 
 def supported(k: int, n: int, isa: str = "vnni") -> bool:
@@ -532,7 +543,7 @@ def kernel(spec: Int8GemmSpec, tiles: GemmTiles | None = None, epilogue: Epilogu
 
     isa = ISAS[spec.isa]
     tiles = tiles or default_tiles(spec)
-    if (spec.n // 16) % tiles.nv or (spec.m is None and tiles.split != "panels"):
+    if not tiles.fits(spec.n // 16, spec.m is None):
         raise ValueError(f"int8 GEMM tiles {tiles.describe()} do not fit {spec.describe()}")
     if isa.mmla and tiles.mr % 2:
         raise ValueError(f"int8 GEMM tiles {tiles.describe()}: {isa.name} takes rows in pairs")

@@ -32,7 +32,6 @@ def tiles_from_trace(trace) -> GemmTiles | None:
 
 def tile_record(database, spec: Int8GemmSpec, target) -> GemmTiles | None:
     """The tuned tiles for `spec` on `target` from a MetaSchedule database, or None."""
-    code = recorded_choice(database, workload(spec), target) if database is not None else None
-    tiles = None if code is None else GemmTiles.from_code(code)
-    # a database (untrusted input) picks among the tiles tune times for this spec, nothing else
-    return tiles if tiles in tile_candidates(spec) else None
+    if database is None:
+        return None
+    return recorded_choice(database, workload(spec), target, GemmTiles.from_code, tile_candidates(spec))

@@ -33,9 +33,13 @@ def choice_from_trace(trace) -> int | None:
     return None
 
 
-def recorded_choice(database, workload, target) -> int | None:
-    """The code of the best record of `workload` on `target` in a MetaSchedule database."""
-    if database is None or not database.has_workload(workload):
+def recorded_choice(database, workload, target, decode, candidates):
+    """The best record of `workload` on `target` in a MetaSchedule database, its code decoded,
+    if that is one of `candidates` (a database is untrusted input: it picks among what tune
+    times, nothing else); else None."""
+    if not database.has_workload(workload):
         return None
     rec = database.query_tuning_record(workload, target, "main")
-    return choice_from_trace(rec.trace) if rec is not None else None
+    code = choice_from_trace(rec.trace) if rec is not None else None
+    choice = None if code is None else decode(code)
+    return choice if choice in candidates else None
