@@ -29,6 +29,8 @@ from .kernel_timing import run_kernel, time_candidates, wins
 _log = logging.getLogger("blockforge")
 AB_ROUNDS = 3  # default and challenger re-timed alternately, this many times each
 AB_MARGIN = 0.02  # the challenger's median must beat the default's by 2%, and every round
+INT8_LEDGER, BF16_LEDGER = "int8_tiles", "bf16_tiles"  # each family's ledger flag
+LEDGER_KEYS = (INT8_LEDGER, BF16_LEDGER)  # jobs._measure_model: a kernel any family timed
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class GemmKernels:
 def int8_kernels() -> GemmKernels:
     from blockforge.compile.quant import gemm, tiles
 
-    return GemmKernels("int8 GEMM", "int8_tiles", "int8_gemm", "int8-gemm", gemm.kernel_specs, gemm.tile_candidates,
+    return GemmKernels("int8 GEMM", INT8_LEDGER, "int8_gemm", "int8-gemm", gemm.kernel_specs, gemm.tile_candidates,
                        gemm.default_tiles, lambda spec, t, tgt: gemm.kernel(spec, t, gemm.epilogue_for(tgt)),
                        tiles.workload, tiles.tile_trace)
 
@@ -58,12 +60,9 @@ def bf16_kernels() -> GemmKernels:
     from blockforge.compile.bf16 import gemm, tiles
 
     # gelu_segments: as the bf16-gemm phase builds them (its ablation's builds take no records)
-    return GemmKernels("bf16 GEMM", "bf16_tiles", "bf16_gemm", "bf16-gemm", gemm.kernel_specs, gemm.tile_candidates,
+    return GemmKernels("bf16 GEMM", BF16_LEDGER, "bf16_gemm", "bf16-gemm", gemm.kernel_specs, gemm.tile_candidates,
                        gemm.default_tiles, lambda spec, t, tgt: gemm.kernel(spec, True, t),
                        tiles.workload, tiles.tile_trace)
-
-
-LEDGER_KEYS = ("int8_tiles", "bf16_tiles")  # every family's ledger flag (jobs._measure_model)
 
 
 def _median(samples: list[float]) -> float:

@@ -27,14 +27,33 @@ def import_onnx(model: onnx.ModelProto, dims: dict[str, int] | None = None, *, c
         mod = from_onnx(model, dtype_dict={s.name: _tvm_dtype(s.dtype) for s in ins}, keep_params_in_input=True,
                         weights_dir=weights_dir)
     except OnnxImportError as e:
-        raise BlockforgeError(f"TVM cannot import this model: {e}") from None
+        raise BlockforgeError(f"TVM cannot import this model: {e}{data_dependent_hint(model)}") from None
     except Exception as e:
-        raise BlockforgeError(f"TVM cannot import this model: {error_line(e)}") from None
+        raise BlockforgeError(f"TVM cannot import this model: {error_line(e)}{data_dependent_hint(model)}") from None
     try:
         return embed_weights(legalize_shape_functions(mod))
     except Exception as e:  # a TVM pass failing on an imported model: one line, not a traceback
         raise BlockforgeError(f"TVM cannot import this model: folding its constants failed: "
                               f"{error_line(e, last=True)}") from None
+
+
+# Ops whose output shape is computed from the data, not from the input shapes
+DATA_DEPENDENT_OPS = ("NonZero", "Unique", "Compress")
+
+
+def data_dependent_hint(model: onnx.ModelProto) -> str:
+    """Why an import failure may be the model's, not TVM's: a shape computed from data. The
+    exporters trace a mixture-of-experts router (transformers' eager experts: Mixtral, Qwen2-MoE)
+    into NonZero + a Split with one output per expert the example input reached, so the graph
+    only runs where every traced expert gets a token (ONNX Runtime too fails on one token:
+    "Split size 1 exceeds the remaining size"); torch's dynamo exporter refuses such routing."""
+    hits = [n for n in model.graph.node if n.op_type in DATA_DEPENDENT_OPS]
+    if not hits:
+        return ""
+    first = hits[0]
+    return (f" (the model computes shapes from its data: {len(hits)} {'/'.join(sorted({n.op_type for n in hits}))} "
+            f"node(s), the first '{first.name or first.output[0]}'; blockforge compiles static and symbolic "
+            f"input shapes only: a mixture-of-experts router traced by the exporter is such a model)")
 
 
 SHAPE_CONST_MAX = 64  # elements: shapes, axes, starts/ends; weights are far larger

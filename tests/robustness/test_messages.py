@@ -211,6 +211,45 @@ def test_integer_division_by_a_provable_zero_is_refused_clearly(tmp_path):
     assert "Check failed" not in r.err and not (tmp_path / "art").exists()
 
 
+def _traced_router(path: Path, experts: int = 4) -> Path:
+    """What the legacy exporter writes for transformers' eager mixture-of-experts loop
+    (`for e in mask.sum(...).nonzero()`): NonZero, then a Split with one output per expert the
+    example reached, each squeezed to an index. Valid only where every one of them is reached."""
+    n, i64 = helper.make_node, TensorProto.INT64
+    consts = [helper.make_tensor("axes1", i64, [1], [1]), helper.make_tensor("zero", F, [], [0.0]),
+              helper.make_tensor("ones", i64, [experts], [1] * experts), helper.make_tensor("axes0", i64, [1], [0])]
+    nodes = [n("ReduceSum", ["x", "axes1"], ["s"], keepdims=0), n("Greater", ["s", "zero"], ["hit"]),
+             n("NonZero", ["hit"], ["nz"], name="router/NonZero"), n("Transpose", ["nz"], ["nzt"], perm=[1, 0]),
+             n("Split", ["nzt", "ones"], [f"e{i}" for i in range(experts)], axis=0),
+             n("Squeeze", ["e0", "axes0"], ["i0"]), n("Gather", ["x", "i0"], ["y"], axis=0)]
+    return _save(path, nodes, [helper.make_tensor_value_info("x", F, [experts, 3])],
+                 [helper.make_tensor_value_info("y", F, [1, 3])], consts)
+
+
+def test_shapes_from_data_are_named(tmp_path):
+    """A mixture-of-experts router traced into NonZero + Split (Mixtral, Qwen2-MoE from the legacy
+    exporter; the dynamo exporter refuses them): TVM's importer stops at the Squeeze of a
+    data-dependent extent. The line says the model computes shapes from its data and where, not
+    only TVM's complaint about one Squeeze; ORT itself runs it only where every expert is hit."""
+    import onnxruntime as ort
+
+    model = _traced_router(tmp_path / "moe.onnx")
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"x": np.ones((4, 3), np.float32)})[0].shape == (1, 3)
+    with pytest.raises(Exception, match="Split"):
+        sess.run(None, {"x": -np.ones((4, 3), np.float32)})
+    r = run_cli_in_process("compile", model, "--target", "host", "-o", tmp_path / "art", cwd=tmp_path)
+    assert_user_error(r, "cannot import this model", "computes shapes from its data", "router/NonZero")
+    assert not (tmp_path / "art").exists()
+
+
+def test_data_hint_only_with_data_dependent_ops(tmp_path):
+    from blockforge.compile.frontend.importer import data_dependent_hint
+
+    assert data_dependent_hint(onnx.load(str(_relu(tmp_path / "r.onnx")))) == ""
+    assert "1 NonZero node(s)" in data_dependent_hint(onnx.load(str(_traced_router(tmp_path / "m.onnx"))))
+
+
 # ------------------------------------------------------------------ known ORT deviations
 
 def _attention(path: Path, mask: int | None = None, **attrs) -> Path:
