@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 import pytest
 
 tvm = pytest.importorskip("tvm")
@@ -111,14 +112,17 @@ def test_static_causal_constant_is_recognised(tmp_path):
 
 
 def _decomposed(q_shape, k_shape, v_shape, *, scale=0.125, mask=None, mask_shape=None, softmax_axis=-1,
-                extra_use=False, where=None, scale_tensor=False, self_add=False):
+                extra_use=False, where=None, scale_tensor=False, self_add=False, biases=()):
     """The plain decomposition of ONNX Attention: matmul(q, permute_dims(k)) * scale (+ mask) ->
-    softmax -> matmul(., v), with knobs for the near misses."""
+    softmax -> matmul(., v), with knobs for the near misses. biases: shapes of float32 inputs
+    added to the scores one by one before the mask (MPNet's relative-position bias)."""
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType(q_shape, "float32"))
     k = relax.Var("k", relax.TensorType(k_shape, "float32"))
     v = relax.Var("v", relax.TensorType(v_shape, "float32"))
     params = [q, k, v]
+    bias_vars = [relax.Var(f"bias{i}", relax.TensorType(shape, "float32")) for i, shape in enumerate(biases)]
+    params += bias_vars
     m = None
     if mask is not None:
         m = relax.Var("m", relax.TensorType(mask_shape, mask))
@@ -129,6 +133,8 @@ def _decomposed(q_shape, k_shape, v_shape, *, scale=0.125, mask=None, mask_shape
             s = bb.emit(relax.op.matmul(q, kt))
             c = relax.const(np.full((1,) if not scale_tensor else (q_shape[-2], 1), scale, "float32"))
             s = bb.emit(relax.op.multiply(s, c))
+            for bv in bias_vars:
+                s = bb.emit(relax.op.add(s, bv))
             if mask == "float32":
                 s = bb.emit(relax.op.add(s, m))
             if self_add:
@@ -164,6 +170,27 @@ def test_near_misses_do_not_fuse(near_miss):
     mod = _decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), **near_miss)
     fused = _fuse(mod)
     assert _calls(fused) == [] and "relax.nn.softmax" in _ops(fused)
+
+
+def test_scores_plus_bias_plus_mask_fuse_with_one_summed_mask():
+    """((s * c + bias) + mask): the addends are summed into the kernel's one additive mask,
+    ahead of the call (MPNet's attention was left unfused: "an add before softmax whose scores
+    side is not Q K^T")."""
+    mod = _decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), mask="float32", mask_shape=(B, 1, 1, S),
+                      biases=[(1, H, S, S)])
+    fused = _fuse(mod)
+    (spec,) = _calls(fused)
+    assert spec.add == ("b", "h", "q", "k"), "the summed mask's shape: the bias's heads and the mask's batch"
+    assert "relax.nn.softmax" not in _ops(fused) and _ops(fused).count("relax.add") == 1
+
+
+def test_addends_past_the_limit_do_not_fuse():
+    from blockforge.compile.attention.match import MAX_ADDENDS
+
+    shapes = [(S, S)] * MAX_ADDENDS
+    assert len(_calls(_fuse(_decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), biases=shapes)))) == 1
+    mod = _decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), biases=shapes + [(S, S)])
+    assert _calls(_fuse(mod)) == []
 
 
 def test_broadcast_batch_does_not_fuse():
@@ -470,6 +497,49 @@ def test_fully_masked_rows_match_ort(tmp_path, monkeypatch):
     vm = relax.VirtualMachine(build(session.relax(), HOST).executable, tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]).numpy()
     assert np.isfinite(got).all() and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _bias_mask_model(path: Path, b: int, h: int, s: int, d: int) -> Path:
+    """MPNet's attention as the legacy exporter writes it: Q K^T / sqrt(d) + a relative-position
+    bias (a constant: it depends only on the positions) + a padding mask computed from a 0/1
+    input, softmax, P V."""
+    rng = np.random.default_rng(0)
+    f32, n = TensorProto.FLOAT, helper.make_node
+    inits = [numpy_helper.from_array(rng.standard_normal((1, h, s, s)).astype(np.float32), "bias"),
+             numpy_helper.from_array(np.array(np.sqrt(d), np.float32), "sqrt_d"),
+             numpy_helper.from_array(np.array(0, np.float32), "zero"),
+             numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "lowest")]
+    nodes = [n("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), n("MatMul", ["q", "kt"], ["qk"]),
+             n("Div", ["qk", "sqrt_d"], ["sc"]), n("Add", ["sc", "bias"], ["sb"]),
+             n("Where", ["keep", "zero", "lowest"], ["addmask"]), n("Add", ["sb", "addmask"], ["sm"]),
+             n("Softmax", ["sm"], ["p"], axis=-1), n("MatMul", ["p", "v"], ["output"])]
+    vi = helper.make_tensor_value_info
+    ins = [vi(x, f32, [b, h, s, d]) for x in ("q", "k", "v")] + [vi("keep", TensorProto.BOOL, [b, 1, 1, s])]
+    m = helper.make_model(helper.make_graph(nodes, "bias_mask", ins, [vi("output", f32, [b, h, s, d])], inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return path
+
+
+def test_bias_and_mask_fused_match_ort(tmp_path, monkeypatch):
+    """The summed bias + mask through the fused kernel against ORT, a batch row whose every
+    key is masked included (ORT: softmax of bias + lowest, i.e. of the bias alone)."""
+    from blockforge.graph import ort as ort_runner
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    path = _bias_mask_model(tmp_path / "m.onnx", 2, 4, 70, 16)
+    session = open_model(path, HOST, {})
+    mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
+    assert [s.add for s in attention.kernel_specs(mod)] == [("b", "h", "q", "k")]
+    inputs = random_inputs(session.inputs, {}, seed=2)
+    inputs["keep"] = np.ones_like(inputs["keep"])
+    inputs["keep"][0, ..., 50:] = False
+    inputs["keep"][1] = False
+    want = ort_runner.run(session.model, inputs)["output"]
+    vm = relax.VirtualMachine(build(session.relax(), HOST).executable, tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

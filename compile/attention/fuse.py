@@ -61,8 +61,19 @@ class _Rewrite:
 
         kt = self.bb.emit(relax.op.permute_dims(visit(m.k_src), [0, 1, 3, 2])) if m.k_src is not None else visit(m.kt)
         args = [visit(m.q), kt, visit(m.v)]
-        args += [visit(x) for x in (m.add, m.keep) if x is not None]
+        args += [self.mask(x, visit) for x in (m.add, m.keep) if x is not None]
         return self.call(m.spec, args, m.out_shape)
+
+    def mask(self, x, visit):
+        """A mask argument; the scores' addends (a tuple: a bias and a mask) summed into one."""
+        from tvm import relax
+
+        if not isinstance(x, tuple):
+            return visit(x)
+        out = visit(x[0])
+        for a in x[1:]:
+            out = self.bb.emit(relax.op.add(out, visit(a)))
+        return out
 
     def heads(self, g: Heads, visit):
         from tvm import relax
@@ -75,7 +86,7 @@ class _Rewrite:
         kt = bb.emit(relax.op.permute_dims(_reshape(bb, xk, [b, skv, h, sp.d]), [0, 2, 3, 1]))  # (B, h, d_k, S_kv)
         v = _reshape(bb, xv, [b, skv, h, sp.dv])  # (B, S_kv, h, d_v)
         spec = replace(sp, q="bshd", k="bhds", v="bshd", o="bshd", heads=h)
-        args = [q, kt, v] + [visit(x) for x in (g.first.add, g.first.keep) if x is not None]
+        args = [q, kt, v] + [self.mask(x, visit) for x in (g.first.add, g.first.keep) if x is not None]
         o = bb.emit(self.call(spec, args, [b, sq, h, sp.dv]))  # (B, S, h, d_v)
         return relax.op.reshape(o, relax.ShapeExpr([b, sq, h * sp.dv]))  # (B, S, h*d_v)
 

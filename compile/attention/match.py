@@ -13,6 +13,9 @@ from blockforge.compile.attention.flash import AttentionSpec
 
 
 _log = logging.getLogger("blockforge.attention")
+# Addends of the scores the kernel takes, summed into its one additive mask before the call
+# (a bias and a mask: MPNet, whose attention was left unfused)
+MAX_ADDENDS = 3
 
 
 def _is_call(e, *names):
@@ -157,18 +160,24 @@ class _Finder:
                 return None
             c = self.value(x)
         add = None
-        if _is_call(c, "relax.add"):
+        addends = []  # ((s + a) + b): MPNet adds its relative-position bias, then the mask
+        while _is_call(c, "relax.add") and len(addends) < MAX_ADDENDS:
             a, b = c.args
             if a.same_as(b):
                 return None
             for s_, m_ in ((a, b), (b, a)):
-                if isinstance(s_, relax.Var) and self.once(s_) and self._is_scores_side(s_):
-                    x, add = s_, m_
+                if self._leads_to_scores(s_, MAX_ADDENDS - len(addends)):
+                    x = s_
+                    addends.append(m_)
                     break
             else:
                 return why("an add before softmax whose scores side is not Q K^T [* scale]")
             chain.append(x)
             c = self.value(x)
+        if addends:
+            if _is_call(c, "relax.add"):
+                return why(f"more than {MAX_ADDENDS} adds before softmax")
+            add = addends[0] if len(addends) == 1 else tuple(reversed(addends))
         scale = 1.0
         if _is_call(c, "relax.divide", "relax.multiply"):
             a, b = c.args
@@ -364,6 +373,17 @@ class _Finder:
         same = all(same_dim(a, b) for a, b in ((xs[0], ks[0]), (xs[1], ks[1]), (xs[2], ks[3]), (xs[3], ks[2])))
         return x if same else None
 
+    def _leads_to_scores(self, e, adds: int) -> bool:
+        """e (used once) is the scores, or an add of them and something else, at most `adds` deep."""
+        from tvm import relax
+
+        if not (isinstance(e, relax.Var) and self.once(e)):
+            return False
+        if self._is_scores_side(e):
+            return True
+        c = self.value(e)
+        return adds > 1 and _is_call(c, "relax.add") and any(self._leads_to_scores(a, adds - 1) for a in c.args)
+
     def _is_scores_side(self, e) -> bool:
         c = self.value(e)
         return _is_call(c, "relax.divide", "relax.multiply", "relax.matmul") or \
@@ -392,9 +412,10 @@ class _Finder:
         add_dims = keep_dims = None
         causal = False
         if add is not None:
-            if _dtype(add) not in ("float32", "float16"):
+            parts = add if isinstance(add, tuple) else (add,)
+            if {_dtype(a) for a in parts} - {"float32", "float16"} or len({_dtype(a) for a in parts}) != 1:
                 return None
-            add_dims = _mask_dims(add, scores, letters)
+            add_dims = _mask_dims(_broadcast_shape([static_shape(a) for a in parts]), scores, letters)
             if add_dims is None:
                 return None
         if keep is not None:
@@ -405,7 +426,7 @@ class _Finder:
                 rest, causal = [keep], False  # several mask tensors: pass their product
             keep = rest[0] if rest else None
             if keep is not None:
-                keep_dims = _mask_dims(keep, scores, letters)
+                keep_dims = _mask_dims(static_shape(keep), scores, letters)
                 if keep_dims is None:
                     return None
         same_len = static_int(sq) is None and sq.same_as(skv)
@@ -414,7 +435,7 @@ class _Finder:
             v="bhsd" if rank == 4 else "bsd", o="bhsd" if rank == 4 else "bsd",
             heads=static_int(lead[1]) if rank == 4 else 1, d=d, dv=dv, scale=float(scale),
             batch=static_int(lead[0]), sq=static_int(sq), skv=static_int(skv),
-            add=add_dims, add_dtype=_dtype(add) if add is not None else "float32", keep=keep_dims,
+            add=add_dims, add_dtype=_dtype(parts[0]) if add is not None else "float32", keep=keep_dims,
             causal=causal, fill=fill if (keep is not None or causal) else None, same_len=same_len)
         m = Match(out_var, q, kt, v, add, keep, spec, [*lead, sq, dv], chain + [out_var], list(lead))
         return self._absorb(m) if rank == 4 else m
@@ -492,9 +513,24 @@ def _merges_heads(s4: list | None, s3: list | None) -> bool:
     return bh is None and tvm.sym.Analyzer().can_prove_equal(s4[0] * s4[1], s3[0])
 
 
-def _mask_dims(mask, scores: list, letters: list) -> tuple[str, ...] | None:
-    """Which score axis each mask axis follows (right-aligned broadcasting), or None."""
-    shape = static_shape(mask)
+def _broadcast_shape(shapes: list) -> list | None:
+    """The shape of the sum of tensors of these shapes (right-aligned broadcasting), or None
+    where a shape is unknown or two extents differ and neither is 1."""
+    if any(s is None for s in shapes):
+        return None
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        dims = [s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0]
+        wide = [d for d in dims if static_int(d) != 1]
+        if any(not same_dim(d, wide[0]) for d in wide[1:]):
+            return None
+        out.append(wide[0] if wide else dims[0])
+    return out
+
+
+def _mask_dims(shape: list | None, scores: list, letters: list) -> tuple[str, ...] | None:
+    """Which score axis each axis of a mask of `shape` follows (right-aligned broadcasting), or None."""
     if shape is None or len(shape) > len(scores):
         return None
     out = []
@@ -590,6 +626,8 @@ def _merge_heads(f: _Finder, matches: list[Match]) -> tuple[list, set]:
 
 
 def _same_expr(a, b) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(map(_same_expr, a, b))
     return (a is None and b is None) or (a is not None and b is not None and a.same_as(b))
 
 
