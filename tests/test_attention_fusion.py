@@ -131,7 +131,8 @@ def _decomposed(q_shape, k_shape, v_shape, *, scale=0.125, mask=None, mask_shape
         with bb.dataflow():
             kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
             s = bb.emit(relax.op.matmul(q, kt))
-            c = relax.const(np.full((1,) if not scale_tensor else (q_shape[-2], 1), scale, "float32"))
+            shape = {False: (1,), True: (q_shape[-2], 1), "heads": (q_shape[1], 1, 1)}[scale_tensor]
+            c = relax.const(np.full(shape, scale, "float32"))
             s = bb.emit(relax.op.multiply(s, c))
             for bv in bias_vars:
                 s = bb.emit(relax.op.add(s, bv))
@@ -541,6 +542,57 @@ def test_bias_and_mask_fused_match_ort(tmp_path, monkeypatch):
     vm = relax.VirtualMachine(build(session.relax(), HOST).executable, tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _head_scale_model(path: Path, b: int, h: int, s: int, d: int, scale: np.ndarray, op: str = "Mul") -> Path:
+    """Swin V2's cosine attention: Q and K normalised along d, Q K^T times a learnt scale per
+    head (h, 1, 1), plus a bias; Q and V given as (B, S, H, d) and transposed (the kernel reads
+    them so: its "bshd" layout)."""
+    rng = np.random.default_rng(0)
+    f32, n = TensorProto.FLOAT, helper.make_node
+    inits = [numpy_helper.from_array(scale.reshape(h, 1, 1).astype(np.float32), "head_scale"),
+             numpy_helper.from_array(rng.standard_normal((h, s, s)).astype(np.float32), "bias"),
+             numpy_helper.from_array(np.array([-1], np.int64), "last")]
+    nodes = [n("ReduceL2", ["q", "last"], ["qn"], keepdims=1), n("Div", ["q", "qn"], ["qs"]),
+             n("Transpose", ["qs"], ["qu"], perm=[0, 2, 1, 3]), n("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]),
+             n("ReduceL2", ["k", "last"], ["kn"], keepdims=1), n("Div", ["k", "kn"], ["ku"]),
+             n("Transpose", ["ku"], ["kt"], perm=[0, 1, 3, 2]), n("MatMul", ["qu", "kt"], ["qk"]),
+             n(op, ["qk", "head_scale"], ["sc"]), n("Add", ["sc", "bias"], ["sb"]),
+             n("Softmax", ["sb"], ["p"], axis=-1), n("MatMul", ["p", "vh"], ["output"])]
+    vi = helper.make_tensor_value_info
+    ins = [vi("q", f32, [b, s, h, d]), vi("k", f32, [b, h, s, d]), vi("v", f32, [b, s, h, d])]
+    m = helper.make_model(helper.make_graph(nodes, "head_scale", ins, [vi("output", f32, [b, h, s, d])], inits),
+                          opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.parametrize("op", ["Mul", "Div"])
+def test_scale_per_head_fused_matches_ort(tmp_path, monkeypatch, op):
+    """A scale per head (Swin V2's attention was left unfused) is applied to Q's rows of each
+    head at the call; the kernel's scalar scale stays 1."""
+    from blockforge.graph import ort as ort_runner
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    scale = np.array([10.0, 3.0, 0.5, 25.0])
+    path = _head_scale_model(tmp_path / "m.onnx", 2, 4, 40, 16, scale, op)
+    session = open_model(path, HOST, {})
+    mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
+    (spec,) = attention.kernel_specs(mod)
+    assert spec.scale == 1.0 and spec.q == "bshd" and spec.add == ("h", "q", "k")
+    inputs = random_inputs(session.inputs, {}, seed=3)
+    want = ort_runner.run(session.model, inputs)["output"]
+    vm = relax.VirtualMachine(build(session.relax(), HOST).executable, tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_scale_one_value_for_every_head_is_the_kernels_scalar():
+    """A per-head tensor whose heads all hold one value (Swin V2 at initialisation) is a scalar."""
+    mod = _decomposed((B, H, S, D), (B, H, S, D), (B, H, S, D), scale=0.25, scale_tensor="heads")
+    (spec,) = _calls(_fuse(mod))
+    assert spec.scale == 0.25
 
 
 def test_setting_turns_the_phase_off(monkeypatch):

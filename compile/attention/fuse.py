@@ -60,7 +60,12 @@ class _Rewrite:
         from tvm import relax
 
         kt = self.bb.emit(relax.op.permute_dims(visit(m.k_src), [0, 1, 3, 2])) if m.k_src is not None else visit(m.kt)
-        args = [visit(m.q), kt, visit(m.v)]
+        q = visit(m.q)
+        if m.head_scale is not None:  # Q's rows of head h times its scale: the kernel's scores then are
+            h = len(m.head_scale)
+            shape = {"bhsd": (1, h, 1, 1), "bshd": (1, 1, h, 1)}[m.spec.q]
+            q = self.bb.emit(relax.op.multiply(q, relax.const(m.head_scale.reshape(shape).astype(m.spec.dtype))))
+        args = [q, kt, visit(m.v)]
         args += [self.mask(x, visit) for x in (m.add, m.keep) if x is not None]
         return self.call(m.spec, args, m.out_shape)
 

@@ -51,6 +51,18 @@ def same_dim(a, b) -> bool:
     return a.same_as(b) or tvm_ffi.structural_equal(a, b)
 
 
+def _per_head_const(e) -> np.ndarray | None:
+    """The values of a float constant of shape (H, 1, 1) or (1, H, 1, 1) (one per head of (B,
+    H, Sq, Skv) scores), flattened, else None."""
+    value = getattr(e, "value", None)
+    if value is None or not hasattr(value, "numpy"):
+        return None
+    a = value.numpy()
+    if a.dtype.kind != "f" or a.ndim not in (3, 4) or a.shape[-2:] != (1, 1) or (a.ndim == 4 and a.shape[0] != 1):
+        return None
+    return a.reshape(-1).astype(np.float64)
+
+
 def _scalar_const(e) -> float | None:
     """The value of a constant with one element (shape () or all ones), else None."""
     value = getattr(e, "value", None)
@@ -74,6 +86,7 @@ class Match:
     chain: list  # the intermediate vars (scores .. probabilities, P V), each used once
     lead: list  # leading dims of the scores (batch[, heads])
     k_src: object = None  # grouped-query: K (B, Hkv, S, d), transposed at the call (kt unused)
+    head_scale: object = None  # (H,) float32: scores of head h times head_scale[h], applied to Q at the call
 
 
 class _Finder:
@@ -178,13 +191,22 @@ class _Finder:
             if _is_call(c, "relax.add"):
                 return why(f"more than {MAX_ADDENDS} adds before softmax")
             add = addends[0] if len(addends) == 1 else tuple(reversed(addends))
-        scale = 1.0
+        scale, head_scale = 1.0, None
         if _is_call(c, "relax.divide", "relax.multiply"):
             a, b = c.args
             k = _scalar_const(b)
             if k is None and c.op.name == "relax.multiply":
                 k, a = _scalar_const(a), b
-            if k is None or not (isinstance(a, relax.Var) and self.once(a)) or (c.op.name == "relax.divide" and k == 0):
+            if k is None:  # a scale per head (Swin V2's cosine attention: its learnt logit scale)
+                a, b = c.args
+                head_scale = _per_head_const(b)
+                if head_scale is None and c.op.name == "relax.multiply":
+                    head_scale, a = _per_head_const(a), b
+                if head_scale is None or (c.op.name == "relax.divide" and not head_scale.all()):
+                    return why("the scores are scaled by a tensor that is neither a scalar nor one value per head")
+                head_scale = 1.0 / head_scale if c.op.name == "relax.divide" else head_scale
+                k = 1.0
+            if not (isinstance(a, relax.Var) and self.once(a)) or (c.op.name == "relax.divide" and k == 0):
                 return None
             scale = 1.0 / k if c.op.name == "relax.divide" else k
             x = a
@@ -208,6 +230,13 @@ class _Finder:
         m = self._shapes(out_var, value, q, kt, v, add, keep, fill, scale, chain)
         if m is None:
             return why("shapes the kernel does not take (dtype, rank, symbolic heads or d, broadcast batch, mask dims)")
+        if head_scale is not None:
+            if len(m.lead) != 2 or head_scale.size not in (1, m.spec.heads):
+                return why(f"a scale per head of {head_scale.size} values over {m.spec.heads} heads")
+            if (head_scale == head_scale.flat[0]).all():
+                m.spec = replace(m.spec, scale=m.spec.scale * float(head_scale.flat[0]))
+            else:
+                m.head_scale = np.broadcast_to(head_scale, (m.spec.heads,)).astype(np.float32)
         if guard is not None:
             m.spec = replace(m.spec, nan_rows_zero=True)
         if safe is not None:
