@@ -194,6 +194,88 @@ def test_addends_past_the_limit_do_not_fuse():
     assert _calls(_fuse(mod)) == []
 
 
+def _softcapped(cap=50.0, divide=True, cap_out=None):
+    """Gemma 2's scores: tanh(Q K^T * 0.0625 / cap) * cap, + an additive mask."""
+    bb = relax.BlockBuilder()
+    q, k, v = (relax.Var(n, relax.TensorType((B, H, S, D), "float32")) for n in "qkv")
+    m = relax.Var("m", relax.TensorType((B, 1, 1, S), "float32"))
+    f32 = lambda x: relax.const(np.float32(x))  # noqa: E731
+    with bb.function("main", [q, k, v, m]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.multiply(bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2])))),
+                                          f32(0.0625)))
+            s = bb.emit(relax.op.divide(s, f32(cap)) if divide else relax.op.multiply(s, f32(1 / cap)))
+            s = bb.emit(relax.op.multiply(bb.emit(relax.op.tanh(s)), f32(cap if cap_out is None else cap_out)))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.add(s, m))))
+            out = bb.emit_output(bb.emit(relax.op.matmul(p, v)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("divide", [True, False])
+def test_softcapped_scores_fuse(divide):
+    """Gemma 2's logit soft-capping was left unfused ("the scores come from relax.tanh"): the
+    kernel's softcap * tanh(Q K^T * scale) takes it, the inner 1 / cap folded into the scale."""
+    fused = _fuse(_softcapped(divide=divide))
+    (spec,) = _calls(fused)
+    assert spec.softcap == 50.0 and spec.scale == pytest.approx(0.0625 / 50) and spec.add == ("b", "1", "1", "k")
+    assert "relax.tanh" not in _ops(fused) and "softcap=50" in spec.describe()
+
+
+def test_onnx_attention_op_softcap_fused_matches_ort(tmp_path, monkeypatch):
+    """The ONNX Attention op's softcap (its converter writes softcap * tanh(scores / softcap)),
+    causal: one fused kernel, ORT's output."""
+    from blockforge.graph import ort as ort_runner
+
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    vi = helper.make_tensor_value_info
+    ins = [vi(x, TensorProto.FLOAT, [2, 2, 70, 16]) for x in ("q", "k", "v")]
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], softcap=2.0, is_causal=1)
+    m = helper.make_model(helper.make_graph([node], "g", ins, [vi("y", TensorProto.FLOAT, [2, 2, 70, 16])]),
+                          opset_imports=[helper.make_opsetid("", 23)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "a.onnx")
+    session = open_model(tmp_path / "a.onnx", HOST, {})
+    mod, _ = run_phases(session.relax(), HOST, stop_after="fuse-attention")
+    (spec,) = attention.kernel_specs(mod)
+    assert spec.softcap == 2.0 and spec.add == ("q", "k"), "the causal mask: the converter's additive bias"
+    inputs = {k: 3 * v for k, v in random_inputs(session.inputs, {}, seed=4).items()}  # some scores past the cap
+    want = ort_runner.run(session.model, inputs)["y"]
+    vm = relax.VirtualMachine(build(session.relax(), HOST).executable, tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in session.inputs]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_softcap_of_a_negative_cap_does_not_fuse():
+    assert _calls(_fuse(_softcapped(cap=-50.0))) == []
+
+
+@pytest.mark.parametrize("sq, skv, causal", [(70, 70, False), (150, 150, True), (9, 40, False)])
+def test_kernel_softcap_matches_numpy(sq, skv, causal):
+    """The kernel's softcap (flash.fast_tanh: a rational minimax form, no cancellation near 0)
+    against float64 numpy, scores large enough to saturate the tanh and small enough to be linear."""
+    spec = _spec(scale=0.5, softcap=3.0, causal=causal, fill=0.0 if causal else None)
+    got, want = _run_kernel(spec, (64, 4 * LANES), 2, sq, skv)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fast_tanh_matches_numpy():
+    from tvm import te, tirx
+
+    from blockforge.compile.attention.flash import fast_tanh
+
+    a = np.concatenate([np.linspace(-10, 10, 4001, dtype=np.float32), np.float32([1e-6, -3e-4, 1e-30]),
+                        np.float32([np.inf, -np.inf, np.nan])])
+    x = te.placeholder((tirx.const(a.size, "int64"),), "float32", name="x")
+    y = te.compute(x.shape, lambda i: fast_tanh(x[i]), name="y")
+    lib = tvm.compile(tvm.IRModule({"main": te.create_prim_func([x, y])}), target=TARGET)
+    out = tvm.runtime.tensor(np.zeros(a.shape, np.float32))
+    lib["main"](tvm.runtime.tensor(a), out)
+    got = out.numpy()
+    np.testing.assert_allclose(got[:-3], np.tanh(a[:-3].astype(np.float64)), rtol=4e-7, atol=0)
+    assert abs(got[-3] - 1) < 4e-7 and abs(got[-2] + 1) < 4e-7 and np.isnan(got[-1])
+
+
 def test_broadcast_batch_does_not_fuse():
     mod = _decomposed((B, H, S, D), (1, H, S, D), (B, H, S, D))
     assert _calls(_fuse(mod)) == []
@@ -204,6 +286,8 @@ def test_broadcast_batch_does_not_fuse():
 def _reference(q, kt, v, spec, add=None, keep=None):
     """float64 softmax(q k^T * scale (+ add), where keep/causal else fill) v, in (b, h, s, d)."""
     s = np.einsum("bhsd,bhdk->bhsk", q.astype(np.float64), kt.astype(np.float64)) * spec.scale
+    if spec.softcap:
+        s = spec.softcap * np.tanh(s)
     if add is not None:
         s = s + add.astype(np.float64)
     allowed = None if keep is None else np.broadcast_to(keep, s.shape)

@@ -191,6 +191,12 @@ class _Finder:
             if _is_call(c, "relax.add"):
                 return why(f"more than {MAX_ADDENDS} adds before softmax")
             add = addends[0] if len(addends) == 1 else tuple(reversed(addends))
+        softcap = None
+        cap = self._softcap(x) if _is_call(c, "relax.multiply") else None
+        if cap is not None:  # Gemma 2: tanh(scores / cap) * cap
+            softcap, inner, x, vars_ = cap
+            chain += vars_
+            c = self.value(x)
         scale, head_scale = 1.0, None
         if _is_call(c, "relax.divide", "relax.multiply"):
             a, b = c.args
@@ -230,6 +236,8 @@ class _Finder:
         m = self._shapes(out_var, value, q, kt, v, add, keep, fill, scale, chain)
         if m is None:
             return why("shapes the kernel does not take (dtype, rank, symbolic heads or d, broadcast batch, mask dims)")
+        if softcap is not None:
+            m.spec = replace(m.spec, softcap=softcap, scale=m.spec.scale * inner)
         if head_scale is not None:
             if len(m.lead) != 2 or head_scale.size not in (1, m.spec.heads):
                 return why(f"a scale per head of {head_scale.size} values over {m.spec.heads} heads")
@@ -401,6 +409,32 @@ class _Finder:
             return None
         same = all(same_dim(a, b) for a, b in ((xs[0], ks[0]), (xs[1], ks[1]), (xs[2], ks[3]), (xs[3], ks[2])))
         return x if same else None
+
+    def _softcap(self, x):
+        """(cap, k, z, the vars from x to z) when x = tanh(z * k) * cap, with k a scalar constant
+        (the graph's divide by cap, or its multiply by 1 / cap; 1 when absent) and cap a finite
+        positive scalar constant, every var used once; else None."""
+        from tvm import relax
+
+        c = self.call(x, "relax.multiply")
+        if c is None:
+            return None
+        a, b = c.args
+        cap, t = _scalar_const(b), a
+        if cap is None:
+            cap, t = _scalar_const(a), b
+        if cap is None or not (math.isfinite(cap) and cap > 0) or not (isinstance(t, relax.Var) and self.once(t)):
+            return None
+        th = self.call(t, "relax.tanh")
+        if th is None or not (isinstance(th.args[0], relax.Var) and self.once(th.args[0])):
+            return None
+        y = th.args[0]
+        z, k = self._peel_scale(y)
+        if z is y:
+            return cap, 1.0, y, [t, y]
+        if not isinstance(z, relax.Var) or not self.once(z):
+            return None
+        return cap, k, z, [t, y, z]
 
     def _leads_to_scores(self, e, adds: int) -> bool:
         """e (used once) is the scores, or an add of them and something else, at most `adds` deep."""
