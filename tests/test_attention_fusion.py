@@ -185,6 +185,38 @@ def test_scores_plus_bias_plus_mask_fuse_with_one_summed_mask():
     assert "relax.nn.softmax" not in _ops(fused) and _ops(fused).count("relax.add") == 1
 
 
+def test_layers_sharing_bias_and_mask_sum_them_once():
+    """MPNet's 12 layers add one constant (1, h, S, S) bias and one mask: one sum for all the
+    layers' kernels (each sum reads and writes the whole bias: 12.6 MB a layer at seq 512)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((B, H, S, D), "float32"))
+    m = relax.Var("m", relax.TensorType((B, 1, 1, S), "float32"))
+    bias_np = np.random.default_rng(0).standard_normal((1, H, S, S)).astype(np.float32)
+    bias = relax.const(bias_np)
+    with bb.function("main", [x, m]):
+        with bb.dataflow():
+            h = x
+            for _ in range(3):
+                s = bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(h, [0, 1, 3, 2]))))
+                s = bb.emit(relax.op.add(bb.emit(relax.op.add(bb.emit(relax.op.multiply(s, relax.const(np.float32(0.25)))),
+                                                              bias)), m))
+                h = bb.emit(relax.op.matmul(bb.emit(relax.op.nn.softmax(s)), h))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    fused = _fuse(bb.get())
+    assert _ops(fused).count("relax.add") == 1 and _ops(fused).count("relax.call_tir") == 3
+    rng = np.random.default_rng(1)
+    xs, ms = rng.standard_normal((B, H, S, D)).astype(np.float32), np.where(rng.random((B, 1, 1, S)) < 0.8, 0, -1e9)
+    vm = relax.VirtualMachine(build(fused, HOST).executable, tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(ms.astype(np.float32))).numpy()
+    want = xs.astype(np.float64)
+    for _ in range(3):
+        sc = want @ want.transpose(0, 1, 3, 2) * 0.25 + bias_np + ms
+        e = np.exp(sc - sc.max(-1, keepdims=True))
+        want = e / e.sum(-1, keepdims=True) @ want
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_addends_past_the_limit_do_not_fuse():
     from blockforge.compile.attention.match import MAX_ADDENDS
 

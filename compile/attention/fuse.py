@@ -34,6 +34,10 @@ class _Rewrite:
         self.bf16 = self.options.get("bf16", False)
         self.funcs: dict = {}
         self.applied: list[str] = []
+        # summed addends already emitted in the block being rewritten (a var of one dataflow
+        # block cannot be read in another); MPNet's 12 layers add one (1, h, S, S) bias and one
+        # mask: at seq 512 each sum reads and writes 12.6 MB
+        self.sums: dict = {}
 
     def call(self, spec: AttentionSpec, args: list, out_shape: list):
         from tvm import relax
@@ -75,10 +79,14 @@ class _Rewrite:
 
         if not isinstance(x, tuple):
             return visit(x)
-        out = visit(x[0])
-        for a in x[1:]:
-            out = self.bb.emit(relax.op.add(out, visit(a)))
-        return out
+        parts = tuple(visit(a) for a in x)
+        key = tuple(p.__hash__() for p in parts)  # TVM objects hash by identity
+        if key not in self.sums:  # every layer adds the same bias and mask: summed once per block
+            out = parts[0]
+            for a in parts[1:]:
+                out = self.bb.emit(relax.op.add(out, a))
+            self.sums[key] = out
+        return self.sums[key]
 
     def heads(self, g: Heads, visit):
         from tvm import relax
@@ -129,6 +137,14 @@ def fuse_attention(target, database=None, balance: bool = True, key_rows: bool =
             self.plan: dict = {}
             self.rw = _Rewrite(self.builder_, target, database, balance=balance, key_tail=key_tail, exp2=exp2,
                                bf16=bf16, gqa_rows=gqa_rows, short_tile=short_tile)
+
+        def visit_binding_block_(self, block):
+            self.rw.sums.clear()
+            return super().visit_binding_block_(block)
+
+        def visit_dataflow_block_(self, block):
+            self.rw.sums.clear()
+            return super().visit_dataflow_block_(block)
 
         def visit_var_binding_(self, binding):
             todo = self.plan.get(binding.var)
