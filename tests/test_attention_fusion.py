@@ -291,6 +291,21 @@ def test_kernel_softcap_matches_numpy(sq, skv, causal):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dv, causal", [(36, False), (48, True), (60, False), (24, True)])
+def test_kernel_head_sizes_off_powers_of_two(dv, causal):
+    """MobileViT's heads (36, 48, 60 wide): P V's rows as whole vectors and power-of-two tails
+    (flash.vec_chunks), not one loop dv wide, which LLVM scalarised (15x slower); the causal
+    fix-up's rows too."""
+    from blockforge.compile.attention.flash import vec_chunks
+
+    spec = _spec(d=dv, dv=dv, causal=causal, fill=0.0 if causal else None)
+    got, want = _run_kernel(spec, (64, 4 * LANES), 2, 70, 70)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    widths = {int(w) for w in re.findall(r"T\.vectorized\(T\.int64\((\d+)\)\)", attention.kernel(spec, (64, 4 * LANES), LANES).script())}
+    assert widths and all(w & (w - 1) == 0 for w in widths), widths
+    assert sum(w for _, w in vec_chunks(dv, LANES)) == dv
+
+
 def test_fast_tanh_matches_numpy():
     from tvm import te, tirx
 
