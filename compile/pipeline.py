@@ -138,6 +138,9 @@ ABLATIONS = {
     "split-affine": "a combined projection's per-part bias add and scalar scale after its split (Whisper's q/v "
                     "biases, the query's d**-0.5) folded into the projection's weights and one bias "
                     "(compile/passes/split_affine.py; left out: an elementwise kernel per part after the split)",
+    "transpose-tiles": "an elementwise kernel that reads an input across its lines (a transpose, through reshapes: "
+                       "MobileViT's unfold) in tiles of 16 rows x a vector (compile/schedule/elementwise.py; left "
+                       "out: rows parallel, the row vectorised, a line fetched per element)",
     "elementwise": "a kernel of elementwise steps only (a residual add of symbolic rows) inlined, rows parallel, "
                    "the row vectorised (compile/schedule/elementwise.py; left out: float modules leave it to "
                    "TVM's serial scalar loop, int8 modules still schedule theirs)",
@@ -350,7 +353,8 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
         rules = [CPUMatmul(prefetch=mode == "all", rows=None) if isinstance(r, CPUMatmul) else r for r in rules]
     # CPUIm2col before CPUElementwise: an im2col kernel is elementwise too, and wants its own
     return (rules + ([] if "conv-gemm" in without else [CPUIm2col()])
-            + ([CPUElementwise()] if int8 or "elementwise" not in without else []))
+            + ([CPUElementwise(tile_transposes="transpose-tiles" not in without)]
+               if int8 or "elementwise" not in without else []))
 
 
 def _schedule(target: ResolvedTarget, without: frozenset[str], int8: bool) -> Callable[[], list]:

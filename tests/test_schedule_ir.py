@@ -422,3 +422,54 @@ def test_elementwise_parallel_only_above_min_parallel(rows, parallel):
 def test_elementwise_rule_refuses_reductions():
     """A kernel with a reduction is a row reduction's or a GEMM's, never CPUElementwise's."""
     assert CPUElementwise().apply(softmax_before.with_attr("global_symbol", "main"), AVX512, False) is None
+
+
+@T.prim_func(s_tir=True)
+def unfold_before(x: T.Buffer((T.int64(1), T.int64(64), T.int64(32), T.int64(32)), "float32"),
+                  y: T.Buffer((T.int64(1024), T.int64(64)), "float32")):
+    """(1, C, H, W) -> (H*W, C) through a reshape: MobileViT's unfold and SegFormer's flatten as
+    TVM legalizes them, the channel innermost in the output and the outermost in the input."""
+    T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+    for i, c in T.grid(T.int64(1024), T.int64(64)):
+        with T.sblock("T_transpose"):
+            vi, vc = T.axis.remap("SS", [i, c])
+            y[vi, vc] = x[T.int64(0), vc, vi // T.int64(32), vi % T.int64(32)]
+
+
+def _unfold_expected(lanes):
+    @T.prim_func(s_tir=True)
+    def main(x: T.Buffer((T.int64(1), T.int64(64), T.int64(32), T.int64(32)), "float32"),
+             y: T.Buffer((T.int64(1024), T.int64(64)), "float32")):
+        T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+        for i_0_c_0_fused in T.parallel(T.int64(64 * 64 // lanes)):
+            for i_1 in range(T.int64(16)):
+                for c_1 in T.vectorized(T.int64(lanes)):
+                    with T.sblock("T_transpose"):
+                        vi = T.axis.spatial(T.int64(1024), i_0_c_0_fused // T.int64(64 // lanes) * T.int64(16) + i_1)
+                        vc = T.axis.spatial(T.int64(64), i_0_c_0_fused % T.int64(64 // lanes) * T.int64(lanes) + c_1)
+                        T.reads(x[T.int64(0), vc, vi // T.int64(32), vi % T.int64(32)])
+                        T.writes(y[vi, vc])
+                        y[vi, vc] = x[T.int64(0), vc, vi // T.int64(32), vi % T.int64(32)]
+
+    return main
+
+
+@pytest.mark.parametrize("target, lanes", [(AVX512, 16), (AVX2, 8)])
+def test_elementwise_transpose_in_tiles(target, lanes):
+    """A kernel that reads its input across lines (the output's innermost axis steps the input by
+    1024 elements, the next axis out by 1) runs in tiles of 16 rows x a vector, so each of the 16
+    input lines a tile gathers from is fetched once for the 16 rows (MobileViT-small whole,
+    `transpose-tiles`: 0.92-0.96x). transpose-tiles off: rows parallel, the row vectorised."""
+    tvm.ir.assert_structural_equal(_schedule(CPUElementwise(), unfold_before, target), _unfold_expected(lanes))
+    text = _schedule(CPUElementwise(tile_transposes=False), unfold_before, target).script()
+    assert "T.parallel(T.int64(1024))" in text, text
+
+
+def test_elementwise_rows_read_in_order_are_not_tiled():
+    """The residual add reads every input along its own rows: no tiles."""
+    from tvm import te
+
+    x, r = (te.placeholder((1, 64, 768), "float32", name=n) for n in "xr")
+    y = te.compute(x.shape, lambda a, b, c: x[a, b, c] + r[a, b, c], name="T_add")
+    text = _schedule(CPUElementwise(), te.create_prim_func([x, r, y]), AVX512).script()
+    assert "a_b_fused in T.parallel(64)" in text and "b_1" not in text, text

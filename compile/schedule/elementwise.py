@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from blockforge.compile.schedule.base import CPURule, has_root, log_skip, schedule_elementwise, vector_lanes
+from blockforge.compile.schedule.base import CPURule, const_int, has_root, log_skip, schedule_elementwise, vector_lanes
 from blockforge.compile.schedule.reduction import is_reduction
 
 
@@ -13,6 +13,80 @@ from blockforge.compile.schedule.reduction import is_reduction
 # Zen 4 VM, more than a vectorised add of 12288 floats (1.6 us); at 98304 floats (GPT-2's
 # residual at seq 128) the launch pays in the model, not in a hot loop (see the class doc).
 MIN_PARALLEL = 16384
+TRANSPOSE_TILE = 16  # rows of a transposing kernel's tile: 16 input lines, each read once
+
+
+def _offset_steps(sch, block) -> list[tuple[int, int]] | None:
+    """For each buffer the block reads (one element each): how far its flat offset moves when the
+    innermost and the second-innermost iteration var step by 1, measured at a few points of the
+    iteration space (index maps through reshapes are div/mod expressions: sampled, not solved)."""
+    import tvm
+    import tvm_ffi
+
+    blk = sch.get(block)
+    ivs = [iv.var for iv in blk.iter_vars]
+    exts = [const_int(iv.dom.extent) for iv in blk.iter_vars]
+    if len(ivs) < 2 or None in exts:
+        return None
+    ana = tvm.sym.Analyzer()
+    out = []
+    for region in blk.reads:
+        if any(const_int(r.extent) != 1 for r in region.region):
+            return None
+        shape = [const_int(d) for d in region.source.shape]
+        if None in shape:
+            return None
+        flat, stride = tirx.const(0, "int64"), 1
+        for r, d in zip(reversed(region.region), reversed(shape)):
+            flat = flat + tirx.Cast("int64", r.min) * tirx.const(stride, "int64")
+            stride *= d
+
+        def at(point):
+            values = {x: tirx.const(p, str(x.ty.dtype)) for x, p in zip(ivs, point)}
+            return const_int(ana.simplify(tvm_ffi.structural_map(flat, (tirx.Var, lambda v: values.get(v, v)))))
+
+        steps = set()
+        for frac in (0, 3, 7):  # a few points, away from the ends so both steps stay inside
+            base = [min(e - 2, e * frac // 10) if e > 2 else 0 for e in exts]
+            if exts[-1] < 2 or exts[-2] < 2:
+                return None
+            o = at(base)
+            inner = at(base[:-1] + [base[-1] + 1])
+            outer = at(base[:-2] + [base[-2] + 1, base[-1]])
+            if None in (o, inner, outer):
+                return None
+            steps.add((inner - o, outer - o))
+        if len(steps) != 1:
+            return None
+        out.append(steps.pop())
+    return out
+
+
+def transposes(sch, block) -> bool:
+    """The block reads some input across its lines as the output is written along its own: that
+    input's offset steps by more than one element with the innermost output axis and by one with
+    the next axis out (a transpose, also through reshapes: MobileViT's unfold, SegFormer's
+    (C, H*W) <-> (H*W, C))."""
+    steps = _offset_steps(sch, block)
+    return bool(steps) and any(abs(inner) > 1 and outer == 1 for inner, outer in steps)
+
+
+def schedule_transpose(sch, block, lanes: int) -> bool:
+    """Tiles of TRANSPOSE_TILE x lanes: the second-innermost loop split by the tile, the innermost
+    by the vector, the tile's two inner loops innermost, the outer loops fused and parallel. Each
+    tile reads 16 input lines (a vector's gather touches one element of each) that the 16 rows of
+    the tile then use whole, where the untiled loop fetched a line per element. Returns False
+    (nothing changed) unless both extents divide."""
+    loops = sch.get_loops(block)
+    exts = [const_int(sch.get(lp).extent) for lp in loops]
+    if len(loops) < 2 or None in exts[-2:] or exts[-1] % lanes or exts[-2] % TRANSPOSE_TILE:
+        return False
+    ao, ai = sch.split(loops[-2], [None, TRANSPOSE_TILE])
+    bo, bi = sch.split(loops[-1], [None, lanes])
+    sch.reorder(ao, bo, ai, bi)
+    sch.vectorize(bi)
+    sch.parallel(sch.fuse(*loops[:-2], ao, bo))
+    return True
 
 
 class CPUElementwise(CPURule):
@@ -29,6 +103,10 @@ class CPUElementwise(CPURule):
     benchmarks/results/quiet-2026-12-06b/prefill_orders.log), of which vectorising alone gave
     nothing (two exploration A/Bs): the parallel rows did."""
 
+    def __init__(self, tile_transposes: bool = True):
+        super().__init__()
+        self.tile_transposes = tile_transposes  # False: the ablation `transpose-tiles`
+
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         if not has_root(sch):
             return None
@@ -43,7 +121,9 @@ class CPUElementwise(CPURule):
         try:
             for b in sch.get_child_blocks(sch.get_sblock("root", "main")):
                 if len(sch.get_loops(b)) >= 1:
-                    schedule_elementwise(sch, b, vector_lanes(target), MIN_PARALLEL)
+                    lanes = vector_lanes(target)
+                    if not (self.tile_transposes and transposes(sch, b) and schedule_transpose(sch, b, lanes)):
+                        schedule_elementwise(sch, b, lanes, MIN_PARALLEL)
         except Exception as e:  # a kernel this rule cannot shape keeps TVM's loops, never fails the build
             log_skip("CPUElementwise", func, "not scheduled", e)
             return None
