@@ -473,3 +473,21 @@ def test_elementwise_rows_read_in_order_are_not_tiled():
     y = te.compute(x.shape, lambda a, b, c: x[a, b, c] + r[a, b, c], name="T_add")
     text = _schedule(CPUElementwise(), te.create_prim_func([x, r, y]), AVX512).script()
     assert "a_b_fused in T.parallel(64)" in text and "b_1" not in text, text
+
+
+@pytest.mark.parametrize("w, vec, tiled", [(56, 8, True), (7, None, False)])
+def test_elementwise_transpose_half_vectors(w, vec, tiled):
+    """ConvNeXt's (H*W, C) -> (1, C, H, W) with rows of 56 (vectors of 8) or 7 (no vector: the
+    rows rule's loop)."""
+    from tvm import te
+
+    from blockforge.compile.schedule.elementwise import transposes
+
+    x = te.placeholder((w * w, 96), "float32", name="x")
+    y = te.compute((1, 96, w, w), lambda a, c, h, v: x[h * w + v, c], name="T_transpose")
+    func = te.create_prim_func([x, y]).with_attr("global_symbol", "main")
+    sch = tvm.s_tir.Schedule(func)
+    (block,) = sch.get_child_blocks(sch.get_sblock("root", "main"))
+    assert transposes(sch, block) == 1, "the channel axis: the input's unit stride"
+    text = _schedule(CPUElementwise(), func, AVX512).script()
+    assert (f"T.vectorized({vec})" in text) == tiled and ("range(16)" in text) == tiled, text

@@ -16,17 +16,18 @@ MIN_PARALLEL = 16384
 TRANSPOSE_TILE = 16  # rows of a transposing kernel's tile: 16 input lines, each read once
 
 
-def _offset_steps(sch, block) -> list[tuple[int, int]] | None:
-    """For each buffer the block reads (one element each): how far its flat offset moves when the
-    innermost and the second-innermost iteration var step by 1, measured at a few points of the
-    iteration space (index maps through reshapes are div/mod expressions: sampled, not solved)."""
+def _offset_steps(sch, block) -> list[tuple[int, ...]] | None:
+    """For each buffer the block reads (one element each): how far its flat offset moves when each
+    iteration var steps by 1 (one entry per var, outermost first), measured at a few points of the
+    iteration space (index maps through reshapes are div/mod expressions: sampled, not solved;
+    a step that differs between the points makes it None)."""
     import tvm
     import tvm_ffi
 
     blk = sch.get(block)
     ivs = [iv.var for iv in blk.iter_vars]
     exts = [const_int(iv.dom.extent) for iv in blk.iter_vars]
-    if len(ivs) < 2 or None in exts:
+    if len(ivs) < 2 or None in exts or exts[-1] < 2:
         return None
     ana = tvm.sym.Analyzer()
     out = []
@@ -46,46 +47,55 @@ def _offset_steps(sch, block) -> list[tuple[int, int]] | None:
             return const_int(ana.simplify(tvm_ffi.structural_map(flat, (tirx.Var, lambda v: values.get(v, v)))))
 
         steps = set()
-        for frac in (0, 3, 7):  # a few points, away from the ends so both steps stay inside
+        for frac in (0, 3, 7):  # a few points, away from the ends so every step stays inside
             base = [min(e - 2, e * frac // 10) if e > 2 else 0 for e in exts]
-            if exts[-1] < 2 or exts[-2] < 2:
-                return None
             o = at(base)
-            inner = at(base[:-1] + [base[-1] + 1])
-            outer = at(base[:-2] + [base[-2] + 1, base[-1]])
-            if None in (o, inner, outer):
+            step = tuple((at(base[:k] + [base[k] + 1] + base[k + 1:]) - o) if exts[k] > 1 and o is not None else 0
+                         for k in range(len(exts)))
+            if o is None or None in step:
                 return None
-            steps.add((inner - o, outer - o))
+            steps.add(step)
         if len(steps) != 1:
             return None
         out.append(steps.pop())
     return out
 
 
-def transposes(sch, block) -> bool:
-    """The block reads some input across its lines as the output is written along its own: that
-    input's offset steps by more than one element with the innermost output axis and by one with
-    the next axis out (a transpose, also through reshapes: MobileViT's unfold, SegFormer's
-    (C, H*W) <-> (H*W, C))."""
+def transposes(sch, block) -> int | None:
+    """The axis to tile with the innermost when the block reads some input across its lines as
+    the output is written along its own: that input's offset steps by more than one element with
+    the innermost output axis and by one with this axis (a transpose, also through reshapes:
+    MobileViT's unfold, SegFormer's and ConvNeXt's (H*W, C) <-> (C, H, W)); else None."""
     steps = _offset_steps(sch, block)
-    return bool(steps) and any(abs(inner) > 1 and outer == 1 for inner, outer in steps)
+    for st in steps or ():
+        if abs(st[-1]) > 1:
+            unit = [k for k in range(len(st) - 1) if st[k] == 1]
+            if unit:
+                return unit[-1]
+    return None
 
 
-def schedule_transpose(sch, block, lanes: int) -> bool:
-    """Tiles of TRANSPOSE_TILE x lanes: the second-innermost loop split by the tile, the innermost
-    by the vector, the tile's two inner loops innermost, the outer loops fused and parallel. Each
-    tile reads 16 input lines (a vector's gather touches one element of each) that the 16 rows of
-    the tile then use whole, where the untiled loop fetched a line per element. Returns False
-    (nothing changed) unless both extents divide."""
+def schedule_transpose(sch, block, lanes: int, axis: int) -> bool:
+    """Tiles of TRANSPOSE_TILE rows of `axis` x a vector of the innermost axis: both split, the
+    tile's two inner loops innermost, every other loop outside and fused with the tile loops into
+    one parallel loop. Each tile reads 16 input lines (a vector's gather touches one element of
+    each) that its 16 rows then use whole, where the untiled loop fetched a line per element.
+    Half a vector or 8 rows where the whole one does not divide (ConvNeXt's rows of 56: vectors
+    of 8); returns False (nothing changed) if neither does."""
     loops = sch.get_loops(block)
     exts = [const_int(sch.get(lp).extent) for lp in loops]
-    if len(loops) < 2 or None in exts[-2:] or exts[-1] % lanes or exts[-2] % TRANSPOSE_TILE:
+    if len(loops) < 2 or exts[-1] is None or exts[axis] is None:
         return False
-    ao, ai = sch.split(loops[-2], [None, TRANSPOSE_TILE])
-    bo, bi = sch.split(loops[-1], [None, lanes])
-    sch.reorder(ao, bo, ai, bi)
+    width = next((w for w in (lanes, lanes // 2) if w >= 4 and exts[-1] % w == 0), None)
+    rows = next((t for t in (TRANSPOSE_TILE, TRANSPOSE_TILE // 2) if exts[axis] % t == 0), None)
+    if width is None or rows is None:
+        return False
+    ao, ai = sch.split(loops[axis], [None, rows])
+    bo, bi = sch.split(loops[-1], [None, width])
+    others = [lp for k, lp in enumerate(loops[:-1]) if k != axis]
+    sch.reorder(*others, ao, bo, ai, bi)
     sch.vectorize(bi)
-    sch.parallel(sch.fuse(*loops[:-2], ao, bo))
+    sch.parallel(sch.fuse(*others, ao, bo))
     return True
 
 
@@ -122,7 +132,8 @@ class CPUElementwise(CPURule):
             for b in sch.get_child_blocks(sch.get_sblock("root", "main")):
                 if len(sch.get_loops(b)) >= 1:
                     lanes = vector_lanes(target)
-                    if not (self.tile_transposes and transposes(sch, b) and schedule_transpose(sch, b, lanes)):
+                    axis = transposes(sch, b) if self.tile_transposes else None
+                    if axis is None or not schedule_transpose(sch, b, lanes, axis):
                         schedule_elementwise(sch, b, lanes, MIN_PARALLEL)
         except Exception as e:  # a kernel this rule cannot shape keeps TVM's loops, never fails the build
             log_skip("CPUElementwise", func, "not scheduled", e)

@@ -31,6 +31,10 @@ class CPURowReduction(CPURule):
         blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         if len(blocks) < 2:
             return None
+        if not any(is_reduction(sch.get(b)) for b in blocks):
+            # no reduction: CPUElementwise's (a reshape -> transpose -> reshape chain, MobileViT's
+            # unfold, took this rule's row loop and missed the transpose tiles)
+            return None
         n_rows = _row_structure(sch, blocks)
         copies = n_rows is None and _inline_copies(sch, blocks)
         if copies:
