@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-fifth session, Zen 5: full-size random-weight new families (export_new_full.py: transformers'
+# Twenty-fifth session, Zen 5: full-size random-weight new families (export_new_full.py -> /tmp/s25/full/: transformers'
 # default configs, legacy exporter, opset 17) against ORT and OpenVINO f32, bench --profile, one
 # process each; SGEMM ceiling before each. Nothing else running.
 cd /work/main
