@@ -491,3 +491,21 @@ def test_elementwise_transpose_half_vectors(w, vec, tiled):
     assert transposes(sch, block) == 1, "the channel axis: the input's unit stride"
     text = _schedule(CPUElementwise(), func, AVX512).script()
     assert (f"T.vectorized({vec})" in text) == tiled and ("range(16)" in text) == tiled, text
+
+
+def test_elementwise_gather_is_not_a_transpose():
+    """An index read from data (a gather, embedding lookups): no offset steps to sample; the
+    rows rule's loop, not a failure that leaves the kernel unscheduled."""
+    from tvm import te
+
+    from blockforge.compile.schedule.elementwise import transposes
+
+    x = te.placeholder((64, 32), "float32", name="x")
+    idx = te.placeholder((128,), "int64", name="idx")
+    y = te.compute((128, 32), lambda i, j: x[idx[i], j], name="T_take")
+    func = te.create_prim_func([x, idx, y]).with_attr("global_symbol", "main")
+    sch = tvm.s_tir.Schedule(func)
+    (block,) = sch.get_child_blocks(sch.get_sblock("root", "main"))
+    assert transposes(sch, block) is None
+    text = _schedule(CPUElementwise(), func, AVX512).script()
+    assert "T.vectorized(16)" in text, text

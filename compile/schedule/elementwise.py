@@ -50,11 +50,10 @@ def _offset_steps(sch, block) -> list[tuple[int, ...]] | None:
         for frac in (0, 3, 7):  # a few points, away from the ends so every step stays inside
             base = [min(e - 2, e * frac // 10) if e > 2 else 0 for e in exts]
             o = at(base)
-            step = tuple((at(base[:k] + [base[k] + 1] + base[k + 1:]) - o) if exts[k] > 1 and o is not None else 0
-                         for k in range(len(exts)))
-            if o is None or None in step:
+            moved = [at(base[:k] + [base[k] + 1] + base[k + 1:]) if exts[k] > 1 else o for k in range(len(exts))]
+            if o is None or None in moved:  # an index read from data (a gather): not an affine map
                 return None
-            steps.add(step)
+            steps.add(tuple(m - o for m in moved))
         if len(steps) != 1:
             return None
         out.append(steps.pop())
