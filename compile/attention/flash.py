@@ -132,6 +132,14 @@ def vec_chunks(n: int, lanes: int) -> list[tuple[int, int]]:
     return out
 
 
+def _row_loops(T, i64, chunks):
+    """Yields d inside one vectorised loop per (offset, width) piece of `chunks` (vec_chunks):
+    a caller's `for d in ...:` body is emitted once into each loop."""
+    for off, w in chunks:
+        with T.vectorized(i64(0), i64(w)) as e:
+            yield i64(off) + e
+
+
 def micro_rows(qt: int, vecs_per_row: int, lanes: int) -> int:
     """Micro-kernel rows: the largest divisor of qt whose accumulators fit the registers."""
     cap = max(1, acc_regs(lanes) // max(1, vecs_per_row))
@@ -384,7 +392,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     vd = _vec_width(spec.d, lanes)
     mr_s = micro_rows(qt, max(1, kt // lanes), lanes)  # Q K^T micro-kernel rows
     dvc = vec_chunks(spec.dv, lanes)  # P V's row of dv floats as vectors
-    mr_o = micro_rows(qt, max(1, -(-spec.dv // lanes) if len(dvc) == 1 else len(dvc)), lanes)  # P V micro-kernel rows
+    mr_o = micro_rows(qt, sum(-(-w // lanes) for _, w in dvc), lanes)  # P V micro-kernel rows: registers a row holds
+
+    def dv_row():
+        """d over a row of dv, each vec_chunks piece vectorised: the body runs once per piece."""
+        return _row_loops(T, i64, dvc)
 
     def exp_shifted(x):
         """exp(x) for x <= 0 (a score minus its row's running max)."""
@@ -490,9 +502,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     T.buffer_store(mnew, neg_inf, [i])  # padding rows: defined values, never read back
                 with T.serial(i64(0), i64(qt)) as i:
                     T.buffer_store(el, f32(0), [i])
-                    for off, w in dvc:
-                        with T.vectorized(i64(0), i64(w)) as e:
-                            T.buffer_store(acc, f32(0), [i, i64(off) + e])
+                    for d in dv_row():
+                        T.buffer_store(acc, f32(0), [i, d])
 
                 def qrow(i):
                     """Query row q0 + i, clamped for the last tile's rows past Sq (computed, not stored)."""
@@ -628,9 +639,8 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                     with T.serial(i64(0), i64(qt // mr_o)) as io:
                         r = T.alloc_buffer((mr_o, spec.dv), "float32", scope="local")
                         with T.unroll(i64(0), i64(mr_o)) as ii:
-                          for off, w in dvc:
-                            with T.vectorized(i64(0), i64(w)) as e:
-                                d, row = i64(off) + e, io * i64(mr_o) + ii
+                          for d in dv_row():
+                                row = io * i64(mr_o) + ii
                                 T.buffer_store(r, acc[row, d] * alpha[row], [ii, d])
                         if tp:
                           with T.serial(i64(0), i64(kw // 2)) as j2:
@@ -642,15 +652,11 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                          with T.serial(i64(skip), i64(kw) if valid is None else valid) as j:
                             with T.unroll(i64(0), i64(mr_o)) as ii:
                                 pv = s[io * i64(mr_o) + ii, j]
-                                for off, w in dvc:
-                                  with T.vectorized(i64(0), i64(w)) as e:
-                                    d = i64(off) + e
+                                for d in dv_row():
                                     vv = to32(V[tuple(at(spec.v, b, hk, k0 + j, d))])
                                     T.buffer_store(r, r[ii, d] + pv * vv, [ii, d])
                         with T.unroll(i64(0), i64(mr_o)) as ii:
-                          for off, w in dvc:
-                            with T.vectorized(i64(0), i64(w)) as e:
-                                d = i64(off) + e
+                          for d in dv_row():
                                 T.buffer_store(acc, r[ii, d], [io * i64(mr_o) + ii, d])
 
                 if pairs:  # Q's rows as pairs (d, d + d/2), once per job
@@ -688,14 +694,12 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
                             tile(k_tail, Skv - k_tail)
                 if spec.causal:
                     _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el,
-                                 lambda j, d: to32(V[tuple(at(spec.v, b, hk, j, d))]), dvc)
+                                 lambda j, d: to32(V[tuple(at(spec.v, b, hk, j, d))]), dv_row)
                 with T.serial(i64(0), i64(qt)) as i:
                     def store():
                         inv = T.alloc_buffer((1,), "float32", scope="local")
                         T.buffer_store(inv, f32(1) / el[i], [0])
-                        for off, w in dvc:
-                          with T.vectorized(i64(0), i64(w)) as e:
-                            d = i64(off) + e
+                        for d in dv_row():
                             y = acc[i, d] * inv[0]
                             if spec.nan_rows_zero:  # el is 0 (all -inf) or NaN exactly when softmax is NaN
                                 y = tirx.Select(el[i] > f32(0), y, f32(0))
@@ -715,7 +719,7 @@ def kernel(spec: AttentionSpec, tiles: tuple[int, int] | None = None, lanes: int
     return func.with_attr("global_symbol", "fused_attention")
 
 
-def _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el, v_at, chunks):
+def _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el, v_at, dv_row):
     """Keys right of the visited tiles were all dropped (score = fill). They only matter
     for a row whose every visited score is dropped too (or -inf): exp(fill - m') is then
     not 0, and softmax spreads over them as well. Folded in exactly, per row, when so."""
@@ -731,15 +735,11 @@ def _causal_rest(T, tirx, spec, tiles, Skv, fill, q0, acc, m, el, v_at, chunks):
                 with T.If(w > f32(0)):
                     with T.Then():
                         a = T.Bind(tirx.exp(m[i] - mn))
-                        for off, wd in chunks:
-                            with T.vectorized(i64(0), i64(wd)) as e:
-                                d = i64(off) + e
-                                T.buffer_store(acc, acc[i, d] * a, [i, d])
+                        for d in dv_row():
+                            T.buffer_store(acc, acc[i, d] * a, [i, d])
                         with T.serial(visited, Skv) as j:
-                            for off, wd in chunks:
-                                with T.vectorized(i64(0), i64(wd)) as e:
-                                    d = i64(off) + e
-                                    T.buffer_store(acc, acc[i, d] + w * v_at(j, d), [i, d])
+                            for d in dv_row():
+                                T.buffer_store(acc, acc[i, d] + w * v_at(j, d), [i, d])
                         T.buffer_store(el, el[i] * a + w * tirx.Cast("float32", Skv - visited), [i])
                         T.buffer_store(m, mn, [i])
 

@@ -63,6 +63,16 @@ def _per_head_const(e) -> np.ndarray | None:
     return a.reshape(-1).astype(np.float64)
 
 
+def _const_operand(c, read):
+    """(read(the constant), the other operand) of a divide or multiply call `c`: the constant is
+    the divisor, or either factor; read's None when neither operand is one it reads."""
+    a, b = c.args
+    k = read(b)
+    if k is None and c.op.name == "relax.multiply":
+        k, a = read(a), b
+    return k, a
+
+
 def _scalar_const(e) -> float | None:
     """The value of a constant with one element (shape () or all ones), else None."""
     value = getattr(e, "value", None)
@@ -199,22 +209,17 @@ class _Finder:
             c = self.value(x)
         scale, head_scale = 1.0, None
         if _is_call(c, "relax.divide", "relax.multiply"):
-            a, b = c.args
-            k = _scalar_const(b)
-            if k is None and c.op.name == "relax.multiply":
-                k, a = _scalar_const(a), b
+            div = c.op.name == "relax.divide"
+            k, a = _const_operand(c, _scalar_const)
             if k is None:  # a scale per head (Swin V2's cosine attention: its learnt logit scale)
-                a, b = c.args
-                head_scale = _per_head_const(b)
-                if head_scale is None and c.op.name == "relax.multiply":
-                    head_scale, a = _per_head_const(a), b
-                if head_scale is None or (c.op.name == "relax.divide" and not head_scale.all()):
+                head_scale, a = _const_operand(c, _per_head_const)
+                if head_scale is None or (div and not head_scale.all()):
                     return why("the scores are scaled by a tensor that is neither a scalar nor one value per head")
-                head_scale = 1.0 / head_scale if c.op.name == "relax.divide" else head_scale
+                head_scale = 1.0 / head_scale if div else head_scale
                 k = 1.0
-            if not (isinstance(a, relax.Var) and self.once(a)) or (c.op.name == "relax.divide" and k == 0):
+            if not (isinstance(a, relax.Var) and self.once(a)) or (div and k == 0):
                 return None
-            scale = 1.0 / k if c.op.name == "relax.divide" else k
+            scale = 1.0 / k if div else k
             x = a
             chain.append(x)
             c = self.value(x)
@@ -348,10 +353,7 @@ class _Finder:
         c = self.call(e, "relax.multiply", "relax.divide")
         if c is None or not self.once(e):
             return e, 1.0
-        a, b = c.args
-        k = _scalar_const(b)
-        if k is None and c.op.name == "relax.multiply":
-            k, a = _scalar_const(a), b
+        k, a = _const_operand(c, _scalar_const)
         if k is None or (c.op.name == "relax.divide" and k == 0) or not math.isfinite(k):
             return e, 1.0
         return a, (1.0 / k if c.op.name == "relax.divide" else k)
@@ -419,10 +421,7 @@ class _Finder:
         c = self.call(x, "relax.multiply")
         if c is None:
             return None
-        a, b = c.args
-        cap, t = _scalar_const(b), a
-        if cap is None:
-            cap, t = _scalar_const(a), b
+        cap, t = _const_operand(c, _scalar_const)
         if cap is None or not (math.isfinite(cap) and cap > 0) or not (isinstance(t, relax.Var) and self.once(t)):
             return None
         th = self.call(t, "relax.tanh")
