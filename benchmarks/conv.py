@@ -9,6 +9,10 @@ Cases (fp32, batch 1, random weights, the shapes of the real models):
                   -> GroupNorm(512 groups; as InstanceNormalization) -> GELU, then Conv k3 s2 x4 and
                   k2 s2 x2 (512, no bias) each with GELU: (1, 512, 49)
   wav2vec2_pos    its positional conv: (1, 768, 49) -> Conv k128, pad 64, groups 16 (768) + GELU
+  mobilevit_dw    MobileViT-small's depthwise pair: (1, 128, 128, 128) -> 3x3 s2 + SiLU -> 3x3 + SiLU
+  segformer_dw    SegFormer-b0's Mix-FFN depthwise: (1, 128, 128, 128) -> 3x3 + GELU
+  convnext_dw56   ConvNeXt-tiny's 7x7 depthwise at stage 1: (1, 96, 56, 56)
+  convnext_dw14   and at stage 3: (1, 384, 14, 14)
 Each case is one `blockforge bench` run: the contenders interleaved in this process, outputs
 checked against ORT before timing. The table gives median ms, GFLOP/s (the convs' 2 x MACs)
 and the ratio to OpenVINO from the same samples, with the 1-minute load average: on a shared
@@ -56,6 +60,21 @@ class _Graph:
         self._then("Conv", ins, strides=[stride], pads=[pad, pad], group=groups)
         return self
 
+    def conv2d(self, cin: int, cout: int, k: int, *, stride=1, pad=0, groups=1) -> "_Graph":
+        w = self.rng.standard_normal((cout, cin // groups, k, k)) / np.sqrt(cin // groups * k * k)
+        b = self.rng.standard_normal(cout) * 0.1
+        self._then("Conv", [self._const("w", w), self._const("b", b)], strides=[stride, stride], pads=[pad] * 4,
+                   group=groups)
+        return self
+
+    def silu(self) -> "_Graph":
+        x = self.cur
+        self._then("Sigmoid", [])
+        out = f"t{len(self.nodes)}"
+        self.nodes.append(oh.make_node("Mul", [x, self.cur], [out]))
+        self.cur = out
+        return self
+
     def instance_norm(self, c: int) -> "_Graph":
         self._then("InstanceNormalization", [self._const("g", np.ones(c)), self._const("beta", np.zeros(c))],
                    epsilon=1e-5)
@@ -83,7 +102,18 @@ def cases(smoke: bool) -> list[_Graph]:
     for k in (3, 3, 3, 3, 2, 2):
         w2v.conv(c, c, k, stride=2, bias=False).gelu()
     pos = _Graph("wav2vec2_pos", (1, hid, 49 if not smoke else 12)).conv(hid, hid, k_pos, pad=k_pos // 2, groups=16).gelu()
-    return [whisper, w2v, pos]
+    # Depthwise 2-D convs (compile/conv/depthwise.py) as the vision families have them:
+    # MobileViT-small's MobileNetV2 blocks (3x3, stride 2 then 1, SiLU), SegFormer-b0's Mix-FFN
+    # (3x3 on its hidden 4C, GELU), ConvNeXt-tiny's 7x7 at its first and third stage.
+    s = 1 if not smoke else 4
+    mvit = _Graph("mobilevit_dw", (1, 128 // s, 128 // s, 128 // s)).conv2d(128 // s, 128 // s, 3, stride=2, pad=1,
+                                                                      groups=128 // s).silu()
+    mvit.conv2d(128 // s, 128 // s, 3, pad=1, groups=128 // s).silu()
+    seg = _Graph("segformer_dw", (1, 128 // s, 128 // s, 128 // s)).conv2d(128 // s, 128 // s, 3, pad=1,
+                                                                     groups=128 // s).gelu()
+    cnx56 = _Graph("convnext_dw56", (1, 96 // s, 56, 56)).conv2d(96 // s, 96 // s, 7, pad=3, groups=96 // s)
+    cnx14 = _Graph("convnext_dw14", (1, 384 // s, 14, 14)).conv2d(384 // s, 384 // s, 7, pad=3, groups=384 // s)
+    return [whisper, w2v, pos, mvit, seg, cnx56, cnx14]
 
 
 def ablation_ab(g: _Graph, d: Path, ablation: str, repeat: int) -> tuple[str, dict[str, float]]:

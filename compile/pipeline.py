@@ -45,6 +45,9 @@ ABLATIONS = {
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
     "conv-strided-loads": "strided 1-D convs' im2col columns by contiguous vector loads and a lane shuffle "
                           "(compile/conv/strided.py; left out: the gather TVM scalarises)",
+    "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
+                      "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
+                      "left out: TVM's conv2d, a serial scalar loop nest)",
     "conv-trim-taps": "kernel taps that read only padding for every output dropped before the conv's GEMM",
     "panel-prefetch": "the CPU matmul's micro-tile prefetching the next weight panel, a line per k step, in GEMMs "
                       "of 19-64 static rows (BLOCKFORGE_PANEL_PREFETCH: all of them, or off) "
@@ -193,7 +196,8 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
         return [conv_gemm_pass(panel_width(tgt), panels="conv-panels" not in without,
                                implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt),
                                trim="conv-trim-taps" not in without,
-                               strided_loads="conv-strided-loads" not in without)]
+                               strided_loads="conv-strided-loads" not in without,
+                               depthwise="conv-depthwise" not in without)]
     return passes
 
 
@@ -342,7 +346,7 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
     from blockforge.compile.schedule.rules import default_cpu_rules
 
-    from blockforge.compile.conv.schedule import CPUIm2col
+    from blockforge.compile.conv.schedule import CPUDepthwise, CPUIm2col
 
     from blockforge.compile.schedule.matmul import CPUMatmul
 
@@ -351,8 +355,10 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     mode = "off" if "panel-prefetch" in without else settings.panel_prefetch()
     if mode != "few-rows":
         rules = [CPUMatmul(prefetch=mode == "all", rows=None) if isinstance(r, CPUMatmul) else r for r in rules]
-    # CPUIm2col before CPUElementwise: an im2col kernel is elementwise too, and wants its own
-    return (rules + ([] if "conv-gemm" in without else [CPUIm2col()])
+    # CPUIm2col before CPUElementwise: an im2col kernel is elementwise too, and wants its own;
+    # CPUDepthwise first: its conv is a reduction CPURowReduction would take
+    return (([] if "conv-depthwise" in without else [CPUDepthwise()]) + rules
+            + ([] if "conv-gemm" in without else [CPUIm2col()])
             + ([CPUElementwise(tile_transposes="transpose-tiles" not in without)]
                if int8 or "elementwise" not in without else []))
 

@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from blockforge.compile.conv import strided
+from blockforge.compile.conv import depthwise, strided
 from blockforge.compile.passes.fast_math import is_patch_conv
 from blockforge.compile.passes.kernels import add_kernel
 from blockforge.compile.passes.prepack import PACKED_BLOCK
@@ -37,7 +37,8 @@ CROP_BLOCK = "conv_crop"
 #   groups=1 (Og 512)  1826 vs 36    groups=16 (Og 32)  361 vs 35    groups=128 (Og 4)  17.8 vs 13.3
 #   depthwise (Og 1)   1.03 vs 48  (a GEMM of one row per group: 1/6 of each 6-row tile is work)
 # Whisper's k=3 convs (stride 1 / 2, 80->512 / 512->512, 3000 frames): 1282 vs 49, 4320 vs 112.
-# So depthwise-like convs (Og < 4) keep TVM's direct schedule; the rest become GEMMs.
+# So depthwise-like convs (Og < 4) stay direct: depthwise.py's kernel for Og = Cg = 1, TVM's
+# conv otherwise; the rest become GEMMs.
 MIN_GROUP_ROWS = 4
 # The columns are a workspace of K*L floats per batch item and group (Whisper's conv2: 9 MiB,
 # Wav2Vec2's positional conv: 25 MiB); a big image conv would need many GiB (1x64x2048x2048, k7:
@@ -224,8 +225,8 @@ def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> t
     return te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
 
 
-def _geometry(call, nr: int) -> tuple[ConvShape, np.ndarray] | None:
-    """The convolution's shape and weight when this rewrite applies: float32, constant weight,
+def _geometry(call) -> tuple[ConvShape, np.ndarray] | None:
+    """The convolution's shape and weight when a rewrite here applies: float32, constant weight,
     static shapes, canonical layouts."""
     x, w = call.args
     a = call.attrs
@@ -242,9 +243,11 @@ def _geometry(call, nr: int) -> tuple[ConvShape, np.ndarray] | None:
         return None
     cs = ConvShape(xs, wt.shape, [int(v) for v in a.strides], [int(v) for v in a.padding],
                    [int(v) for v in a.dilation], int(a.groups))
-    if not cs.valid() or cs.og < MIN_GROUP_ROWS or cs.cols_bytes(nr) > MAX_COLS_BYTES:
-        return None
-    return cs, wt
+    return (cs, wt) if cs.valid() else None
+
+
+def _gemm_fits(cs: ConvShape, nr: int) -> bool:
+    return cs.og >= MIN_GROUP_ROWS and cs.cols_bytes(nr) <= MAX_COLS_BYTES
 
 
 # Elementwise ops a crop slides past (crop(f(y)) == f(crop(y))): a 1-D conv's GEMM output
@@ -272,8 +275,10 @@ def _broadcasts_along_last(e) -> bool:
 
 @mutator
 class _ConvGemm(PyExprMutator):
-    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool):
+    def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool,
+                 depthwise: bool):
         super().__init__(mod)
+        self.depthwise = depthwise
         self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
         self.strided_loads = strided_loads
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
@@ -340,10 +345,19 @@ class _ConvGemm(PyExprMutator):
             return call
         if call.op.name == "relax.nn.conv2d" and is_patch_conv(call):
             return call  # fast_math's patch-conv rewrite (optimize, after this phase) or TVM's conv
-        found = _geometry(call, self.nr)
+        found = _geometry(call)
         if found is None:
             return call
         cs, wt = found
+        if self.depthwise and depthwise.applies(cs):
+            wk = relax.const(np.ascontiguousarray(wt.reshape(cs.c, *cs.kernel)))
+            dw = self.builder_.call_te(lambda t, k: depthwise.depthwise(t, k, cs, self.lanes), call.args[0], wk,
+                                       primfunc_name_hint="conv_depthwise")
+            gv = dw.args[0]  # its consumers (bias, activation) fuse into its row loop, as a GEMM's
+            self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
+            return dw
+        if not _gemm_fits(cs, self.nr):
+            return call
         if self.trim:
             cs, wt = trim_taps(cs, wt)
         x = call.args[0]
@@ -377,18 +391,19 @@ class _ConvGemm(PyExprMutator):
 
 
 def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
-                   trim: bool = True, strided_loads: bool = True) -> tvm.transform.Pass:
+                   trim: bool = True, strided_loads: bool = True, depthwise: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
     padded input in the GEMM instead of columns; trim: taps that only ever read padding dropped;
-    strided_loads: strided 1-D convs' columns by contiguous loads and a shuffle, conv/strided.py)."""
+    strided_loads: strided 1-D convs' columns by contiguous loads and a shuffle, conv/strided.py;
+    depthwise: depthwise convs on the direct kernel of conv/depthwise.py, not TVM's conv)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from blockforge.compile.passes.exprs import rewrite_functions
 
         # (unused: the crops the chain slid past)
-        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads), unused=True)
+        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise), unused=True)
 
     return _pass

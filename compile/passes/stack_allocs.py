@@ -26,7 +26,8 @@ PIPELINE = "blockforge-stack"
 _ANNOTATION = "disable_lower_builtin"  # read by tirx.transform.LowerTVMBuiltin
 
 
-def _constant_bytes(buffer) -> int | None:
+def constant_elements(buffer) -> int | None:
+    """The buffer's element count where its shape is constant (None: symbolic)."""
     from tvm import tirx
 
     n = 1
@@ -34,8 +35,13 @@ def _constant_bytes(buffer) -> int | None:
         if not isinstance(e, tirx.IntImm):
             return None
         n *= int(e.value)
+    return n
+
+
+def _constant_bytes(buffer) -> int | None:
+    n = constant_elements(buffer)
     dtype = buffer.dtype
-    return n * ((dtype.bits * dtype.lanes + 7) // 8)
+    return None if n is None else n * ((dtype.bits * dtype.lanes + 7) // 8)
 
 
 def on_cpu(func) -> bool:
@@ -79,10 +85,12 @@ def tir_pipeline(window: bool = True, partitioned: bool = True) -> str:
     name = PIPELINE + ("" if window else "-no-window") + ("" if partitioned or not window else "-one-loop")
     if name not in _registered:
         def factory():
+            from blockforge.compile.passes.strided_loads import strided_loads_pass
             from blockforge.compile.passes.window_allocs import window_allocs_pass
 
             lower, host, device = tirx.get_tir_pipeline("default")
-            passes = [lower] + ([window_allocs_pass(partitioned)] if window else []) + [stack_allocs_pass()]
+            passes = ([lower, strided_loads_pass()] + ([window_allocs_pass(partitioned)] if window else [])
+                      + [stack_allocs_pass()])
             return tvm.transform.Sequential(passes), host, device
         tirx.register_tir_pipeline(name, factory)
         _registered.add(name)

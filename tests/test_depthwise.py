@@ -1,0 +1,245 @@
+"""Depthwise convolutions on compile/conv/depthwise.py's kernel (the conv-gemm phase, ablation
+`conv-depthwise`): numbers against ONNX Runtime over strides, dilations, pads, crops, batches and
+1-D; what the rewrite declines; the schedule as expected TIR under a fixed target (as
+tests/test_schedule_ir.py); and the strided-load pass its stride-2 select relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+ort = pytest.importorskip("onnxruntime")
+import tvm_ffi  # noqa: E402
+from tvm import te, tirx  # noqa: E402
+from tvm.script import tirx as T  # noqa: E402
+
+from blockforge.compile.conv import depthwise  # noqa: E402
+from blockforge.compile.conv.rewrite import ConvShape  # noqa: E402
+from blockforge.compile.conv.schedule import CPUDepthwise  # noqa: E402
+from blockforge.compile.frontend.importer import import_onnx  # noqa: E402
+from blockforge.compile.onnx_backend import BlockforgeBackend  # noqa: E402
+from blockforge.compile.passes import strided_loads  # noqa: E402
+from blockforge.compile.pipeline import run_phases  # noqa: E402
+from blockforge.targets import resolve  # noqa: E402
+from test_conv import _conv_model  # noqa: E402
+
+AVX512 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "skylake-avx512", "num-cores": 2})
+
+# (x shape, w shape, Conv attributes, options): the vision families' shapes, small, and the edges.
+CASES = {
+    "3x3-s1 (MobileNetV2, SegFormer's Mix-FFN)": ((1, 8, 20, 20), (8, 1, 3, 3), dict(group=8, pads=[1] * 4),
+                                                  dict(act="Sigmoid")),
+    "3x3-s2-even (MobileViT's downsampling)": ((1, 6, 40, 40), (6, 1, 3, 3), dict(group=6, strides=[2, 2], pads=[1] * 4),
+                                               dict(act="Relu")),
+    "3x3-s2-odd-no-bias": ((1, 5, 17, 23), (5, 1, 3, 3), dict(group=5, strides=[2, 2], pads=[1] * 4), dict(bias=False)),
+    "7x7-p3 (ConvNeXt: 14 columns of a 16-lane row, cropped)": ((1, 4, 14, 14), (4, 1, 7, 7),
+                                                              dict(group=4, pads=[3] * 4), {}),
+    "7x7-p3-7x7 (ConvNeXt's last stage: one row tile of 7)": ((1, 3, 7, 7), (3, 1, 7, 7), dict(group=3, pads=[3] * 4),
+                                                            dict(act="Gelu")),
+    "5x5-dilated-2": ((1, 4, 19, 21), (4, 1, 5, 5), dict(group=4, dilations=[2, 2], pads=[4] * 4), {}),
+    "3x3-asymmetric-pads-batch2": ((2, 4, 9, 12), (4, 1, 3, 3), dict(group=4, pads=[0, 2, 1, 0]), {}),
+    "3x2-stride-(1,3)": ((1, 4, 10, 50), (4, 1, 3, 2), dict(group=4, strides=[1, 3], pads=[1, 0, 1, 1]), {}),
+    "3x3-stride-(2,1)-wide": ((1, 2, 11, 70), (2, 1, 3, 3), dict(group=2, strides=[2, 1], pads=[1] * 4), {}),
+    "no-padding-kernel-as-wide-as-input": ((1, 3, 6, 5), (3, 1, 3, 5), dict(group=3), {}),
+    "1d-k5-s1": ((1, 12, 30), (12, 1, 5), dict(group=12, pads=[2, 2]), {}),
+    "1d-k3-s2-batch2": ((2, 8, 81), (8, 1, 3), dict(group=8, strides=[2], pads=[1, 1]), dict(act="Relu")),
+}
+
+
+def _convs_left(model, without=frozenset()) -> tuple[int, bool]:
+    """conv ops left after the conv-gemm phase, and whether a depthwise kernel is in the module."""
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+    text = mod.script()
+    return text.count("R.nn.conv1d") + text.count("R.nn.conv2d"), f'"{depthwise.CONV_BLOCK}"' in text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_depthwise_matches_ort(name):
+    xs, ws, attrs, opts = CASES[name]
+    model, feeds, want = _conv_model(xs, ws, **opts, **attrs)
+    assert _convs_left(model) == (0, True), "the depthwise kernel's coverage"
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((1, 4, 12, 40), (4, 1, 3, 3), dict(group=4, strides=[1, 5])),  # a column stride past depthwise.MAX_STRIDE
+    ((1, 4, 10, 10), (8, 1, 3, 3), dict(group=4, pads=[1] * 4)),  # two output channels per input channel
+    ((1, 2, 3, 10, 10), (2, 1, 3, 3, 3), dict(group=2)),  # 3-D
+], ids=["column-stride-5", "channel-multiplier-2", "3d"])
+def test_convs_depthwise_declines_stay_tvms_and_right(xs, ws, attrs):
+    model, feeds, want = _conv_model(xs, ws, **attrs)
+    left, dw = _convs_left(model)
+    assert not dw and left == (1 if len(xs) < 5 else 0)  # (TVM's importer has no conv3d op name here)
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_ablation_keeps_tvms_conv():
+    model, _, _ = _conv_model((1, 6, 8, 8), (6, 1, 3, 3), group=6, pads=[1] * 4)
+    assert _convs_left(model, without={"conv-depthwise"}) == (1, False)
+
+
+def test_columns_cover_every_kept_output_in_whole_vectors():
+    for ow, sw, lanes in [(56, 1, 16), (64, 1, 16), (14, 1, 16), (32, 2, 16), (20, 3, 16), (7, 4, 8), (5, 3, 4)]:
+        cs = ConvShape([1, 2, 9, 300], [2, 1, 1, 1], [1, sw], [0, 0, 0, 0], [1, 1], 2)
+        cs.out[1] = ow
+        q = depthwise.columns(cs, lanes)
+        assert q % lanes == 0 and q % sw == 0 and q >= ow * sw and q - lanes * sw < ow * sw, (ow, sw, lanes, q)
+
+
+# The schedule for the x86-64-avx512 preset's mcpu (16 lanes): 2 channels of 7 x 7, 3x3, stride 2,
+# + bias. Per channel (the parallel loop): the 9 x 18 plane, its loops marked for LoopPartition;
+# a tile of 4 rows x 1 vector (16 stride-1 columns as (j, phase)) in registers over the 9 taps
+# (unrolled: 3x3 is under DW_UNROLL_TAPS); the tile's write-back; the select + bias per row tile.
+def _before():
+    cs = ConvShape([1, 2, 7, 7], [2, 1, 3, 3], [2, 2], [1, 1, 1, 1], [1, 1], 2)
+    x = te.placeholder((1, 2, 7, 7), name="x")
+    w = te.placeholder((2, 3, 3), name="w")
+    b = te.placeholder((1, 2, 1, 1), name="b")
+    y = depthwise.depthwise(x, w, cs, 16)
+    z = te.compute(y.shape, lambda n, c, i, j: y[n, c, i, j] + b[0, c, 0, 0], name="T_add")
+    return te.create_prim_func([x, w, b, z]).with_attr("global_symbol", "main")
+
+
+# fmt: off
+@T.prim_func(s_tir=True)
+def _expected(x: T.Buffer((1, 2, 7, 7), "float32"), w: T.Buffer((2, 3, 3), "float32"), b: T.Buffer((1, 2, 1, 1), "float32"), T_add: T.Buffer((1, 2, 4, 4), "float32")):
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    dw_pad = T.sblock_alloc_buffer((1, 2, 9, 18))
+    dw_conv = T.sblock_alloc_buffer((1, 2, 4, 8, 2))
+    dw_conv_local = T.sblock_alloc_buffer((1, 2, 4, 8, 2), scope="local")
+    for n_c_fused in T.parallel(2):
+        for ax0 in T.serial(9, annotations={"pragma_loop_partition_hint": 1}):
+            for ax1 in T.serial(18, annotations={"pragma_loop_partition_hint": 1}):
+                with T.sblock("dw_pad"):
+                    v_n = T.axis.spatial(1, 0)
+                    v_c, v_r, v_m = T.axis.remap("SSS", [n_c_fused, ax0, ax1])
+                    T.reads(x[v_n, v_c, v_r - 1, v_m - 1])
+                    T.writes(dw_pad[v_n, v_c, v_r, v_m])
+                    dw_pad[v_n, v_c, v_r, v_m] = T.if_then_else(T.likely(1 <= v_r and v_r < 8 and 1 <= v_m and v_m < 8), x[v_n, v_c, v_r - 1, v_m - 1], T.float32(0.0))
+        for i_0 in range(1):
+            for j_p_fused_0 in range(1):
+                for i_1_init in T.unroll(4):
+                    for j_p_fused_1_init in T.unroll(1):
+                        for j_p_fused_2_init in T.vectorized(16):
+                            with T.sblock("dw_conv_init"):
+                                v_n = T.axis.spatial(1, 0)
+                                v_c = T.axis.spatial(2, n_c_fused)
+                                v_i = T.axis.spatial(4, i_0 * 4 + i_1_init)
+                                v_j = T.axis.spatial(8, (j_p_fused_0 * 16 + j_p_fused_1_init * 16 + j_p_fused_2_init) // 2)
+                                v_p = T.axis.spatial(2, (j_p_fused_0 * 16 + j_p_fused_1_init * 16 + j_p_fused_2_init) % 2)
+                                T.reads()
+                                T.writes(dw_conv_local[v_n, v_c, v_i, v_j, v_p])
+                                dw_conv_local[v_n, v_c, v_i, v_j, v_p] = T.float32(0.0)
+                for kh in T.unroll(3):
+                    for kw in T.unroll(3):
+                        for i_1 in T.unroll(4):
+                            for j_p_fused_1 in T.unroll(1):
+                                for j_p_fused_2 in T.vectorized(16):
+                                    with T.sblock("dw_conv_update"):
+                                        v_n = T.axis.spatial(1, 0)
+                                        v_c = T.axis.spatial(2, n_c_fused)
+                                        v_i = T.axis.spatial(4, i_0 * 4 + i_1)
+                                        v_j = T.axis.spatial(8, (j_p_fused_0 * 16 + j_p_fused_1 * 16 + j_p_fused_2) // 2)
+                                        v_p = T.axis.spatial(2, (j_p_fused_0 * 16 + j_p_fused_1 * 16 + j_p_fused_2) % 2)
+                                        v_kh, v_kw = T.axis.remap("RR", [kh, kw])
+                                        T.reads(dw_conv_local[v_n, v_c, v_i, v_j, v_p], dw_pad[v_n, v_c, v_i * 2 + v_kh, v_j * 2 + v_p + v_kw], w[v_c, v_kh, v_kw])
+                                        T.writes(dw_conv_local[v_n, v_c, v_i, v_j, v_p])
+                                        dw_conv_local[v_n, v_c, v_i, v_j, v_p] = dw_conv_local[v_n, v_c, v_i, v_j, v_p] + dw_pad[v_n, v_c, v_i * 2 + v_kh, v_j * 2 + v_p + v_kw] * w[v_c, v_kh, v_kw]
+                for ax0, ax1, ax2, ax3_ax4_fused_0 in T.grid(1, 1, 4, 1):
+                    for ax3_ax4_fused_1 in T.vectorized(16):
+                        with T.sblock("dw_conv_local"):
+                            v0 = T.axis.spatial(1, ax0)
+                            v1 = T.axis.spatial(2, n_c_fused + ax1)
+                            v2 = T.axis.spatial(4, ax2)
+                            v3 = T.axis.spatial(8, (ax3_ax4_fused_0 * 16 + ax3_ax4_fused_1) // 2)
+                            v4 = T.axis.spatial(2, (ax3_ax4_fused_0 * 16 + ax3_ax4_fused_1) % 2)
+                            T.reads(dw_conv_local[v0, v1, v2, v3, v4])
+                            T.writes(dw_conv[v0, v1, v2, v3, v4])
+                            dw_conv[v0, v1, v2, v3, v4] = dw_conv_local[v0, v1, v2, v3, v4]
+            for ax0, ax1 in T.grid(4, 4):
+                with T.sblock("T_add"):
+                    v_n = T.axis.spatial(1, 0)
+                    v_c, v_i, v_j = T.axis.remap("SSS", [n_c_fused, ax0, ax1])
+                    T.reads(dw_conv[v_n, v_c, v_i, v_j, 0], b[0, v_c, 0, 0])
+                    T.writes(T_add[v_n, v_c, v_i, v_j])
+                    T_add[v_n, v_c, v_i, v_j] = dw_conv[v_n, v_c, v_i, v_j, 0] + b[0, v_c, 0, 0]
+# fmt: on
+
+
+def test_depthwise_schedule_ir():
+    with AVX512:
+        sch = CPUDepthwise().apply(_before(), AVX512, False)
+    assert sch is not None
+    tvm.ir.assert_structural_equal(sch.mod["main"], _expected)
+
+
+def _loop_kinds(func):
+    out = []
+    tvm_ffi.structural_walk(func.body, [(tirx.For, lambda f: out.append((f.kind, int(f.extent))))], order="pre")
+    return out
+
+
+def test_big_kernels_keep_the_row_loop_of_taps():
+    """7x7 at 14 x 14: a 7-row tile (one vector a row); kh stays a loop (unrolled, LLVM kept the 49
+    weight broadcasts and the shared loads live and spilled: 2.4x the time), kw is unrolled."""
+    cs = ConvShape([1, 2, 14, 14], [2, 1, 7, 7], [1, 1], [3, 3, 3, 3], [1, 1], 2)
+    x, w = te.placeholder((1, 2, 14, 14), name="x"), te.placeholder((2, 7, 7), name="w")
+    func = te.create_prim_func([x, w, depthwise.depthwise(x, w, cs, 16)]).with_attr("global_symbol", "main")
+    with AVX512:
+        kinds = _loop_kinds(CPUDepthwise().apply(func, AVX512, False).mod["main"])
+    assert (tirx.ForKind.SERIAL, 7) in kinds and (tirx.ForKind.UNROLLED, 7) in kinds  # kh a loop; kw and rows unrolled
+    assert kinds.count((tirx.ForKind.UNROLLED, 7)) >= 2 and (tirx.ForKind.PARALLEL, 2) in kinds
+
+
+def test_rule_leaves_other_kernels_alone():
+    x = te.placeholder((4, 32), name="x")
+    func = te.create_prim_func([x, te.compute((4, 32), lambda i, j: x[i, j] * 2, name="y")])
+    with AVX512:
+        assert CPUDepthwise().apply(func.with_attr("global_symbol", "main"), AVX512, False) is None
+
+
+# strided_loads: flattened TIR as TVM's lowering leaves it.
+def _flat(n_alloc: int, stride: int, lanes: int = 16, vectors: int = 2, local: bool = True):
+    """out[v*lanes : (v+1)*lanes] = acc[Ramp(v * lanes * stride, stride, lanes)] for v < vectors,
+    acc an allocated buffer of n_alloc floats (or a parameter: local=False)."""
+    acc = tirx.decl_buffer((n_alloc,), "float32", "acc")
+    out = tirx.decl_buffer((vectors * lanes,), "float32", "out")
+    v = tirx.Var("v", "int32")
+    load = tirx.BufferLoad(acc, [tirx.Ramp(v * (lanes * stride), stride, lanes)])
+    body = tirx.For(v, 0, vectors, tirx.ForKind.SERIAL,
+                    tirx.BufferStore(out, load, [tirx.Ramp(v * lanes, 1, lanes)]))
+    if local:
+        body = tirx.SeqStmt([tirx.AllocBuffer(acc), body])
+        params = [out]
+    else:
+        params = [acc, out]
+    return tirx.PrimFunc(params, body)
+
+
+def _shuffles(func):
+    out = []
+    tvm_ffi.structural_walk(func.body, [(tirx.Shuffle, out.append)], order="pre")
+    return out
+
+
+@pytest.mark.parametrize("stride", [2, 3, 4])
+def test_strided_load_of_a_local_buffer_becomes_one_load_and_a_shuffle(stride):
+    lanes, vectors = 16, 2
+    func = strided_loads.rewrite(_flat(vectors * lanes * stride, stride))
+    [shuf] = _shuffles(func)
+    assert [int(i) for i in shuf.indices] == [k * stride for k in range(lanes)]
+    [wide] = shuf.vectors
+    assert int(wide.indices[0].stride) == 1 and int(wide.indices[0].lanes) == lanes * stride
+
+
+@pytest.mark.parametrize("case", ["last-vector-would-read-past-the-end", "stride-5", "a-parameter"])
+def test_strided_loads_that_could_fault_or_waste_are_left_alone(case):
+    lanes, vectors = 16, 2
+    func = {"last-vector-would-read-past-the-end": lambda: _flat(vectors * lanes * 2 - 1, 2),
+            "stride-5": lambda: _flat(vectors * lanes * 5, 5),
+            "a-parameter": lambda: _flat(vectors * lanes * 2, 2, local=False)}[case]()
+    assert not _shuffles(strided_loads.rewrite(func))
