@@ -48,6 +48,10 @@ ABLATIONS = {
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",
+    "conv-pointwise": "1x1 conv2d as a 1-D conv over the H*W positions (the GEMM reads NCHW in place) and the "
+                      "elementwise consumers of each 2-D conv's GEMM (bias, BN, activation) moved before its 4-D "
+                      "reshape into the GEMM's epilogue (left out: 1x1 convs as patch convs, transposed to tokens and "
+                      "back; the epilogue a kernel of its own)",
     "conv-trim-taps": "kernel taps that read only padding for every output dropped before the conv's GEMM",
     "panel-prefetch": "the CPU matmul's micro-tile prefetching the next weight panel, a line per k step, in GEMMs "
                       "of 19-64 static rows (BLOCKFORGE_PANEL_PREFETCH: all of them, or off) "
@@ -197,7 +201,8 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
                                implicit_gemm="conv-implicit" not in without, lanes=vector_lanes(tgt),
                                trim="conv-trim-taps" not in without,
                                strided_loads="conv-strided-loads" not in without,
-                               depthwise="conv-depthwise" not in without)]
+                               depthwise="conv-depthwise" not in without,
+                               pointwise="conv-pointwise" not in without)]
     return passes
 
 

@@ -243,3 +243,56 @@ def test_strided_loads_that_could_fault_or_waste_are_left_alone(case):
             "stride-5": lambda: _flat(vectors * lanes * 5, 5),
             "a-parameter": lambda: _flat(vectors * lanes * 2, 2, local=False)}[case]()
     assert not _shuffles(strided_loads.rewrite(func))
+
+
+# Pointwise (1x1) convs and the epilogues of 2-D convs (ablation `conv-pointwise`).
+def _mbv2_model(h: int = 12, w: int = 10):
+    """A MobileNetV2 block as exports write it: 1x1 expand + BN (Mul, Add per channel) + SiLU,
+    3x3 depthwise + SiLU, 1x1 project, 3x3 full conv + ReLU (TVM imports Clip as a TIR kernel,
+    which no rewrite moves); h * w positions no panel divides or whole panels."""
+    import onnx
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    c, e = 8, 32
+    inits = [nh.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n) for n, s in [
+        ("w1", (e, c, 1, 1)), ("b1", (e,)), ("bn_s", (1, e, 1, 1)), ("bn_b", (1, e, 1, 1)), ("w2", (e, 1, 3, 3)),
+        ("b2", (e,)), ("w3", (c, e, 1, 1)), ("w4", (c, c, 3, 3)), ("b4", (c,))]]
+    nodes = [oh.make_node("Conv", ["x", "w1", "b1"], ["c1"]),
+             oh.make_node("Mul", ["c1", "bn_s"], ["m1"]), oh.make_node("Add", ["m1", "bn_b"], ["a1"]),
+             oh.make_node("Sigmoid", ["a1"], ["s1"]), oh.make_node("Mul", ["a1", "s1"], ["y1"]),
+             oh.make_node("Conv", ["y1", "w2", "b2"], ["c2"], group=e, pads=[1] * 4),
+             oh.make_node("Sigmoid", ["c2"], ["s2"]), oh.make_node("Mul", ["c2", "s2"], ["y2"]),
+             oh.make_node("Conv", ["y2", "w3"], ["c3"]),
+             oh.make_node("Conv", ["c3", "w4", "b4"], ["c4"], pads=[1] * 4),
+             oh.make_node("Relu", ["c4"], ["y"])]
+    g = oh.make_graph(nodes, "mbv2", [oh.make_tensor_value_info("x", 1, [1, c, h, w])],
+                      [oh.make_tensor_value_info("y", 1, [1, c, h, w])], inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    feeds = {"x": rng.standard_normal((1, c, h, w)).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return model, feeds, want
+
+
+@pytest.mark.parametrize("hw", [(12, 10), (16, 8)], ids=["120-positions (cropped panels)", "128-positions (whole)"])
+def test_pointwise_block_matches_ort_and_fuses_each_epilogue(hw):
+    model, feeds, want = _mbv2_model(*hw)
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    text = run_phases(import_onnx(model), resolve("host"), stop_after="optimize")[0].script()
+    assert "R.permute_dims" not in text and "R.matmul" not in text  # no patch conv: no tokens, no transposes back
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="legalize")  # (fused by then)
+    names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    # the expand's bias, BN and SiLU, and the 3x3's bias and ReLU, in their GEMM's kernel
+    assert any(n.startswith("fused_conv_gemm") and "sigmoid" in n for n in names), names
+    assert any(n.startswith("fused_conv_gemm") and "relu" in n for n in names), names
+    assert not any("sigmoid" in n or "relu" in n for n in names if "conv_" not in n), names
+
+
+def test_pointwise_ablation_keeps_the_patch_conv():
+    model, feeds, want = _mbv2_model()
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="optimize", without={"conv-pointwise"})
+    assert "R.permute_dims" in mod.script() or "R.matmul" in mod.script()
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

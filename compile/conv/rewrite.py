@@ -246,6 +246,14 @@ def _geometry(call) -> tuple[ConvShape, np.ndarray] | None:
     return (cs, wt) if cs.valid() else None
 
 
+def _pointwise(call) -> bool:
+    """A 1x1 conv2d, stride 1, no padding (dilation is then moot)."""
+    a = call.attrs
+    ks = call.args[1].ty.shape
+    return len(ks) == 4 and int(ks[2]) == 1 and int(ks[3]) == 1 and all(int(v) == 1 for v in a.strides) \
+        and not any(int(v) for v in a.padding)
+
+
 def _gemm_fits(cs: ConvShape, nr: int) -> bool:
     return cs.og >= MIN_GROUP_ROWS and cs.cols_bytes(nr) <= MAX_COLS_BYTES
 
@@ -276,9 +284,11 @@ def _broadcasts_along_last(e) -> bool:
 @mutator
 class _ConvGemm(PyExprMutator):
     def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool,
-                 depthwise: bool):
+                 depthwise: bool, pointwise: bool):
         super().__init__(mod)
-        self.depthwise = depthwise
+        self.depthwise, self.pointwise = depthwise, pointwise
+        self.pending_flat = []  # (the 4-D reshape call returned, its 3-D (N, O, L) var)
+        self.flat = {}  # var bound to a 2-D conv's (N, O, OH, OW) view -> its (N, O, L) var
         self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
         self.strided_loads = strided_loads
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
@@ -286,7 +296,8 @@ class _ConvGemm(PyExprMutator):
 
     def visit_var_binding_(self, binding):
         value = self.visit_expr(binding.value)
-        sunk = self._sink(value)
+        sunk = self._sink_flat(value) if self.pointwise else None
+        sunk = sunk if sunk is not None else self._sink(value)
         if sunk is not None:
             value = sunk
         if isinstance(binding.var, relax.DataflowVar):
@@ -297,6 +308,58 @@ class _ConvGemm(PyExprMutator):
         for call, full, length in self.pending:
             if value.same_as(call):
                 self.padded[var] = (full, length)
+        for call, flat in self.pending_flat:
+            if value.same_as(call):
+                self.flat[var] = flat
+
+    def _emit(self, value):
+        """value bound to a new var, a crop (self.pending) recorded as visit_var_binding_ does."""
+        var = self.builder_.emit(value)
+        for call, full, length in self.pending:
+            if value.same_as(call):
+                self.padded[var] = (full, length)
+        return var
+
+    def _view(self, flat, shape):
+        """reshape(flat, shape): a 2-D conv's (N, O, L) result as (N, O, OH, OW), recorded so its
+        elementwise consumers sink below the reshape (_sink_flat)."""
+        call = relax.op.reshape(flat, shape)
+        self.pending_flat.append((call, flat))
+        return call
+
+    def _sink_flat(self, value):
+        """f(view(y), c) -> view(f(y, c')) for an elementwise f and operands c constant over the
+        spatial positions (a per-channel bias (1, O, 1, 1) becomes (1, O, 1)): FuseOps then puts f
+        into the GEMM's epilogue, where the reshape between them stopped it (MobileViT's BN + SiLU
+        after every conv ran as a kernel of its own). Relax ops only: TVM imports Clip (ReLU6) as
+        a TIR kernel already, which stays after the reshape. None when it does not apply."""
+        op = getattr(getattr(value, "op", None), "name", None)
+        if op not in _UNARY and op not in _BINARY:
+            return None
+        b = self.builder_
+        args, shape = [], None
+        for a in value.args:
+            if isinstance(a, relax.Var) and a in self.flat:
+                view = [int(d) for d in a.ty.shape]
+                if shape is not None and view != shape:
+                    return None
+                shape = view
+                args.append(self.flat[a])
+            elif not isinstance(a, relax.Var) and getattr(a, "ty", None) is None:
+                args.append(a)  # (no tensor: clip's bounds)
+            else:
+                st = _static(getattr(getattr(a, "ty", None), "shape", None) or [])
+                if st is None or len(st) > 4 or any(d != 1 for d in st[-2:]):
+                    return None
+                args.append(a if len(st) <= 1 else b.emit(relax.op.reshape(a, st[:-1])))
+        if shape is None:
+            return None
+        flat = relax.Call(value.op, args, value.attrs, value.ty_args)
+        sunk = self._sink(flat)  # a 1-D GEMM's panels: the crop slides past f too
+        fv = self._emit(sunk if sunk is not None else flat)
+        if len(getattr(fv.ty, "shape", [])) != 3:
+            return None  # (a broadcast that changed the rank)
+        return self._view(fv, shape)
 
     def _crop(self, full, length: int, fusable: bool):
         """The first `length` positions of `full`. fusable: a slice FuseOps puts into the GEMM
@@ -343,12 +406,22 @@ class _ConvGemm(PyExprMutator):
         call = super().visit_call_(call)
         if getattr(call.op, "name", None) not in _LAYOUTS:
             return call
-        if call.op.name == "relax.nn.conv2d" and is_patch_conv(call):
+        if call.op.name == "relax.nn.conv2d" and is_patch_conv(call) and not (self.pointwise and _pointwise(call)):
             return call  # fast_math's patch-conv rewrite (optimize, after this phase) or TVM's conv
         found = _geometry(call)
         if found is None:
             return call
         cs, wt = found
+        if self.pointwise and len(cs.size) == 2 and _pointwise(call) and _gemm_fits(cs, self.nr):
+            # a 1x1 conv is a 1-D one over the H*W positions (x viewed (N, C, H*W)): the GEMM
+            # reads x in place (the implicit path) and writes NCHW, where the patch-conv rewrite
+            # transposed x to tokens and the product back (2 copies of each tensor)
+            b = self.builder_
+            n, c, h, w = _static(call.args[0].ty.shape)
+            x3 = b.emit(relax.op.reshape(call.args[0], (n, c, h * w)))
+            cs3 = ConvShape([n, c, h * w], [cs.o, cs.cg, 1], [1], [0, 0], [1], cs.groups)
+            y3 = self._emit(self._conv_gemm(x3, cs3, wt.reshape(cs.o, cs.cg, 1)))
+            return self._view(y3, (n, cs.o, h, w))
         if self.depthwise and depthwise.applies(cs):
             wk = relax.const(np.ascontiguousarray(wt.reshape(cs.c, *cs.kernel)))
             dw = self.builder_.call_te(lambda t, k: depthwise.depthwise(t, k, cs, self.lanes), call.args[0], wk,
@@ -358,9 +431,14 @@ class _ConvGemm(PyExprMutator):
             return dw
         if not _gemm_fits(cs, self.nr):
             return call
+        return self._conv_gemm(call.args[0], cs, wt) if len(cs.out) == 1 else \
+            self._view(self.builder_.emit(self._conv_gemm(call.args[0], cs, wt)), (cs.n, cs.o, *cs.out))
+
+    def _conv_gemm(self, x, cs: ConvShape, wt):
+        """The conv as im2col (or the padded input) + packed GEMM: 1-D, its (N, O, L) value (in
+        whole panels and cropped where those apply); 2-D, the (N, O, OH*OW) GEMM."""
         if self.trim:
             cs, wt = trim_taps(cs, wt)
-        x = call.args[0]
         wmat = relax.const(np.ascontiguousarray(wt.reshape(cs.groups, cs.og, cs.kg)))
         b = self.builder_
         # The input cropped from a previous conv's whole panels: the gather reads those panels
@@ -369,7 +447,11 @@ class _ConvGemm(PyExprMutator):
         one_d = len(cs.out) == 1
         panels = one_d and self.panels  # (2-D: the reshape to (OH, OW) needs the crop first)
         if panels and self.implicit and implicit(cs):
-            xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
+            if cs.kernel == [1] and cs.pad_begin == [0] and cs.length % self.nr == 0:
+                # no padding, whole panels: x itself is the padded input (a 1x1 conv's, in place)
+                xp = b.emit(relax.op.reshape(x, (cs.n, cs.c, 1, cs.size[0])))
+            else:
+                xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
         else:
             if panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr):
@@ -383,27 +465,28 @@ class _ConvGemm(PyExprMutator):
         # group index o // Og hides that from AnnotateTIROpPattern: it said reduction, 3).
         gv = gemm.args[0]
         b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
-        if one_d:
-            if not panels or cs.length % self.nr == 0:
-                return gemm  # not emitted: the caller binds it (an alias binding would stop FuseOps)
-            return self._crop(b.emit(gemm), cs.length, fusable=True)
-        return relax.op.reshape(b.emit(gemm), (cs.n, cs.o, *cs.out))
+        if not panels or cs.length % self.nr == 0:
+            return gemm  # not emitted: the caller binds it (an alias binding would stop FuseOps)
+        return self._crop(b.emit(gemm), cs.length, fusable=True)
 
 
 def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
-                   trim: bool = True, strided_loads: bool = True, depthwise: bool = True) -> tvm.transform.Pass:
+                   trim: bool = True, strided_loads: bool = True, depthwise: bool = True,
+                   pointwise: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
     padded input in the GEMM instead of columns; trim: taps that only ever read padding dropped;
     strided_loads: strided 1-D convs' columns by contiguous loads and a shuffle, conv/strided.py;
-    depthwise: depthwise convs on the direct kernel of conv/depthwise.py, not TVM's conv)."""
+    depthwise: depthwise convs on the direct kernel of conv/depthwise.py, not TVM's conv;
+    pointwise: 1x1 conv2d as a 1-D conv over H*W (not fast_math's patch conv), and the elementwise
+    consumers of every 2-D conv's GEMM moved before its (N, O, OH, OW) reshape, into its epilogue)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from blockforge.compile.passes.exprs import rewrite_functions
 
         # (unused: the crops the chain slid past)
-        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise), unused=True)
+        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise, pointwise), unused=True)
 
     return _pass
