@@ -48,6 +48,9 @@ ABLATIONS = {
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",
+    "conv-channels-last": "a depthwise conv between token layouts (tokens -> image -> conv -> tokens: SegFormer's "
+                          "Mix-FFN) on a channels-last kernel reading and writing the tokens (compile/conv/depthwise.py; "
+                          "left out: the NCHW depthwise kernel and a transpose each side)",
     "conv-pointwise": "1x1 conv2d as a 1-D conv over the H*W positions (the GEMM reads NCHW in place) and the "
                       "elementwise consumers of each 2-D conv's GEMM (bias, BN, activation) moved before its 4-D "
                       "reshape into the GEMM's epilogue (left out: 1x1 convs as patch convs, transposed to tokens and "
@@ -202,7 +205,8 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
                                trim="conv-trim-taps" not in without,
                                strided_loads="conv-strided-loads" not in without,
                                depthwise="conv-depthwise" not in without,
-                               pointwise="conv-pointwise" not in without)]
+                               pointwise="conv-pointwise" not in without,
+                               channels_last="conv-channels-last" not in without)]
     return passes
 
 
@@ -351,7 +355,7 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
     from blockforge.compile.schedule.ragged import CPUMatmulRaggedN
     from blockforge.compile.schedule.rules import default_cpu_rules
 
-    from blockforge.compile.conv.schedule import CPUDepthwise, CPUIm2col
+    from blockforge.compile.conv.schedule import CPUDepthwise, CPUDepthwiseTokens, CPUIm2col
 
     from blockforge.compile.schedule.matmul import CPUMatmul
 
@@ -362,7 +366,7 @@ def default_rules(target: ResolvedTarget, without: frozenset[str] = frozenset(),
         rules = [CPUMatmul(prefetch=mode == "all", rows=None) if isinstance(r, CPUMatmul) else r for r in rules]
     # CPUIm2col before CPUElementwise: an im2col kernel is elementwise too, and wants its own;
     # CPUDepthwise first: its conv is a reduction CPURowReduction would take
-    return (([] if "conv-depthwise" in without else [CPUDepthwise()]) + rules
+    return (([] if "conv-depthwise" in without else [CPUDepthwise(), CPUDepthwiseTokens()]) + rules
             + ([] if "conv-gemm" in without else [CPUIm2col()])
             + ([CPUElementwise(tile_transposes="transpose-tiles" not in without)]
                if int8 or "elementwise" not in without else []))

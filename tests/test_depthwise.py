@@ -296,3 +296,68 @@ def test_pointwise_ablation_keeps_the_patch_conv():
     assert "R.permute_dims" in mod.script() or "R.matmul" in mod.script()
     got = BlockforgeBackend.prepare(model).run(feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# Channels-last: the depthwise conv between token layouts (SegFormer's Mix-FFN).
+def _mixffn_model(h=6, w=10, c=32, stride=1, extra_nchw_use=False):
+    """tokens (1, h*w, 16) -> MatMul (c) -> Transpose -> Reshape (1, c, h, w) -> depthwise 3x3 Conv
+    (+bias) -> Reshape (1, c, L) -> Transpose -> Gelu -> MatMul (16); extra_nchw_use: the conv's
+    NCHW output also feeds a ReduceMean over the image (so that view must stay)."""
+    import onnx
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    oh_, ow_ = (h - 1) // stride + 1, (w - 1) // stride + 1
+    inits = [nh.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n) for n, s in [
+        ("w1", (16, c)), ("wd", (c, 1, 3, 3)), ("bd", (c,)), ("w2", (c, 16))]]
+    inits += [nh.from_array(np.array(v, np.int64), n) for n, v in [("img", [1, c, h, w]), ("flat", [1, c, oh_ * ow_]),
+                                                                     ("axes", [2, 3])]]
+    nodes = [oh.make_node("MatMul", ["x", "w1"], ["h1"]), oh.make_node("Transpose", ["h1"], ["t1"], perm=[0, 2, 1]),
+             oh.make_node("Reshape", ["t1", "img"], ["im"]),
+             oh.make_node("Conv", ["im", "wd", "bd"], ["cv"], group=c, pads=[1] * 4, strides=[stride] * 2),
+             oh.make_node("Reshape", ["cv", "flat"], ["f1"]), oh.make_node("Transpose", ["f1"], ["t2"], perm=[0, 2, 1]),
+             oh.make_node("Gelu", ["t2"], ["g"]), oh.make_node("MatMul", ["g", "w2"], ["y"])]
+    outs = [oh.make_tensor_value_info("y", 1, [1, oh_ * ow_, 16])]
+    if extra_nchw_use:
+        nodes.append(oh.make_node("ReduceMean", ["cv", "axes"], ["m"], keepdims=0))
+        outs.append(oh.make_tensor_value_info("m", 1, [1, c]))
+    g = oh.make_graph(nodes, "mixffn", [oh.make_tensor_value_info("x", 1, [1, h * w, 16])], outs, inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    feeds = {"x": rng.standard_normal((1, h * w, 16)).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    return model, feeds, want
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(h=9, w=7, stride=2), dict(c=48, extra_nchw_use=True)],
+                         ids=["segformer", "stride-2-odd", "nchw-view-also-used"])
+def test_tokens_depthwise_matches_ort_without_the_transposes(opts):
+    model, feeds, want = _mixffn_model(**opts)
+    got = BlockforgeBackend.prepare(model).run(feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm")
+    text = mod["main"].script()
+    assert "conv_depthwise_tokens" in text and "R.nn.conv2d" not in text
+    # the transposes to and from the image are gone; the view the mean reads stays
+    assert text.count("R.permute_dims") == (1 if opts.get("extra_nchw_use") else 0), text
+
+
+def test_tokens_schedule_tiles_positions_by_channel_vectors():
+    cs = ConvShape([1, 64, 8, 12], [64, 1, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 64)
+    t, w = te.placeholder((1, 96, 64), name="t"), te.placeholder((3, 3, 64), name="w")
+    func = te.create_prim_func([t, w, depthwise.depthwise_tokens(t, w, cs)]).with_attr("global_symbol", "main")
+    from blockforge.compile.conv.schedule import CPUDepthwiseTokens
+
+    with AVX512:
+        out = CPUDepthwiseTokens().apply(func, AVX512, False).mod["main"]
+    kinds = _loop_kinds(out)
+    assert (tirx.ForKind.PARALLEL, 4) in kinds  # 8 rows in tiles of 2
+    assert kinds.count((tirx.ForKind.UNROLLED, 3)) >= 2 and (tirx.ForKind.UNROLLED, 4) in kinds  # taps, 4 positions
+    assert (tirx.ForKind.UNROLLED, 2) in kinds and (tirx.ForKind.VECTORIZED, 16) in kinds  # 2 channel vectors
+
+
+def test_channels_last_ablation_keeps_the_transposes():
+    model, feeds, want = _mixffn_model()
+    text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without={"conv-channels-last"})[0]["main"].script()
+    assert "conv_depthwise_tokens" not in text and text.count("R.permute_dims") == 2

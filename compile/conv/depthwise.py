@@ -97,3 +97,37 @@ def depthwise(x: te.Tensor, w: te.Tensor, cs: ConvShape, lanes: int) -> te.Tenso
     if one_d:
         return te.compute((cs.n, cs.c, ow), lambda n, c, j: acc[n, c, 0, j, 0], name=SELECT_BLOCK)
     return te.compute((cs.n, cs.c, oh, ow), lambda n, c, i, j: acc[n, c, i, j, 0], name=SELECT_BLOCK)
+
+
+# Channels-last: a depthwise conv between token layouts (SegFormer's Mix-FFN: Linear, tokens
+# (N, H*W, C) -> image (N, C, H, W), the 3x3 depthwise conv, -> tokens, GELU, Linear). The NCHW
+# kernel above needs both transposes (SegFormer-b0: 2 x 8 MiB a call at its first stage, ~10%
+# of the model); here the conv reads and writes the tokens, vectorised along C.
+TOKENS_PAD_BLOCK = "dwc_pad"
+TOKENS_CONV_BLOCK = "dwc_conv"
+WIDTH_ATTR = "dw_out_width"  # on the conv block: OW, the row length of its (OH*OW) positions
+
+
+def tokens_applies(cs: ConvShape, lanes: int) -> bool:
+    return (len(cs.size) == 2 and cs.valid() and cs.cg == 1 and cs.og == 1 and cs.groups > 1
+            and cs.c % lanes == 0)
+
+
+def depthwise_tokens(t: te.Tensor, w: te.Tensor, cs: ConvShape) -> te.Tensor:
+    """y[n, i*OW + j, c] = sum_(kh, kw) x[n, i*sh + kh*dh - ph, j*sw + kw*dw - pw, c] * w[kh, kw, c]
+    for t = x as tokens (N, H*W, C) and w (KH, KW, C); zero outside x (a padded copy of the rows
+    a tile reads: CPUDepthwise computes it per row tile)."""
+    (h, wd), (kh, kw), (sh, sw), (dh, dw), (ph, pw), (oh, ow) = _dims(cs)
+    hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1
+
+    def pad(n, r, m, c):
+        a, b = r - ph, m - pw
+        inside = tirx.all(a >= 0, a < h, b >= 0, b < wd)
+        return tirx.if_then_else(tirx.likely(inside), t[n, a * wd + b, c], tirx.const(0, t.dtype))
+
+    xp = te.compute((cs.n, hp, wp, cs.c), pad, name=TOKENS_PAD_BLOCK)
+    rh, rw = te.reduce_axis((0, kh), name="kh"), te.reduce_axis((0, kw), name="kw")
+    return te.compute((cs.n, oh * ow, cs.c),
+                      lambda n, p, c: te.sum(xp[n, p // ow * sh + rh * dh, p % ow * sw + rw * dw, c] * w[rh, rw, c],
+                                             axis=[rh, rw]),
+                      name=TOKENS_CONV_BLOCK, attrs={WIDTH_ATTR: ow})

@@ -271,6 +271,27 @@ _BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "rel
 SLICE_OP = "relax.strided_slice"
 
 
+def _split_view_args(value, views):
+    """value's args with each view var replaced by views[var], other tensors as (arg, static
+    shape), and the views' shape; None where two views differ or a tensor's shape is unknown."""
+    args, shape = [], None
+    for a in value.args:
+        if isinstance(a, relax.Var) and a in views:
+            view = [int(d) for d in a.ty.shape]
+            if shape is not None and view != shape:
+                return None
+            shape = view
+            args.append(views[a])
+        elif not isinstance(a, relax.Var) and getattr(a, "ty", None) is None:
+            args.append(a)  # (no tensor: clip's bounds)
+        else:
+            st = _static(getattr(getattr(a, "ty", None), "shape", None) or [])
+            if st is None or len(st) > 4:
+                return None
+            args.append((a, st))
+    return None if shape is None else (args, shape)
+
+
 def _broadcasts_along_last(e) -> bool:
     """The same value for every position of the cropped (last) axis: a tensor whose
     right-aligned last dim is 1 or a scalar; or no tensor at all (clip's bounds)."""
@@ -284,11 +305,13 @@ def _broadcasts_along_last(e) -> bool:
 @mutator
 class _ConvGemm(PyExprMutator):
     def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool,
-                 depthwise: bool, pointwise: bool):
+                 depthwise: bool, pointwise: bool, channels_last: bool):
         super().__init__(mod)
-        self.depthwise, self.pointwise = depthwise, pointwise
+        self.depthwise, self.pointwise, self.channels_last = depthwise, pointwise, depthwise and channels_last
         self.pending_flat = []  # (the 4-D reshape call returned, its 3-D (N, O, L) var)
         self.flat = {}  # var bound to a 2-D conv's (N, O, OH, OW) view -> its (N, O, L) var
+        self.pending_tokens = []  # (a view call returned, its tokens (N, L, C) var)
+        self.tokens = {}  # var bound to an (N, C, H, W) or (N, C, L) view of tokens -> the tokens var
         self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
         self.strided_loads = strided_loads
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
@@ -296,7 +319,12 @@ class _ConvGemm(PyExprMutator):
 
     def visit_var_binding_(self, binding):
         value = self.visit_expr(binding.value)
-        sunk = self._sink_flat(value) if self.pointwise else None
+        sunk = self._sink_tokens(value) if self.channels_last else None
+        if isinstance(sunk, relax.Var):  # a view of tokens viewed back as tokens: the tokens
+            self.set_var_remap(binding.var, sunk)
+            return
+        if sunk is None and self.pointwise:
+            sunk = self._sink_flat(value)
         sunk = sunk if sunk is not None else self._sink(value)
         if sunk is not None:
             value = sunk
@@ -311,6 +339,79 @@ class _ConvGemm(PyExprMutator):
         for call, flat in self.pending_flat:
             if value.same_as(call):
                 self.flat[var] = flat
+        for call, tok in self.pending_tokens:
+            if value.same_as(call):
+                self.tokens[var] = tok
+
+    def _tokens_view(self, tok, shape):
+        """The tokens (N, L, C) seen as (N, C, L) (shape of rank 3) or (N, C, H, W): what the
+        graph's ops expect, recorded so _sink_tokens takes it apart again."""
+        b = self.builder_
+        t = relax.op.permute_dims(tok, [0, 2, 1])
+        call = t if len(shape) == 3 else relax.op.reshape(b.emit(t), shape)
+        self.pending_tokens.append((call, tok))
+        return call
+
+    def _tokens_source(self, x, cs: ConvShape):
+        """t where the conv's input x is reshape(permute_dims(t, [0, 2, 1]), (N, C, H, W)) of tokens
+        t (N, H*W, C) (SegFormer's Mix-FFN); None otherwise."""
+        try:
+            r = self.lookup_binding(x)
+            p = self.lookup_binding(r.args[0]) if getattr(getattr(r, "op", None), "name", "") == "relax.reshape" else None
+        except Exception:  # (a parameter: no binding)
+            return None
+        if getattr(getattr(p, "op", None), "name", "") != "relax.permute_dims" or \
+                [int(a) for a in p.attrs.axes] != [0, 2, 1]:
+            return None
+        t = p.args[0]
+        st = _static(getattr(t.ty, "shape", None) or [])
+        return t if st == [cs.n, cs.size[0] * cs.size[1], cs.c] else None
+
+    def _sink_tokens(self, value):
+        """Ops on a view of tokens computed on the tokens: an elementwise op with per-channel
+        operands (the conv's bias, (1, C, 1, 1) -> (1, 1, C)) on them, the view it returns; the
+        reshape (N, C, H, W) -> (N, C, H*W) a view too; permute_dims back to (N, L, C) the tokens
+        var itself. So the transposes around the channels-last conv go unused. None: no such op."""
+        op = getattr(getattr(value, "op", None), "name", None)
+        if op is None or not any(isinstance(a, relax.Var) and a in self.tokens for a in value.args):
+            return None
+        b = self.builder_
+        if op == "relax.permute_dims":
+            v = value.args[0]
+            if len(v.ty.shape) == 3 and [int(a) for a in value.attrs.axes] == [0, 2, 1]:
+                return self.tokens[v]
+            return None
+        if op == "relax.reshape":
+            v = value.args[0]
+            n, c, *hw = (int(d) for d in v.ty.shape)
+            want = _static(value.ty.shape)
+            if len(hw) == 2 and want == [n, c, hw[0] * hw[1]]:
+                return self._tokens_view(self.tokens[v], want)
+            return None
+        if op not in _UNARY and op not in _BINARY:
+            return None
+        split = _split_view_args(value, self.tokens)
+        if split is None:
+            return None
+        args, shape = split
+        spatial, c = len(shape) - 2, shape[1]
+        out = []
+        for a in args:
+            if not isinstance(a, tuple):
+                out.append(a)
+                continue
+            a, st = a
+            if len(st) == 0 or st == [1]:
+                out.append(a)
+                continue
+            # right-aligned to (N, C, *spatial): every spatial dim 1, C's dim 1 or C, N's 1
+            tail = st[-spatial:] if len(st) >= spatial else st
+            ch = st[-spatial - 1] if len(st) > spatial else 1
+            if any(d != 1 for d in tail) or ch not in (1, c) or any(d != 1 for d in st[:-spatial - 1]):
+                return None
+            out.append(b.emit(relax.op.reshape(a, (1, 1, ch))))
+        tok = b.emit(relax.Call(value.op, out, value.attrs, value.ty_args))
+        return self._tokens_view(tok, shape)
 
     def _emit(self, value):
         """value bound to a new var, a crop (self.pending) recorded as visit_var_binding_ does."""
@@ -337,23 +438,17 @@ class _ConvGemm(PyExprMutator):
         if op not in _UNARY and op not in _BINARY:
             return None
         b = self.builder_
-        args, shape = [], None
-        for a in value.args:
-            if isinstance(a, relax.Var) and a in self.flat:
-                view = [int(d) for d in a.ty.shape]
-                if shape is not None and view != shape:
-                    return None
-                shape = view
-                args.append(self.flat[a])
-            elif not isinstance(a, relax.Var) and getattr(a, "ty", None) is None:
-                args.append(a)  # (no tensor: clip's bounds)
-            else:
-                st = _static(getattr(getattr(a, "ty", None), "shape", None) or [])
-                if st is None or len(st) > 4 or any(d != 1 for d in st[-2:]):
-                    return None
-                args.append(a if len(st) <= 1 else b.emit(relax.op.reshape(a, st[:-1])))
-        if shape is None:
+        split = _split_view_args(value, self.flat)
+        if split is None:
             return None
+        args, shape = [], split[1]
+        for a in split[0]:
+            if isinstance(a, tuple):  # per channel: the spatial dims' 1s become one
+                a, st = a
+                if any(d != 1 for d in st[-2:]):
+                    return None
+                a = a if len(st) <= 1 else b.emit(relax.op.reshape(a, st[:-1]))
+            args.append(a)
         flat = relax.Call(value.op, args, value.attrs, value.ty_args)
         sunk = self._sink(flat)  # a 1-D GEMM's panels: the crop slides past f too
         fv = self._emit(sunk if sunk is not None else flat)
@@ -422,6 +517,15 @@ class _ConvGemm(PyExprMutator):
             cs3 = ConvShape([n, c, h * w], [cs.o, cs.cg, 1], [1], [0, 0], [1], cs.groups)
             y3 = self._emit(self._conv_gemm(x3, cs3, wt.reshape(cs.o, cs.cg, 1)))
             return self._view(y3, (n, cs.o, h, w))
+        tokens = self._tokens_source(call.args[0], cs) \
+            if self.channels_last and depthwise.tokens_applies(cs, self.lanes) else None
+        if tokens is not None:  # channels-last: no transposes around it (depthwise.py)
+            b = self.builder_
+            wk = relax.const(np.ascontiguousarray(wt.reshape(cs.c, *cs.kernel).transpose(1, 2, 0)))  # (KH, KW, C)
+            dw = b.call_te(lambda t, k: depthwise.depthwise_tokens(t, k, cs), tokens, wk,
+                           primfunc_name_hint="conv_depthwise_tokens")
+            b.update_func(dw.args[0], b.get()[dw.args[0]].with_attr("op_pattern", OUT_EWISE_FUSABLE))
+            return self._tokens_view(b.emit(dw), (cs.n, cs.c, *cs.out))
         if self.depthwise and depthwise.applies(cs):
             wk = relax.const(np.ascontiguousarray(wt.reshape(cs.c, *cs.kernel)))
             dw = self.builder_.call_te(lambda t, k: depthwise.depthwise(t, k, cs, self.lanes), call.args[0], wk,
@@ -472,7 +576,7 @@ class _ConvGemm(PyExprMutator):
 
 def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
                    trim: bool = True, strided_loads: bool = True, depthwise: bool = True,
-                   pointwise: bool = True) -> tvm.transform.Pass:
+                   pointwise: bool = True, channels_last: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
@@ -480,13 +584,15 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
     strided_loads: strided 1-D convs' columns by contiguous loads and a shuffle, conv/strided.py;
     depthwise: depthwise convs on the direct kernel of conv/depthwise.py, not TVM's conv;
     pointwise: 1x1 conv2d as a 1-D conv over H*W (not fast_math's patch conv), and the elementwise
-    consumers of every 2-D conv's GEMM moved before its (N, O, OH, OW) reshape, into its epilogue)."""
+    consumers of every 2-D conv's GEMM moved before its (N, O, OH, OW) reshape, into its epilogue;
+    channels_last: a depthwise conv between token layouts on depthwise.py's channels-last kernel)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from blockforge.compile.passes.exprs import rewrite_functions
 
         # (unused: the crops the chain slid past)
-        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise, pointwise), unused=True)
+        return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise, pointwise,
+                                                channels_last), unused=True)
 
     return _pass

@@ -11,7 +11,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from blockforge.compile.conv.depthwise import CONV_BLOCK, PAD_BLOCK as DW_PAD_BLOCK
+from blockforge.compile.conv.depthwise import (CONV_BLOCK, PAD_BLOCK as DW_PAD_BLOCK, TOKENS_CONV_BLOCK,
+                                               TOKENS_PAD_BLOCK, WIDTH_ATTR)
 from blockforge.compile.conv.rewrite import IM2COL_BLOCK, PAD_BLOCK
 from blockforge.compile.schedule.base import PARTITION_HINT, CPURule, const_int, has_root, log_skip, vector_lanes
 
@@ -50,23 +51,36 @@ DW_CHAINS = 8
 DW_UNROLL_TAPS = 16
 
 
+def _divisor(n: int, most: int) -> int:
+    return max(d for d in range(1, most + 1) if n % d == 0)
+
+
+def _kernel_blocks(sch: s_tir.Schedule, pad_name: str, conv_name: str):
+    """(pad, conv, the blocks after conv: FuseOps' consumers, conv's loops, their static extents)
+    of a depthwise kernel; None if the function is not one."""
+    if not has_root(sch):
+        return None
+    blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
+    names = [sch.get(b).name_hint for b in blocks]
+    if pad_name not in names or conv_name not in names or names.index(pad_name) > names.index(conv_name):
+        return None
+    conv = blocks[names.index(conv_name)]
+    loops = sch.get_loops(conv)
+    return (blocks[names.index(pad_name)], conv, blocks[names.index(conv_name) + 1:], loops,
+            [const_int(sch.get(lp).extent) for lp in loops])
+
+
 class CPUDepthwise(CPURule):
     """depthwise.py's kernel: per (batch, channel) (the parallel loop) the padded plane, then per
     few output rows a tile of vectors in registers over the kernel's taps, then those rows'
     crop/stride select and epilogue (bias, activation: FuseOps' consumers) from cache."""
 
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
-        if not has_root(sch):
+        found = _kernel_blocks(sch, DW_PAD_BLOCK, CONV_BLOCK)
+        if found is None:
             return None
-        blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
-        names = [sch.get(b).name_hint for b in blocks]
-        if DW_PAD_BLOCK not in names or CONV_BLOCK not in names or names.index(DW_PAD_BLOCK) > names.index(CONV_BLOCK):
-            return None
+        pad, conv, after, loops, exts = found
         lanes = vector_lanes(target)
-        pad, conv = blocks[names.index(DW_PAD_BLOCK)], blocks[names.index(CONV_BLOCK)]
-        after = blocks[names.index(CONV_BLOCK) + 1:]
-        loops = sch.get_loops(conv)
-        exts = [const_int(sch.get(lp).extent) for lp in loops]
         if len(loops) != 7 or None in exts or exts[3] * exts[4] % lanes:
             log_skip("CPUDepthwise", func, "not the depthwise kernel's static 7 loops of whole vectors")
             return None
@@ -75,8 +89,8 @@ class CPUDepthwise(CPURule):
         sch.parallel(nc)
         q = sch.fuse(j, p)  # the columns at stride 1 (depthwise.py)
         vecs = exts[3] * exts[4] // lanes
-        u = max(d for d in range(1, DW_VECS + 1) if vecs % d == 0)
-        r = max(d for d in range(1, -(-DW_CHAINS // u) + 1) if exts[2] % d == 0)
+        u = _divisor(vecs, DW_VECS)
+        r = _divisor(exts[2], -(-DW_CHAINS // u))
         ro, ri = sch.split(row, [None, r])
         qo, qu, qi = sch.split(q, [None, u, lanes])
         sch.reorder(ro, qo, rh, rw, ri, qu, qi)
@@ -114,4 +128,68 @@ class CPUDepthwise(CPURule):
                 if ext % lanes:  # the crop's tail (ConvNeXt's 56 columns): its guard split off
                     sch.annotate(vo, PARTITION_HINT, 1)
                 sch.vectorize(vi)
+        return sch
+
+
+# The channels-last tile: DW_TOKEN_POSITIONS positions of a row x DW_TOKEN_VECS channel vectors
+# (8 accumulators; each tap's weight vector read once for the positions).
+DW_TOKEN_POSITIONS = 4
+DW_TOKEN_VECS = 2
+DW_TOKEN_ROWS = 2
+
+
+class CPUDepthwiseTokens(CPURule):
+    """depthwise.py's channels-last kernel: per (batch, tile of output rows) (the parallel loop)
+    the padded input rows it reads, then per DW_TOKEN_POSITIONS positions x DW_TOKEN_VECS channel
+    vectors a register tile over the taps, then those rows' epilogue (bias, GELU: FuseOps')."""
+
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        found = _kernel_blocks(sch, TOKENS_PAD_BLOCK, TOKENS_CONV_BLOCK)
+        if found is None:
+            return None
+        pad, conv, after, loops, exts = found
+        lanes = vector_lanes(target)
+        ow = sch.get(conv).annotations.get(WIDTH_ATTR)
+        if len(loops) != 5 or None in exts or ow is None or exts[1] % int(ow) or exts[2] % lanes:
+            log_skip("CPUDepthwiseTokens", func, "not the channels-last kernel's static loops of whole vectors")
+            return None
+        ow = int(ow)
+        n, p, c, rh, rw = loops
+        oh = exts[1] // ow
+        r = _divisor(oh, DW_TOKEN_ROWS)
+        ro, ri, j = sch.split(p, [None, r, ow])
+        par = sch.fuse(n, ro)
+        sch.parallel(par)
+        jt = _divisor(ow, DW_TOKEN_POSITIONS)
+        jo, ji = sch.split(j, [None, jt])
+        vecs = _divisor(exts[2] // lanes, DW_TOKEN_VECS)
+        co, cv, ci = sch.split(c, [None, vecs, lanes])
+        sch.reorder(ri, jo, co, rh, rw, ji, cv, ci)
+        acc = sch.cache_write(conv, 0, "local")
+        sch.reverse_compute_at(acc, co, preserve_unit_loops=True)
+        for lp in ((rh, rw, ji, cv) if exts[3] * exts[4] <= DW_UNROLL_TAPS else (rw, ji, cv)):
+            sch.unroll(lp)
+        sch.vectorize(ci)
+        init = sch.decompose_reduction(conv, rh)
+        *_, iji, icv, ici = sch.get_loops(init)
+        sch.unroll(iji)
+        sch.unroll(icv)
+        sch.vectorize(ici)
+        *_, ac = sch.get_loops(acc)
+        sch.vectorize(sch.split(ac, [None, lanes])[1])
+        sch.compute_at(pad, par)  # the rows the tile reads, once
+        *_, pr, pm, pc = sch.get_loops(pad)
+        for lp in (pr, pm):
+            sch.annotate(lp, PARTITION_HINT, 1)
+        sch.vectorize(sch.split(pc, [None, lanes])[1])
+        for b in after[:-1]:
+            try:
+                sch.compute_inline(b)
+            except Exception:
+                sch.reverse_compute_at(b, co)
+        if after:  # per tile, from the accumulators just written (a whole row tile's went to L2)
+            last = after[-1]
+            sch.reverse_compute_at(last, co)
+            *_, lc = sch.get_loops(last)
+            sch.vectorize(sch.split(lc, [None, lanes])[1])
         return sch
