@@ -14,16 +14,16 @@ along the width (stride 1) and every sw-th is kept: TVM scalarises a strided vec
 load and an insert per lane), and one per tap cost more than the sw-fold columns. Rows are not
 wasted: the row stride only picks which plane rows a tap reads.
 
-Measured alone on Zen 5 (2 threads, hot cache, ms; TVM's conv2d -> this, + bias + ReLU):
-    256 x 64 x 64, 3x3           1.6  -> 0.14       96 x 56 x 56, 7x7   -> 0.17
-    64 x 128 x 128, 3x3          1.1  -> 0.13       384 x 14 x 14, 7x7  -> 0.066
+Measured in models of the convs alone (benchmarks/conv.py --ab conv-depthwise, Zen 5, 2 threads,
+interleaved with ORT and OpenVINO): this kernel / TVM's conv 0.29 (MobileViT's 3x3 pair, stride 2
+then 1, + SiLU), 0.22 (SegFormer's 3x3 at 128 x 128 x 128 + GELU), 0.23 / 0.22 (ConvNeXt's 7x7 at
+96 x 56 x 56 / 384 x 14 x 14); 0.44x-0.86x ORT's time, the best peer on each.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 from tvm import te, tirx
 
@@ -101,8 +101,9 @@ def depthwise(x: te.Tensor, w: te.Tensor, cs: ConvShape, lanes: int) -> te.Tenso
 
 # Channels-last: a depthwise conv between token layouts (SegFormer's Mix-FFN: Linear, tokens
 # (N, H*W, C) -> image (N, C, H, W), the 3x3 depthwise conv, -> tokens, GELU, Linear). The NCHW
-# kernel above needs both transposes (SegFormer-b0: 2 x 8 MiB a call at its first stage, ~10%
-# of the model); here the conv reads and writes the tokens, vectorised along C.
+# kernel above needs both transposes (SegFormer-b0: 2 x 8 MiB a call at its first stage); here
+# the conv reads and writes the tokens, vectorised along C: the whole model 0.87x its time with
+# the NCHW kernel and the transposes (whole_ab.py --abba, both build orders).
 TOKENS_PAD_BLOCK = "dwc_pad"
 TOKENS_CONV_BLOCK = "dwc_conv"
 WIDTH_ATTR = "dw_out_width"  # on the conv block: OW, the row length of its (OH*OW) positions
