@@ -43,8 +43,9 @@ ABLATIONS = {
     "conv-panels": "1-D conv outputs kept in whole GEMM panels through bias/activation, cropped after them "
                    "(left out: cropped in the GEMM's tile, which made that epilogue scalar)",
     "conv-implicit": "stride-1 1-D convs as a GEMM reading the padded input (left out: im2col columns)",
-    "conv-strided-loads": "strided 1-D convs' im2col columns by contiguous vector loads and a lane shuffle "
-                          "(compile/conv/strided.py; left out: the gather TVM scalarises)",
+    "conv-strided-loads": "strided 1-D convs' im2col columns, and 2-D convs' of output rows at least a vector "
+                          "wide, by contiguous vector loads (and a lane shuffle at a stride) (compile/conv/strided.py; "
+                          "left out: the gather TVM scalarises)",
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",

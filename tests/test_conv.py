@@ -448,3 +448,51 @@ def test_implicit_gemm_phases_match_ort_at_stride_3():
     out = tvm.runtime.tensor(np.zeros([int(d) for d in y.shape], np.float32))
     lib(tvm.runtime.tensor(feeds["x"]), tvm.runtime.tensor(wt), out)
     np.testing.assert_allclose(out.numpy()[..., :cs.length], want, rtol=1e-4, atol=1e-4)
+
+
+# 2-D convs whose output rows hold whole vectors: strided.im2col_2d's row loads (+ shuffle at
+# column strides 2-4) against the gather, column by column. (x shape, w shape, strides, pads
+# (begin h, begin w, end h, end w), dilation, groups)
+ROWS_2D = {
+    "3x3-s1-p1-40-wide (a vector straddles rows)": ((1, 4, 9, 40), (8, 4, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 1),
+    "3x3-s2-p1-70-wide (shuffle; odd output width 35)": ((1, 3, 11, 70), (8, 3, 3, 3), [2, 2], [1, 1, 1, 1], [1, 1], 1),
+    "7x7-s4-p3 (SegFormer's patch embed)": ((1, 3, 70, 70), (8, 3, 7, 7), [4, 4], [3, 3, 3, 3], [1, 1], 1),
+    "2x3-s(1,3)-asym-pads-dilated": ((1, 4, 8, 100), (8, 4, 2, 3), [1, 3], [0, 2, 1, 0], [2, 2], 1),
+    "3x3-grouped-batch2": ((2, 8, 6, 33), (8, 2, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 4),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS_2D))
+def test_im2col_2d_row_loads_match_the_gather(name):
+    from blockforge.compile.conv.strided import applies_2d, im2col_2d
+
+    xs, ws, st, pads, dl, groups = ROWS_2D[name]
+    cs = ConvShape(list(xs), list(ws), st, pads, dl, groups)
+    assert applies_2d(cs, 16, 64)
+    x = te.placeholder(xs, "float32", name="x")
+    ref = tvm.compile(tvm.IRModule({"main": _scheduled(CPUIm2col(), te.create_prim_func([x, im2col(x, cs, 64)]))}),
+                      target=AVX512).mod
+    func = im2col_2d(list(xs), cs, 64, 16).with_attr("global_symbol", "main")
+    assert any(lp.kind == tirx.ForKind.PARALLEL for lp in _loops(func))
+    assert bool(_shuffles(func)) == (st[1] > 1)
+    got = tvm.compile(tvm.IRModule({"main": func}), target=AVX512).mod
+    xn = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    outs = [tvm.runtime.tensor(np.full(cs.cols_shape(64), np.nan, np.float32)) for _ in range(2)]
+    ref(tvm.runtime.tensor(xn), outs[0])
+    got(tvm.runtime.tensor(xn), outs[1])
+    np.testing.assert_array_equal(outs[1].numpy(), outs[0].numpy())  # the tail past L included (zeros)
+
+
+def test_im2col_2d_not_for_narrow_outputs():
+    from blockforge.compile.conv.strided import applies_2d
+
+    assert not applies_2d(ConvShape([1, 4, 8, 8], [8, 4, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1), 16, 64)  # OW 8
+    assert not applies_2d(ConvShape([1, 4, 8, 200], [8, 4, 3, 3], [1, 5], [1, 1, 1, 1], [1, 1], 1), 16, 64)  # stride 5
+
+
+@pytest.mark.parametrize("name", list(ROWS_2D))
+def test_conv_2d_on_row_loads_matches_ort(name):
+    xs, ws, st, pads, dl, groups = ROWS_2D[name]
+    model, feeds, want = _conv_model(xs, ws, strides=st, pads=pads, dilations=dl, group=groups, act="Relu")
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -558,8 +558,11 @@ class _ConvGemm(PyExprMutator):
                 xp = b.emit(b.call_te(lambda t: pad_input(t, cs, self.nr, self.lanes), x, primfunc_name_hint="conv_pad"))
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
         else:
-            if panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr):
-                gv = add_kernel(b, strided.strided_im2col(_static(x.ty.shape), cs, self.nr, self.lanes), "conv_im2col")
+            vector_rows = not one_d and self.strided_loads and strided.applies_2d(cs, self.lanes, self.nr)
+            if (panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr)) or vector_rows:
+                kernel = (strided.im2col_2d if vector_rows else strided.strided_im2col)(_static(x.ty.shape), cs, self.nr,
+                                                                                        self.lanes)
+                gv = add_kernel(b, kernel, "conv_im2col")
                 cols = b.emit(relax.call_tir(gv, [x], out_ty=relax.TensorType(list(cs.cols_shape(self.nr)), "float32")))
             else:
                 cols = b.emit(b.call_te(lambda t: im2col(t, cs, self.nr), x, primfunc_name_hint="conv_im2col"))

@@ -11,6 +11,7 @@ Wav2Vec2-base's layers 1-5 (512 ch, k=3/3/3/3/2, s=2) 0.86 -> 0.17, 0.34 -> 0.08
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,47 +26,110 @@ def applies(cs: ConvShape, lanes: int, nr: int) -> bool:
     return len(cs.size) == 1 and 2 <= cs.strides[0] <= MAX_STRIDE and nr % lanes == 0 and cs.length > nr
 
 
+def _i64(v):
+    from tvm import tirx
+
+    return tirx.const(v, "int64")
+
+
+@contextlib.contextmanager
+def _panel_rows(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
+    """The im2col PrimFunc's frame, as CPUIm2col schedules the gather: x and cols, the parallel
+    loop over (n, g, jb, k) and in it the serial loop over the panel's vectors. Yields (the
+    builder, X, Y, (n, g, jb, k), v, j0: the vector's first output position); the function is
+    the builder's get() after the block."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    nb, kg = cs.panels(nr), cs.kg
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("conv_im2col")
+            X = T.arg("x", T.buffer([_i64(v) for v in x_shape], "float32"))
+            Y = T.arg("cols", T.buffer([_i64(v) for v in cs.cols_shape(nr)], "float32"))
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+            with T.parallel(_i64(0), _i64(cs.n * cs.groups * nb * kg)) as f:
+                k = f % _i64(kg)
+                jb = f // _i64(kg) % _i64(nb)
+                g = f // _i64(kg * nb) % _i64(cs.groups)
+                n = f // _i64(kg * nb * cs.groups)
+                with T.serial(_i64(0), _i64(nr // lanes)) as v:
+                    yield ib, X, Y, (n, g, jb, k), v, jb * _i64(nr) + v * _i64(lanes)
+
+
 def strided_im2col(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
     """The PrimFunc cols[n, g, jb, k, jr] = x[n, g*Cg + k // kw, (jb*NR + jr)*s + (k % kw)*d - pad]
     (zero outside x), x of `x_shape` (its last extent may exceed the conv's input length: a
     previous conv's whole panels)."""
     from tvm import tirx
-    from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    i64 = lambda v: tirx.const(v, "int64")  # noqa: E731
+    i64 = _i64
     s, dl, kw, pb, size = cs.strides[0], cs.dilation[0], cs.kernel[0], cs.pad_begin[0], cs.size[0]
-    nb, kg, width = cs.panels(nr), cs.kg, int(x_shape[-1])
-    rows = cs.n * cs.groups * nb * kg
-    with IRBuilder() as ib:
-        with T.prim_func():
-            T.func_name("conv_im2col")
-            X = T.arg("x", T.buffer([i64(v) for v in x_shape], "float32"))
-            Y = T.arg("cols", T.buffer([i64(v) for v in cs.cols_shape(nr)], "float32"))
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-            with T.parallel(i64(0), i64(rows)) as f:  # (n, g, jb, k) fused, as CPUIm2col's
-                k = f % i64(kg)
-                jb = f // i64(kg) % i64(nb)
-                g = f // i64(kg * nb) % i64(cs.groups)
-                n = f // i64(kg * nb * cs.groups)
-                c = g * i64(cs.cg) + k // i64(kw)
-                off = k % i64(kw) * i64(dl) - i64(pb)  # x position of column 0 of panel 0
-                with T.serial(i64(0), i64(nr // lanes)) as v:
-                    j0 = jb * i64(nr) + v * i64(lanes)  # the vector's first column
-                    first = j0 * i64(s) + off
-                    used = first + i64((lanes - 1) * s)  # its last column's position
-                    loaded = first + i64(lanes * s - 1)  # the last float its load reads
-                    with T.If(tirx.all(first >= i64(0), used < i64(size), loaded < i64(width))):
-                        with T.Then():
-                            src = X[n, c, tirx.Ramp(first, i64(1), lanes * s)]
-                            T.buffer_store(Y, tirx.Shuffle([src], [tirx.const(i * s, "int32") for i in range(lanes)]),
-                                           [n, g, jb, k, tirx.Ramp(v * i64(lanes), i64(1), lanes)])
-                        with T.Else():  # the padding, the input's end, the panel's tail past L
-                            with T.serial(i64(0), i64(lanes)) as jr:
-                                j = j0 + jr
-                                a = j * i64(s) + off
-                                inside = tirx.all(j < i64(cs.length), a >= i64(0), a < i64(size))
-                                safe = tirx.max(tirx.min(a, i64(size - 1)), i64(0))
-                                T.buffer_store(Y, tirx.if_then_else(inside, X[n, c, safe], tirx.const(0, "float32")),
-                                               [n, g, jb, k, v * i64(lanes) + jr])
+    width = int(x_shape[-1])
+    with _panel_rows(x_shape, cs, nr, lanes) as (ib, X, Y, (n, g, jb, k), v, j0):
+        c = g * i64(cs.cg) + k // i64(kw)
+        first = j0 * i64(s) + k % i64(kw) * i64(dl) - i64(pb)  # the vector's first column's position
+        used = first + i64((lanes - 1) * s)  # its last column's position
+        loaded = first + i64(lanes * s - 1)  # the last float its load reads
+        with T.If(tirx.all(first >= i64(0), used < i64(size), loaded < i64(width))):
+            with T.Then():
+                src = X[n, c, tirx.Ramp(first, i64(1), lanes * s)]
+                T.buffer_store(Y, tirx.Shuffle([src], [tirx.const(i * s, "int32") for i in range(lanes)]),
+                               [n, g, jb, k, tirx.Ramp(v * i64(lanes), i64(1), lanes)])
+            with T.Else():  # the padding, the input's end, the panel's tail past L
+                with T.serial(i64(0), i64(lanes)) as jr:
+                    j = j0 + jr
+                    a = j * i64(s) + k % i64(kw) * i64(dl) - i64(pb)
+                    inside = tirx.all(j < i64(cs.length), a >= i64(0), a < i64(size))
+                    safe = tirx.max(tirx.min(a, i64(size - 1)), i64(0))
+                    T.buffer_store(Y, tirx.if_then_else(inside, X[n, c, safe], tirx.const(0, "float32")),
+                                   [n, g, jb, k, v * i64(lanes) + jr])
+    return ib.get()
+
+
+def applies_2d(cs: ConvShape, lanes: int, nr: int) -> bool:
+    """A 2-D conv whose output rows hold whole vectors (OW >= lanes), column stride 1-4: its
+    columns by vector loads along the input rows (the gather: one load per element). Measured
+    (Zen 5, 2 threads, the whole conv + SiLU, interleaved, rows / gather): MobileViT's fusion-like
+    3x3 (192 -> 96 at 32 x 32) 1.14 / 1.29 ms, its stem (3 -> 16, stride 2, 256 x 256) 0.21 / 0.26;
+    the columns are still K x L floats written (0.40 ms of the 3x3's 1.26)."""
+    return len(cs.size) == 2 and 1 <= cs.strides[1] <= MAX_STRIDE and cs.out[1] >= lanes and nr % lanes == 0
+
+
+def im2col_2d(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
+    """The PrimFunc cols[n, g, jb, k, jr] = x[n, g*Cg + c, oh*sh + kh*dh - ph, ow*sw + kw*dw - pw]
+    for k = (c, kh, kw) and jb*NR + jr = oh*OW + ow (zero outside x and past L): a vector of
+    `lanes` outputs of one output row is one contiguous load of the input row (lanes * sw floats,
+    then a shuffle keeping every sw-th); vectors that straddle two output rows, touch the padding
+    or pass L take the guarded scalar loop."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    i64 = _i64
+    (h, w), (kh, kw), (sh, sw), (dh, dw) = cs.size, cs.kernel, cs.strides, cs.dilation
+    (ph, pw), ow_n = cs.pad_begin, cs.out[1]
+    with _panel_rows(x_shape, cs, nr, lanes) as (ib, X, Y, (n, g, jb, k), v, j0):
+        c = g * i64(cs.cg) + k // i64(kh * kw)
+        ty, tx = k // i64(kw) % i64(kh), k % i64(kw)
+        oh, ow0 = j0 // i64(ow_n), j0 % i64(ow_n)
+        r = oh * i64(sh) + ty * i64(dh) - i64(ph)
+        first = ow0 * i64(sw) + tx * i64(dw) - i64(pw)  # its first input column
+        whole = tirx.all(j0 + i64(lanes) <= i64(cs.length), ow0 + i64(lanes) <= i64(ow_n),
+                         r >= i64(0), r < i64(h), first >= i64(0), first + i64(lanes * sw - 1) < i64(w))
+        with T.If(whole):
+            with T.Then():
+                src = X[n, c, r, tirx.Ramp(first, i64(1), lanes * sw)]
+                val = src if sw == 1 else tirx.Shuffle([src], [tirx.const(i * sw, "int32") for i in range(lanes)])
+                T.buffer_store(Y, val, [n, g, jb, k, tirx.Ramp(v * i64(lanes), i64(1), lanes)])
+            with T.Else():
+                with T.serial(i64(0), i64(lanes)) as jr:
+                    j = j0 + jr
+                    a = j // i64(ow_n) * i64(sh) + ty * i64(dh) - i64(ph)
+                    b = j % i64(ow_n) * i64(sw) + tx * i64(dw) - i64(pw)
+                    inside = tirx.all(j < i64(cs.length), a >= i64(0), a < i64(h), b >= i64(0), b < i64(w))
+                    sa = tirx.max(tirx.min(a, i64(h - 1)), i64(0))
+                    sb = tirx.max(tirx.min(b, i64(w - 1)), i64(0))
+                    T.buffer_store(Y, tirx.if_then_else(inside, X[n, c, sa, sb], tirx.const(0, "float32")),
+                                   [n, g, jb, k, v * i64(lanes) + jr])
     return ib.get()
