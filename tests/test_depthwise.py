@@ -299,7 +299,7 @@ def test_pointwise_ablation_keeps_the_patch_conv():
 
 
 # Channels-last: the depthwise conv between token layouts (SegFormer's Mix-FFN).
-def _mixffn_model(h=6, w=10, c=32, stride=1, extra_nchw_use=False):
+def _mixffn_model(h=6, w=10, c=32, stride=1, extra_nchw_use=False, tokens_out=False):
     """tokens (1, h*w, 16) -> MatMul (c) -> Transpose -> Reshape (1, c, h, w) -> depthwise 3x3 Conv
     (+bias) -> Reshape (1, c, L) -> Transpose -> Gelu -> MatMul (16); extra_nchw_use: the conv's
     NCHW output also feeds a ReduceMean over the image (so that view must stay)."""
@@ -318,7 +318,10 @@ def _mixffn_model(h=6, w=10, c=32, stride=1, extra_nchw_use=False):
              oh.make_node("Conv", ["im", "wd", "bd"], ["cv"], group=c, pads=[1] * 4, strides=[stride] * 2),
              oh.make_node("Reshape", ["cv", "flat"], ["f1"]), oh.make_node("Transpose", ["f1"], ["t2"], perm=[0, 2, 1]),
              oh.make_node("Gelu", ["t2"], ["g"]), oh.make_node("MatMul", ["g", "w2"], ["y"])]
-    outs = [oh.make_tensor_value_info("y", 1, [1, oh_ * ow_, 16])]
+    if tokens_out:  # the graph's output is the tokens the conv's view is transposed back to
+        nodes = nodes[:6]
+    outs = [oh.make_tensor_value_info("t2", 1, [1, oh_ * ow_, c])] if tokens_out else \
+        [oh.make_tensor_value_info("y", 1, [1, oh_ * ow_, 16])]
     if extra_nchw_use:
         nodes.append(oh.make_node("ReduceMean", ["cv", "axes"], ["m"], keepdims=0))
         outs.append(oh.make_tensor_value_info("m", 1, [1, c]))
@@ -329,8 +332,9 @@ def _mixffn_model(h=6, w=10, c=32, stride=1, extra_nchw_use=False):
     return model, feeds, want
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(h=9, w=7, stride=2), dict(c=48, extra_nchw_use=True)],
-                         ids=["segformer", "stride-2-odd", "nchw-view-also-used"])
+@pytest.mark.parametrize("opts", [dict(), dict(h=9, w=7, stride=2), dict(c=48, extra_nchw_use=True),
+                                  dict(tokens_out=True)],
+                         ids=["segformer", "stride-2-odd", "nchw-view-also-used", "the-tokens-are-the-output"])
 def test_tokens_depthwise_matches_ort_without_the_transposes(opts):
     model, feeds, want = _mixffn_model(**opts)
     got = BlockforgeBackend.prepare(model).run(feeds)

@@ -320,8 +320,8 @@ class _ConvGemm(PyExprMutator):
     def visit_var_binding_(self, binding):
         value = self.visit_expr(binding.value)
         sunk = self._sink_tokens(value) if self.channels_last else None
-        if isinstance(sunk, relax.Var):  # a view of tokens viewed back as tokens: the tokens
-            self.set_var_remap(binding.var, sunk)
+        if isinstance(sunk, relax.Var) and isinstance(binding.var, relax.DataflowVar):
+            self.set_var_remap(binding.var, sunk)  # a view of tokens viewed back as tokens: the tokens
             return
         if sunk is None and self.pointwise:
             sunk = self._sink_flat(value)
