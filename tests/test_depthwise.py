@@ -365,3 +365,25 @@ def test_channels_last_ablation_keeps_the_transposes():
     model, feeds, want = _mixffn_model()
     text = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without={"conv-channels-last"})[0]["main"].script()
     assert "conv_depthwise_tokens" not in text and text.count("R.permute_dims") == 2
+
+
+def test_a_default_permute_is_no_tokens_view():
+    """Transpose without perm (all axes reversed) around the conv: not the Mix-FFN layout; the NCHW
+    kernel, and the numbers still ORT's."""
+    import onnx
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array((rng.standard_normal((16, 1, 3, 3)) * 0.3).astype(np.float32), "wd"),
+             nh.from_array(np.array([1, 16, 5, 6], np.int64), "img")]
+    nodes = [oh.make_node("Transpose", ["x"], ["t"]), oh.make_node("Reshape", ["t", "img"], ["im"]),
+             oh.make_node("Conv", ["im", "wd"], ["y"], group=16, pads=[1] * 4)]
+    g = oh.make_graph(nodes, "rev", [oh.make_tensor_value_info("x", 1, [16, 30, 1])],
+                      [oh.make_tensor_value_info("y", 1, [1, 16, 5, 6])], inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    feeds = {"x": rng.standard_normal((16, 30, 1)).astype(np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert _convs_left(model) == (0, True)  # the NCHW depthwise kernel

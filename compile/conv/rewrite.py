@@ -271,6 +271,12 @@ _BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "rel
 SLICE_OP = "relax.strided_slice"
 
 
+def _axes(permute) -> list[int] | None:
+    """A permute_dims call's axes (None: the default, all reversed)."""
+    axes = permute.attrs.axes
+    return None if axes is None else [int(a) for a in axes]
+
+
 def _split_view_args(value, views):
     """value's args with each view var replaced by views[var], other tensors as (arg, static
     shape), and the views' shape; None where two views differ or a tensor's shape is unknown."""
@@ -360,8 +366,7 @@ class _ConvGemm(PyExprMutator):
             p = self.lookup_binding(r.args[0]) if getattr(getattr(r, "op", None), "name", "") == "relax.reshape" else None
         except Exception:  # (a parameter: no binding)
             return None
-        if getattr(getattr(p, "op", None), "name", "") != "relax.permute_dims" or \
-                [int(a) for a in p.attrs.axes] != [0, 2, 1]:
+        if getattr(getattr(p, "op", None), "name", "") != "relax.permute_dims" or _axes(p) != [0, 2, 1]:
             return None
         t = p.args[0]
         st = _static(getattr(t.ty, "shape", None) or [])
@@ -378,7 +383,7 @@ class _ConvGemm(PyExprMutator):
         b = self.builder_
         if op == "relax.permute_dims":
             v = value.args[0]
-            if len(v.ty.shape) == 3 and [int(a) for a in value.attrs.axes] == [0, 2, 1]:
+            if len(v.ty.shape) == 3 and _axes(value) == [0, 2, 1]:
                 return self.tokens[v]
             return None
         if op == "relax.reshape":
