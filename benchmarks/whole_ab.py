@@ -57,7 +57,11 @@ def main(argv=None) -> int:
     feeds = _inputs(model, dims)
     target = resolve("host")
     threads = int(target.target_json.get("num-cores", 1))
-    bm = type("M", (), {"onnx": model})()
+    # the peers get the model with its dims bound, as bench gives them (OpenVINO compiled
+    # SegFormer-b0 with its batch dim symbolic read 56-63 ms in whole_ab, 21-30 in bench)
+    from blockforge.graph.model_io import bind_dims
+
+    bm = type("M", (), {"onnx": bind_dims(model, dims, strict=False)})()
     ort = Ort().make_runner(bm, feeds, threads)
     want = ort.outputs()[0]
     peers = not (a.no_peers or a.cpu_time)
