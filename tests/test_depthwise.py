@@ -246,10 +246,10 @@ def test_strided_loads_that_could_fault_or_waste_are_left_alone(case):
 
 
 # Pointwise (1x1) convs and the epilogues of 2-D convs (ablation `conv-pointwise`).
-def _mbv2_model(h: int = 12, w: int = 10):
+def _mbv2_model(h: int = 12, w: int = 10, last: str = "Relu"):
     """A MobileNetV2 block as exports write it: 1x1 expand + BN (Mul, Add per channel) + SiLU,
-    3x3 depthwise + SiLU, 1x1 project, 3x3 full conv + ReLU (TVM imports Clip as a TIR kernel,
-    which no rewrite moves); h * w positions no panel divides or whole panels."""
+    3x3 depthwise + SiLU, 1x1 project, 3x3 full conv + `last` (Relu, or Clip: ReLU6, which
+    frontend/converters.py imports as Relax's clip); h * w positions no panel divides or whole."""
     import onnx
     from onnx import helper as oh
     from onnx import numpy_helper as nh
@@ -266,7 +266,8 @@ def _mbv2_model(h: int = 12, w: int = 10):
              oh.make_node("Sigmoid", ["c2"], ["s2"]), oh.make_node("Mul", ["c2", "s2"], ["y2"]),
              oh.make_node("Conv", ["y2", "w3"], ["c3"]),
              oh.make_node("Conv", ["c3", "w4", "b4"], ["c4"], pads=[1] * 4),
-             oh.make_node("Relu", ["c4"], ["y"])]
+             oh.make_node("Relu", ["c4"], ["y"]) if last == "Relu" else oh.make_node("Clip", ["c4", "lo", "hi"], ["y"])]
+    inits += [nh.from_array(np.array(v, np.float32), n) for n, v in [("lo", 0.0), ("hi", 6.0)]]
     g = oh.make_graph(nodes, "mbv2", [oh.make_tensor_value_info("x", 1, [1, c, h, w])],
                       [oh.make_tensor_value_info("y", 1, [1, c, h, w])], inits)
     model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
@@ -275,9 +276,10 @@ def _mbv2_model(h: int = 12, w: int = 10):
     return model, feeds, want
 
 
-@pytest.mark.parametrize("hw", [(12, 10), (16, 8)], ids=["120-positions (cropped panels)", "128-positions (whole)"])
-def test_pointwise_block_matches_ort_and_fuses_each_epilogue(hw):
-    model, feeds, want = _mbv2_model(*hw)
+@pytest.mark.parametrize("hw, last", [((12, 10), "Relu"), ((16, 8), "Relu"), ((16, 8), "Clip")],
+                         ids=["120-positions (cropped panels)", "128-positions (whole)", "relu6"])
+def test_pointwise_block_matches_ort_and_fuses_each_epilogue(hw, last):
+    model, feeds, want = _mbv2_model(*hw, last=last)
     got = BlockforgeBackend.prepare(model).run(feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     text = run_phases(import_onnx(model), resolve("host"), stop_after="optimize")[0].script()
@@ -286,8 +288,9 @@ def test_pointwise_block_matches_ort_and_fuses_each_epilogue(hw):
     names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
     # the expand's bias, BN and SiLU, and the 3x3's bias and ReLU, in their GEMM's kernel
     assert any(n.startswith("fused_conv_gemm") and "sigmoid" in n for n in names), names
-    assert any(n.startswith("fused_conv_gemm") and "relu" in n for n in names), names
-    assert not any("sigmoid" in n or "relu" in n for n in names if "conv_" not in n), names
+    act = "relu" if last == "Relu" else "clip"
+    assert any(n.startswith("fused_conv_gemm") and act in n for n in names), names
+    assert not any(k in n for n in names if "conv_" not in n for k in ("sigmoid", "relu", "clip", "maximum")), names
 
 
 def test_pointwise_ablation_keeps_the_patch_conv():
@@ -387,3 +390,25 @@ def test_a_default_permute_is_no_tokens_view():
     got = BlockforgeBackend.prepare(model).run(feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert _convs_left(model) == (0, True)  # the NCHW depthwise kernel
+
+
+@pytest.mark.parametrize("lo, hi, dtype, relax_clip", [
+    (0.0, 6.0, np.float32, True), (np.nan, 1.0, np.float32, True), (-1.0, np.inf, np.float32, True),
+    (0.0, 6.0, np.float16, True), (3.0, 1.0, np.float32, False), (0, 6, np.int32, False)],
+    ids=["relu6", "nan-min-is-no-bound", "no-max", "float16", "min-above-max (TVM's: all max)", "int32 (TVM's)"])
+def test_clip_by_constants_imports_as_relax_clip(lo, hi, dtype, relax_clip):
+    """frontend/converters.py clip_op: what a conv's epilogue can take (_sink_flat moves Relax ops)."""
+    import onnx
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    et = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [nh.from_array(np.array(lo, dtype), "lo"), nh.from_array(np.array(hi, dtype), "hi")]
+    g = oh.make_graph([oh.make_node("Clip", ["x", "lo", "hi"], ["y"])], "clip", [oh.make_tensor_value_info("x", et, [2, 7])],
+                      [oh.make_tensor_value_info("y", et, [2, 7])], inits)
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    x = (np.random.default_rng(0).standard_normal((2, 7)) * 5).astype(dtype)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = BlockforgeBackend.prepare(model).run({"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+    assert ("R.clip" in import_onnx(model).script()) == relax_clip

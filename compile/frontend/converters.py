@@ -391,6 +391,34 @@ def pow_op(bb, inputs, attr, params, opset):
     return _T.astype(_T.round(r), dx)
 
 
+def clip_op(bb, inputs, attr, params, opset):
+    """Clip of a float tensor by constant bounds (ReLU6: 0, 6) as Relax's clip op; TVM's converter
+    emits TIR kernels (topi maximum / minimum) no Relax rewrite can see through, so a conv's
+    ReLU6 stayed a kernel of its own after the conv's GEMM (conv/rewrite.py _sink_flat moves Relax
+    ops only). A NaN bound is no bound (as ONNX Runtime and TVM's converter treat it)."""
+    x = inputs[0]
+    if not isinstance(getattr(x, "ty", None), relax.TensorType) or not _dtype(x).startswith("float"):
+        return None
+    if opset < 11:
+        lo, hi = float(attr.get("min", -np.inf)), float(attr.get("max", np.inf))
+    else:
+        bounds = []
+        for i, default in ((1, -np.inf), (2, np.inf)):
+            b = inputs[i] if len(inputs) > i else None
+            if b is None:
+                bounds.append(default)
+                continue
+            c = tvm_onnx.get_constant(b, params)
+            if not isinstance(c, tvm.ir.GenericConst) or c.value.numpy().size != 1:
+                return None
+            bounds.append(float(c.value.numpy().reshape(())))
+        lo, hi = bounds
+    lo, hi = (-np.inf if np.isnan(lo) else lo), (np.inf if np.isnan(hi) else hi)
+    if lo > hi:  # ONNX: every output is max; Relax's clip (max(min(x, hi), lo)) would give min
+        return None
+    return _T.clip(x, lo, hi)
+
+
 def layer_norm_op(bb, inputs, attr, params, opset):
     """TVM returns 0-d zeros for LayerNormalization's Mean and InvStdDev outputs; computed
     here when the node asks for them (Y stays TVM's R.nn.layer_norm)."""
@@ -416,6 +444,7 @@ def layer_norm_op(bb, inputs, attr, params, opset):
 # converter handles the case.
 CONVERTERS = {
     "Attention": attention_op,
+    "Clip": clip_op,
     "ConstantOfShape": constant_of_shape_op,
     "Expand": expand_op,
     "LayerNormalization": layer_norm_op,
