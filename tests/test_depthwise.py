@@ -412,3 +412,13 @@ def test_clip_by_constants_imports_as_relax_clip(lo, hi, dtype, relax_clip):
     got = BlockforgeBackend.prepare(model).run({"x": x})[0]
     np.testing.assert_array_equal(got, want)
     assert ("R.clip" in import_onnx(model).script()) == relax_clip
+
+
+def test_depthwise_kernels_bound_their_buffers():
+    """A hostile dilation (and the padding it allows) would make the rows a channels-last item
+    copies, or a channel's NCHW plane, the whole padded image: past MAX_PLANE_BYTES both decline
+    (TVM's conv is left to the model's size checks). SegFormer's stage 1 is far under."""
+    seg = ConvShape([1, 128, 128, 128], [128, 1, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 128)
+    assert depthwise.tokens_applies(seg, 16) and depthwise.applies(seg)
+    bomb = ConvShape([1, 64, 1, 5000], [64, 1, 3, 3], [1, 1], [5000, 1, 5000, 1], [5000, 1], 64)
+    assert bomb.valid() and not depthwise.tokens_applies(bomb, 16) and not depthwise.applies(bomb)

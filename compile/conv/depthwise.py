@@ -109,9 +109,18 @@ TOKENS_CONV_BLOCK = "dwc_conv"
 WIDTH_ATTR = "dw_out_width"  # on the conv block: OW, the row length of its (OH*OW) positions
 
 
+TOKENS_MAX_ROWS = 2  # output rows per parallel item (conv/schedule.py DW_TOKEN_ROWS, at most)
+
+
 def tokens_applies(cs: ConvShape, lanes: int) -> bool:
-    return (len(cs.size) == 2 and cs.valid() and cs.cg == 1 and cs.og == 1 and cs.groups > 1
-            and cs.c % lanes == 0)
+    """As applies, channels a whole number of vectors; the padded input rows one parallel item
+    copies (its output rows' reach: a dilated kernel's can be the whole padded image) at most
+    MAX_PLANE_BYTES, as the NCHW kernel's plane."""
+    if not (len(cs.size) == 2 and cs.valid() and cs.cg == 1 and cs.og == 1 and cs.groups > 1 and cs.c % lanes == 0):
+        return False
+    (_, _), (kh, kw), (sh, sw), (dh, dw), _, (_, ow) = _dims(cs)
+    rows, wp = TOKENS_MAX_ROWS * sh + (kh - 1) * dh, (ow - 1) * sw + (kw - 1) * dw + 1
+    return 4 * rows * wp * cs.c <= MAX_PLANE_BYTES
 
 
 def depthwise_tokens(t: te.Tensor, w: te.Tensor, cs: ConvShape) -> te.Tensor:

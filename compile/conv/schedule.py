@@ -12,7 +12,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from blockforge.compile.conv.depthwise import (CONV_BLOCK, PAD_BLOCK as DW_PAD_BLOCK, TOKENS_CONV_BLOCK,
-                                               TOKENS_PAD_BLOCK, WIDTH_ATTR)
+                                               TOKENS_MAX_ROWS, TOKENS_PAD_BLOCK, WIDTH_ATTR)
 from blockforge.compile.conv.rewrite import IM2COL_BLOCK, PAD_BLOCK
 from blockforge.compile.schedule.base import PARTITION_HINT, CPURule, const_int, has_root, log_skip, vector_lanes
 
@@ -135,7 +135,7 @@ class CPUDepthwise(CPURule):
 # (8 accumulators; each tap's weight vector read once for the positions).
 DW_TOKEN_POSITIONS = 4
 DW_TOKEN_VECS = 2
-DW_TOKEN_ROWS = 2
+DW_TOKEN_ROWS = TOKENS_MAX_ROWS  # output rows per parallel item (4 and 8 no faster): their padded rows copied once
 
 
 class CPUDepthwiseTokens(CPURule):
