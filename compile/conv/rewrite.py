@@ -339,6 +339,11 @@ class _ConvGemm(PyExprMutator):
         else:
             var = self.builder_.emit_output(value, name_hint=binding.var.name)
         self.set_var_remap(binding.var, var)
+        self._record(value, var)
+
+    def _record(self, value, var) -> None:
+        """var is bound to value: where value is a crop or a view this pass returned (pending*),
+        the var is what later ops see through (padded, flat, tokens)."""
         for call, full, length in self.pending:
             if value.same_as(call):
                 self.padded[var] = (full, length)
@@ -419,11 +424,9 @@ class _ConvGemm(PyExprMutator):
         return self._tokens_view(tok, shape)
 
     def _emit(self, value):
-        """value bound to a new var, a crop (self.pending) recorded as visit_var_binding_ does."""
+        """value bound to a new var, recorded as visit_var_binding_ does."""
         var = self.builder_.emit(value)
-        for call, full, length in self.pending:
-            if value.same_as(call):
-                self.padded[var] = (full, length)
+        self._record(value, var)
         return var
 
     def _view(self, flat, shape):

@@ -70,6 +70,45 @@ def _kernel_blocks(sch: s_tir.Schedule, pad_name: str, conv_name: str):
             [const_int(sch.get(lp).extent) for lp in loops])
 
 
+def _register_tile(sch: s_tir.Schedule, conv, at, rh, unrolled, vector):
+    """The conv's accumulators as a local tile written back under loop `at`: `unrolled` loops
+    unrolled, `vector` vectorised, the init decomposed at the taps' first loop rh with its tile's
+    (rows, vectors, lanes) likewise. Returns the write-back block."""
+    acc = sch.cache_write(conv, 0, "local")
+    sch.reverse_compute_at(acc, at, preserve_unit_loops=True)
+    for lp in unrolled:
+        sch.unroll(lp)
+    sch.vectorize(vector)
+    init = sch.decompose_reduction(conv, rh)
+    *_, i_rows, i_vecs, i_lanes = sch.get_loops(init)
+    sch.unroll(i_rows)
+    sch.unroll(i_vecs)
+    sch.vectorize(i_lanes)
+    return acc
+
+
+def _epilogue(sch: s_tir.Schedule, after, at, lanes: int) -> None:
+    """FuseOps' consumers of the conv (select, bias, activation) under loop `at`: inlined into the
+    last one where they inline, that one's innermost loop vectorised (a tail past whole vectors,
+    ConvNeXt's 56 columns, split off at its guard)."""
+    for b in after[:-1]:
+        try:
+            sch.compute_inline(b)
+        except Exception:
+            sch.reverse_compute_at(b, at)
+    if not after:
+        return
+    last = after[-1]
+    sch.reverse_compute_at(last, at)
+    inner = sch.get_loops(last)[-1]
+    ext = const_int(sch.get(inner).extent)
+    if ext is not None and ext >= lanes:
+        vo, vi = sch.split(inner, [None, lanes])
+        if ext % lanes:
+            sch.annotate(vo, PARTITION_HINT, 1)
+        sch.vectorize(vi)
+
+
 class CPUDepthwise(CPURule):
     """depthwise.py's kernel: per (batch, channel) (the parallel loop) the padded plane, then per
     few output rows a tile of vectors in registers over the kernel's taps, then those rows'
@@ -94,40 +133,18 @@ class CPUDepthwise(CPURule):
         ro, ri = sch.split(row, [None, r])
         qo, qu, qi = sch.split(q, [None, u, lanes])
         sch.reorder(ro, qo, rh, rw, ri, qu, qi)
-        acc = sch.cache_write(conv, 0, "local")
-        sch.reverse_compute_at(acc, qo, preserve_unit_loops=True)
         # kh unrolled, the tile's rows share their loads of the plane's rows (56 x 56, 7x7: 0.13 ms
         # against 0.17 as a loop); but a tall tile of a big kernel kept every shared load live and
         # spilled (14 x 14, 7x7, 7 rows: 0.12 ms unrolled, 0.052 as a loop; ORT 0.051)
-        for lp in ((rh, rw, ri, qu) if exts[5] * exts[6] <= DW_UNROLL_TAPS or r <= 2 else (rw, ri, qu)):
-            sch.unroll(lp)
-        sch.vectorize(qi)
-        init = sch.decompose_reduction(conv, rh)
-        *_, ir, iu, ii = sch.get_loops(init)
-        sch.unroll(ir)
-        sch.unroll(iu)
-        sch.vectorize(ii)
+        acc = _register_tile(sch, conv, qo, rh, (rh, rw, ri, qu) if exts[5] * exts[6] <= DW_UNROLL_TAPS or r <= 2
+                             else (rw, ri, qu), qi)
         *_, aj, ap = sch.get_loops(acc)  # its columns as (j, phase), as the conv's
         _, ai = sch.split(sch.fuse(aj, ap), [None, lanes])
         sch.vectorize(ai)
         sch.compute_at(pad, nc)
         for lp in sch.get_loops(pad)[-2:]:  # the plane's rows and columns: split at the guard
             sch.annotate(lp, PARTITION_HINT, 1)
-        for b in after[:-1]:  # the select, bias, activation: into the last one where they inline
-            try:
-                sch.compute_inline(b)
-            except Exception:
-                sch.reverse_compute_at(b, ro)
-        if after:
-            last = after[-1]
-            sch.reverse_compute_at(last, ro)
-            inner = sch.get_loops(last)[-1]
-            ext = const_int(sch.get(inner).extent)
-            if ext is not None and ext >= lanes:
-                vo, vi = sch.split(inner, [None, lanes])
-                if ext % lanes:  # the crop's tail (ConvNeXt's 56 columns): its guard split off
-                    sch.annotate(vo, PARTITION_HINT, 1)
-                sch.vectorize(vi)
+        _epilogue(sch, after, ro, lanes)
         return sch
 
 
@@ -165,16 +182,8 @@ class CPUDepthwiseTokens(CPURule):
         vecs = _divisor(exts[2] // lanes, DW_TOKEN_VECS)
         co, cv, ci = sch.split(c, [None, vecs, lanes])
         sch.reorder(ri, jo, co, rh, rw, ji, cv, ci)
-        acc = sch.cache_write(conv, 0, "local")
-        sch.reverse_compute_at(acc, co, preserve_unit_loops=True)
-        for lp in ((rh, rw, ji, cv) if exts[3] * exts[4] <= DW_UNROLL_TAPS else (rw, ji, cv)):
-            sch.unroll(lp)
-        sch.vectorize(ci)
-        init = sch.decompose_reduction(conv, rh)
-        *_, iji, icv, ici = sch.get_loops(init)
-        sch.unroll(iji)
-        sch.unroll(icv)
-        sch.vectorize(ici)
+        acc = _register_tile(sch, conv, co, rh, (rh, rw, ji, cv) if exts[3] * exts[4] <= DW_UNROLL_TAPS
+                             else (rw, ji, cv), ci)
         *_, ac = sch.get_loops(acc)
         sch.vectorize(sch.split(ac, [None, lanes])[1])
         sch.compute_at(pad, par)  # the rows the tile reads, once
@@ -182,14 +191,5 @@ class CPUDepthwiseTokens(CPURule):
         for lp in (pr, pm):
             sch.annotate(lp, PARTITION_HINT, 1)
         sch.vectorize(sch.split(pc, [None, lanes])[1])
-        for b in after[:-1]:
-            try:
-                sch.compute_inline(b)
-            except Exception:
-                sch.reverse_compute_at(b, co)
-        if after:  # per tile, from the accumulators just written (a whole row tile's went to L2)
-            last = after[-1]
-            sch.reverse_compute_at(last, co)
-            *_, lc = sch.get_loops(last)
-            sch.vectorize(sch.split(lc, [None, lanes])[1])
+        _epilogue(sch, after, co, lanes)  # per tile, from the accumulators just written (per row tile: to L2)
         return sch

@@ -29,6 +29,7 @@ def rewrite(func):
     from tvm import tirx
 
     from blockforge.compile.passes.stack_allocs import constant_elements
+    from blockforge.compile.passes.window_allocs import inline_lets
 
     sizes, ranges, lets = [], {}, {}
 
@@ -59,12 +60,9 @@ def rewrite(func):
         ana = tvm.sym.Analyzer()
         for v, r in ranges.items():
             ana.bind(v, r)
-        base = tvm_ffi.structural_map(i.base, (tirx.Var, lambda v: lets.get(v, v)))
-        for _ in range(8):  # let chains (CSE: cse_v2 = cse_v1 + 1)
-            nxt = tvm_ffi.structural_map(base, (tirx.Var, lambda v: lets.get(v, v)))
-            if tvm_ffi.structural_equal(nxt, base):
-                break
-            base = nxt
+        base = inline_lets(i.base, lets)  # (CSE's let chains: cse_v2 = cse_v1 + 1)
+        if base is None:
+            return x
         dt = i.stride.ty.dtype  # (the index type: int32 or int64)
         last = base + tirx.const(lanes * s - 1, dt)
         if not (ana.can_prove(base >= tirx.const(0, dt)) and ana.can_prove(last < tirx.const(n, dt))):

@@ -35,6 +35,26 @@ MAX_ELEMENTS = 1 << 14  # elements of the window (a vector dtype's element is a 
 _LET_DEPTH = 16  # rounds of let-inlining an index may need (CSE chains: cse_v6 = cse_v2 + 1, ...)
 
 
+def inline_lets(e, lets: dict):
+    """e with every var bound in `lets` (var -> value) replaced by its value, through chains of
+    lets up to _LET_DEPTH deep; None where a chain is deeper."""
+    import tvm_ffi
+    from tvm import tirx
+
+    for _ in range(_LET_DEPTH):
+        hit = [False]
+
+        def sub(v):
+            if v in lets:
+                hit[0] = True
+                return lets[v]
+            return v
+        e = tvm_ffi.structural_map(e, (tirx.Var, sub))
+        if not hit[0]:
+            return e
+    return None
+
+
 def _symbolic(buffer) -> bool:
     from tvm import tirx
 
@@ -76,21 +96,7 @@ class _Scope:
 
     def inline(self, e):
         """e with the lets bound in the scope substituted (their values refer to loop vars)."""
-        import tvm_ffi
-        from tvm import tirx
-
-        for _ in range(_LET_DEPTH):
-            hit = [False]
-
-            def sub(v):
-                if v in self.lets:
-                    hit[0] = True
-                    return self.lets[v]
-                return v
-            e = tvm_ffi.structural_map(e, (tirx.Var, sub))
-            if not hit[0]:
-                return e
-        return None
+        return inline_lets(e, self.lets)
 
 
 def _loops(stmt) -> list:
