@@ -305,3 +305,16 @@ def relax_op_names(mod, func: str = "main") -> list[str]:
     relax.analysis.post_order_visit(mod[func].body, lambda e: names.append(e.op.name) if isinstance(e, relax.Call)
                                     and isinstance(e.op, tvm.ir.Op) else None)
     return names
+
+
+def fused_attention_counts(session) -> tuple[int, int]:
+    """After the fuse-attention phase of an opened model: (calls of a fused kernel
+    fused_attention_<n>, softmaxes left in main). A count, not only matching outputs: the
+    SDPA exports matched ORT with 0 of their attentions fused."""
+    from blockforge.compile.pipeline import run_phases
+
+    fused, _ = run_phases(session.relax(), session.target, stop_after="fuse-attention")
+    bindings = [b.value for blk in fused["main"].body.blocks for b in blk.bindings]
+    op = lambda v: getattr(getattr(v, "op", None), "name", None)  # noqa: E731
+    calls = sum(op(v) == "relax.call_tir" and v.args[0].name_hint.startswith("fused_attention_") for v in bindings)
+    return calls, sum(op(v) == "relax.nn.softmax" for v in bindings)
