@@ -34,7 +34,10 @@ def _gpu_present() -> bool:
 def session(model: onnx.ModelProto, *, threads: int | None = None, device: str = "cpu", spin: bool = True,
             optimize: bool = True):
     """optimize False: ORT's graph optimizations off (ORT_DISABLE_ALL): the graph as written, no
-    fused kernels (a quantized model's parity spread, graph/parity.py)."""
+    fused kernels (a quantized model's parity spread, graph/parity.py). ORT rewrites known to
+    change this model's numbers are off either way (ort_deviations.wrong_rewrites)."""
+    from .ort_deviations import wrong_rewrites
+
     ort = _ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -59,7 +62,8 @@ def session(model: onnx.ModelProto, *, threads: int | None = None, device: str =
     # the exception that carries the same text: to the log file, as TVM's native output.
     try:
         with native_output_to_log():
-            return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+            return ort.InferenceSession(model.SerializeToString(), so, providers=providers,
+                                        disabled_optimizers=wrong_rewrites(model))
     except Exception as e:
         raise BlockforgeError(f"ONNX Runtime cannot load the model: {error_line(e)}") from None
 

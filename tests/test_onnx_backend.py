@@ -263,11 +263,16 @@ def test_check_outputs_rules():
         ({**good, "y": np.zeros((2, 4, 7), np.float32)}, {}, "axis 1: 4 != 3"),
         ({**good, "y": np.zeros((2, 3), np.float32)}, {}, "rank 3"),
         (good, {"batch": 5}, "axis 0: 2 != 5"),
-        ({**good, "z": np.zeros(3, ml_dtypes.float8_e4m3fn)}, {}, "axis 0: 3 != 2"),
+        ({**good, "z": np.zeros(3, ml_dtypes.float8_e4m3fn)}, {"batch": 2}, "axis 0: 3 != 2"),
         ({**good, "y": np.zeros((2, 3, 7), np.float64)}, {}, "dtype float64"),
     ]:
         with pytest.raises(BlockforgeError, match=re.escape(fragment)):
             check_outputs(sigs, outs, bound)
+    # A name no input binds is the exporter's guess: torch's legacy exporter declares
+    # MobileNet's (1, 128, 2, 2) output [d0, 128, d0, d3] (tests/fixtures/families).
+    guess = [TensorSig("h", ("Cliph_dim_0", 128, "Cliph_dim_0", "Cliph_dim_3"), "float32")]
+    check_outputs(guess, {"h": np.zeros((1, 128, 2, 2), np.float32)}, {"batch": 1})
+    check_outputs(sigs, {**good, "z": np.zeros(3, ml_dtypes.float8_e4m3fn)}, {})
 
 
 def test_npz_entries_store_ml_dtypes_as_bits():

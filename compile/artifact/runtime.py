@@ -141,8 +141,10 @@ def _same_dtype(got: np.dtype, declared: str) -> bool:
 
 def check_outputs(sigs: list[TensorSig], outputs: dict[str, np.ndarray], bound: dict | None = None) -> None:
     """Outputs against the declared signature. Symbolic dims must agree with the value the
-    inputs gave them (and with each other); unknown dims (None) match anything. A declared
-    shape of () is also what an unknown rank looks like, so it is not checked."""
+    inputs gave them (`bound`); unknown dims (None) match anything, and so does a name no input
+    binds: that is the exporter's guess, not a contract (torch's legacy exporter declares
+    MobileNet's (1, C, 2, 2) output as [d0, C, d0, d3], d0 named for the batch; ORT only warns).
+    A declared shape of () is also what an unknown rank looks like, so it is not checked."""
     bound = dict(bound or {})
     for s in sigs:
         a = outputs[s.name]
@@ -156,7 +158,7 @@ def check_outputs(sigs: list[TensorSig], outputs: dict[str, np.ndarray], bound: 
                                   f"the model declares rank {len(s.dims)} {list(s.dims)}")
         for axis, (got, d) in enumerate(zip(a.shape, s.dims)):
             if isinstance(d, str):
-                want = bound.setdefault(d, got)
+                want = bound.get(d, got)
             else:
                 want = got if d is None else d
             if got != want:

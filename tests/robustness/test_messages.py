@@ -307,6 +307,47 @@ def test_no_deviation_where_ort_agrees(tmp_path):
         assert deviations_in(onnx.load(_attention(tmp_path / "m.onnx", **attrs))) == []
 
 
+def _pad_maxpool(value: float | None, pool: str = "MaxPool") -> onnx.ModelProto:
+    """Pad (1 each side, value `value`; None: the input left out, 0) -> 3x3/2 pool: BiT's stem."""
+    inits = [helper.make_tensor("p", TensorProto.INT64, [8], [0, 0, 1, 1, 0, 0, 1, 1])]
+    if value is not None:
+        inits.append(helper.make_tensor("v", TensorProto.FLOAT, [], [value]))
+    nodes = [helper.make_node("Pad", ["x", "p"] + (["v"] if value is not None else []), ["y"], mode="constant"),
+             helper.make_node(pool, ["y"], ["z"], kernel_shape=[3, 3], strides=[2, 2])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8, 8])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 2, 4, 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("value", [0.0, None])
+def test_ort_pad_fusion_is_off_where_it_changes_the_numbers(value):
+    """ORT's Pad_Fusion folds Pad(0) into MaxPool's -inf padding: on all-negative windows at the
+    border its default session returns the negative maximum, the reference 0 (BiT's stem). The
+    reference session (graph.ort.session) turns that rewrite off for such a model and agrees with
+    onnx.reference. When ORT is fixed the first assert fails: drop the rewrite from the table."""
+    import onnxruntime
+
+    from blockforge.graph import ort
+    from blockforge.graph.ort_deviations import reference_outputs, wrong_rewrites
+
+    model = _pad_maxpool(value)
+    feeds = {"x": -np.abs(np.random.default_rng(0).standard_normal((1, 2, 8, 8))).astype(np.float32) - 0.1}
+    want = reference_outputs(model, feeds)["z"]
+    default = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert np.abs(default.run(None, feeds)[0] - want).max() > 0.05, "ORT's Pad_Fusion is fixed: drop it"
+    assert wrong_rewrites(model) == ["Pad_Fusion"]
+    np.testing.assert_allclose(ort.run(model, feeds)["z"], want, rtol=0, atol=1e-6)
+
+
+def test_ort_pad_fusion_stays_where_it_is_exact():
+    """Pad(-inf) before MaxPool is what MaxPool's own pads mean; a Pad before AveragePool is not
+    this rewrite's bug: neither turns it off (their ORT timings stay as users get them)."""
+    from blockforge.graph.ort_deviations import wrong_rewrites
+
+    assert wrong_rewrites(_pad_maxpool(float("-inf"))) == []
+    assert wrong_rewrites(_pad_maxpool(0.0, pool="AveragePool")) == []
+
+
 def test_verify_says_tvm_matches_the_reference(tmp_path):
     """Before: a bare FAIL on qk; now the row and a note say ORT departs, TVM matches the reference."""
     model = _attention(tmp_path / "m.onnx", **DEVIATION_MODELS["attention-qk-softcap-mode0"])
