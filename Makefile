@@ -31,7 +31,8 @@ CHECK_TESTS := tests/test_architecture.py tests/test_spec.py tests/test_targets.
 	tests/test_attention_fusion.py tests/robustness/test_outputs.py tests/robustness/test_fuzz.py \
 	tests/robustness/test_fp16_overflow.py tests/test_library_errors.py tests/test_tune_intrinsics.py \
 	tests/test_window_allocs.py tests/test_rewrite_functions.py tests/test_i8mm_gemm.py tests/test_nan_guard.py \
-	tests/test_dim_bounds.py tests/robustness/test_stale_roots.py tests/test_maddubs_gemm.py tests/test_depthwise.py
+	tests/test_dim_bounds.py tests/robustness/test_stale_roots.py tests/test_maddubs_gemm.py tests/test_depthwise.py \
+	tests/test_frontend_ops.py
 
 .PHONY: demo test check test-long fuzz-edge install clean robustness bench onnx-backend bench-peers
 

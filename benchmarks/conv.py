@@ -13,6 +13,9 @@ Cases (fp32, batch 1, random weights, the shapes of the real models):
   segformer_dw    SegFormer-b0's Mix-FFN depthwise: (1, 128, 128, 128) -> 3x3 + GELU
   convnext_dw56   ConvNeXt-tiny's 7x7 depthwise at stage 1: (1, 96, 56, 56)
   convnext_dw14   and at stage 3: (1, 384, 14, 14)
+  mobilevit_stem  MobileViT-small's stem: (1, 3, 256, 256) -> 3x3 s2 (16) + SiLU
+  mobilevit_pw16  its pointwise expansions at 128 x 128: 16 -> 64 + SiLU
+  mobilevit_pw32  and 32 -> 128 + SiLU
 Each case is one `blockforge bench` run: the contenders interleaved in this process, outputs
 checked against ORT before timing. The table gives median ms, GFLOP/s (the convs' 2 x MACs)
 and the ratio to OpenVINO from the same samples, with the 1-minute load average: on a shared
@@ -113,7 +116,12 @@ def cases(smoke: bool) -> list[_Graph]:
                                                                      groups=128 // s).gelu()
     cnx56 = _Graph("convnext_dw56", (1, 96 // s, 56, 56)).conv2d(96 // s, 96 // s, 7, pad=3, groups=96 // s)
     cnx14 = _Graph("convnext_dw14", (1, 384 // s, 14, 14)).conv2d(384 // s, 384 // s, 7, pad=3, groups=384 // s)
-    return [whisper, w2v, pos, mvit, seg, cnx56, cnx14]
+    # MobileViT-small's convs at 128 x 128 with few input channels: its stem (3x3 stride 2 on the
+    # 256 x 256 image) and the two pointwise expansions (K = 16 and 32 rows of the GEMM) + SiLU.
+    stem = _Graph("mobilevit_stem", (1, 3, 256 // s, 256 // s)).conv2d(3, 16, 3, stride=2, pad=1).silu()
+    pw16 = _Graph("mobilevit_pw16", (1, 16, 128 // s, 128 // s)).conv2d(16, 64, 1).silu()
+    pw32 = _Graph("mobilevit_pw32", (1, 32, 128 // s, 128 // s)).conv2d(32, 128, 1).silu()
+    return [whisper, w2v, pos, mvit, seg, cnx56, cnx14, stem, pw16, pw32]
 
 
 def ablation_ab(g: _Graph, d: Path, ablation: str, repeat: int) -> tuple[str, dict[str, float]]:
@@ -164,7 +172,7 @@ def main() -> int:
                 name, ms = ablation_ab(g, Path(tmp), a.ab, repeat)
                 best = min(v for k, v in ms.items() if k in ("ort", "openvino"))
                 print(f"{name}: " + ", ".join(f"{k} {v / best:.2f}x" for k, v in ms.items())
-                      + f" of the best peer; new / without {ms['new'] / ms[f'without {a.ab}']:.2f};"
+                      + f" of the best peer ({best:.3f} ms); new / without {ms['new'] / ms[f'without {a.ab}']:.2f};"
                       f" load {os.getloadavg()[0]:.2f}", flush=True)
         return 0
     rows, reports = [], {}

@@ -738,11 +738,12 @@ def test_setting_turns_the_phase_off(monkeypatch):
     assert "fuse-attention" not in [p.name for p in phases(HOST, fuse_attention=False)]
 
 
-def _four_variant_model(path: Path) -> Path:
+def _four_variant_model(path: Path, negated: bool = False) -> Path:
     """Four distinct attentions in one model (onnx.helper, static shapes), as Swin and
     encoder-decoders have them: window attention (4 windows of 4 tokens, 2 heads), shifted-
     window attention with its (windows, 1, N, N) additive mask, causal decoder self-attention
-    (4 heads) and cross-attention over a 12-token memory with a bool padding mask."""
+    (4 heads) and cross-attention over a 12-token memory with a bool padding mask. negated: the
+    bool masks applied as DeBERTa's masked_fill of the negated mask, where(not(keep), fill, s)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -771,7 +772,8 @@ def _four_variant_model(path: Path) -> Path:
         if add is not None:
             s = op("Add", [s, add], f"{p}/s2")
         if keep is not None:
-            s = op("Where", [keep, s, const(f"{p}/fill", np.float32(np.finfo(np.float32).min))], f"{p}/s3")
+            fill = const(f"{p}/fill", np.float32(np.finfo(np.float32).min))
+            s = op("Where", [op("Not", [keep], f"{p}/nk"), fill, s] if negated else [keep, s, fill], f"{p}/s3")
         o = op("MatMul", [op("Softmax", [s], f"{p}/p", axis=-1), v], f"{p}/o0")
         o = op("Reshape", [op("Transpose", [o], f"{p}/o1", perm=[0, 2, 1, 3]),
                            const(f"{p}/merge", np.array([b, sq, c], np.int64))], f"{p}/o2")
@@ -796,6 +798,20 @@ def _four_variant_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 32])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(path))
     return path
+
+
+def test_masked_fill_of_the_negated_mask_fuses(tmp_path, monkeypatch):
+    """DeBERTa's where(not(mask), lowest, scores) is where(mask, scores, lowest): the causal and the
+    padding-masked attentions fuse as in the plain form (before: "a fill that is not a scalar
+    constant"), with ORT parity."""
+    monkeypatch.setenv("BLOCKFORGE_ISOLATE", "0")
+    path = _four_variant_model(tmp_path / "negated.onnx", negated=True)
+    mod, _ = run_phases(open_model(path, HOST, {}).relax(), HOST, stop_after="fuse-attention")
+    specs = [attention.AttentionSpec.from_json(str(f.attrs[attention.KERNEL_ATTR])) for _, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and attention.is_kernel(f)]
+    assert len(specs) == 4 and sum(s.causal for s in specs) == 1 and "relax.nn.softmax" not in _ops(mod)
+    rep = verify(VerifyOptions(model=path, target="host", shape={}, use_tuning=False))
+    assert rep.passed, [c for c in rep.comparisons if not c.passed]
 
 
 def test_distinct_attention_variants_get_distinct_kernels(tmp_path, monkeypatch):

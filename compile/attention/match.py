@@ -174,10 +174,17 @@ class _Finder:
             return why("the scores are used outside the attention")
         c = self.value(x)
         if _is_call(c, "relax.where"):
-            fill = _scalar_const(c.args[2])
-            if fill is None or _dtype(c.args[0]) != "bool":
+            keep, x, fill = c.args[0], c.args[1], _scalar_const(c.args[2])
+            if fill is None and _scalar_const(x) is not None:
+                # DeBERTa: where(~mask, fill, scores) (masked_fill of the negated mask); a constant
+                # mask's negation was folded at import (a causal tril): negated back here
+                neg, const = self.value(keep), getattr(keep, "value", None)
+                if _is_call(neg, "relax.logical_not"):
+                    keep, x, fill = neg.args[0], c.args[2], _scalar_const(c.args[1])
+                elif hasattr(const, "numpy") and const.numpy().dtype == bool:
+                    keep, x, fill = relax.const(~const.numpy()), c.args[2], _scalar_const(c.args[1])
+            if fill is None or _dtype(keep) != "bool":
                 return why("where(mask, scores, fill) with a fill that is not a scalar constant")
-            keep, x = c.args[0], c.args[1]
             chain.append(x)
             if not (isinstance(x, relax.Var) and self.once(x)):
                 return None

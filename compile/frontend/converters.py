@@ -26,8 +26,10 @@ numbering (0: scaled scores, 1: after softcap, 2: after the bias, 3: after softm
 
 The other converters fill gaps TVM's own leave on ops of transformer exports (each falls back
 to TVM's converter outside its case): Reshape / Expand / ConstantOfShape / Split with the
-shape or sizes as a runtime tensor, ReduceMean with an empty axes input, Pow of mixed or
-integer types, and LayerNormalization's Mean and InvStdDev outputs (TVM returns zeros).
+shape or sizes as a runtime tensor, Col2Im (TVM has none: MobileViT V2's fold), an Einsum that
+is a batched matmul (TVM's is one opaque kernel: CvT's attention unfused), ReduceMean
+with an empty axes input, Pow of mixed or integer types, and LayerNormalization's Mean and
+InvStdDev outputs (TVM returns zeros).
 """
 
 from __future__ import annotations
@@ -419,6 +421,110 @@ def clip_op(bb, inputs, attr, params, opset):
     return _T.clip(x, lo, hi)
 
 
+def einsum_op(bb, inputs, attr, params, opset):
+    """A two-operand Einsum that is a batched matrix product (CvT's attention: "bhlk,bhtk->bhlt",
+    "bhlt,bhtv->bhlv") as R.matmul between permute_dims / reshapes. TVM imports every Einsum as
+    one opaque TE kernel, which neither the attention fuser nor the matmul rule sees: CvT's six
+    attentions ran unfused on it. Each index is batch (in both operands and the output), row
+    (first operand and output), column (second operand and output) or contracted (both operands,
+    not the output); anything else (ellipsis, a diagonal, a one-sided sum) stays TVM's."""
+    eq = attr.get("equation", b"")
+    eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
+    if len(inputs) != 2 or "..." in eq or "->" not in eq or eq.count(",") != 1:
+        return None
+    (sa, sb), so = eq.split("->")[0].split(","), eq.split("->")[1]
+    a, b = inputs
+    da, db = _dims(a), _dims(b)
+    if any(len(set(t)) != len(t) for t in (sa, sb, so)) or len(sa) != len(da) or len(sb) != len(db) \
+            or set(so) - set(sa) - set(sb) or _dtype(a) != _dtype(b):
+        return None
+    batch = [i for i in so if i in sa and i in sb]
+    rows = [i for i in so if i in sa and i not in sb]
+    cols = [i for i in so if i in sb and i not in sa]
+    red = [i for i in sa if i in sb and i not in so]
+    if set(sa) != set(batch + rows + red) or set(sb) != set(batch + cols + red):
+        return None
+    size = {**dict(zip(sa, da)), **dict(zip(sb, db))}
+
+    def arrange(x, sub, order, groups):
+        perm = [sub.index(i) for i in order]
+        if perm != list(range(len(sub))):
+            x = _T.permute_dims(x, perm)
+        if any(len(g) != 1 for g in groups):  # each group one axis: (batch..., rows, red) etc.
+            shape = [size[i] for i in batch] + [_prod([size[i] for i in g]) for g in groups]
+            x = _T.reshape(x, shape)
+        return x
+
+    x = arrange(a, sa, batch + rows + red, [rows, red])
+    y = arrange(b, sb, batch + red + cols, [red, cols])
+    out = _T.matmul(x, y)
+    got = batch + rows + cols
+    if len(rows) != 1 or len(cols) != 1:
+        out = _T.reshape(out, [size[i] for i in got])
+    perm = [got.index(i) for i in so]
+    return out if perm == list(range(len(got))) else _T.permute_dims(out, perm)
+
+
+def _prod(vals):
+    out = 1
+    for v in vals:
+        out = out * v
+    return out
+
+
+def col2im_op(bb, inputs, attr, params, opset):
+    """Col2Im (opset 18; MobileViT V2's fold): columns (N, C * prod(block), L) summed back into
+    the image (N, C, *image_shape). Blocks that tile the image exactly (stride = block, no
+    dilation or pads: the fold of unfold's patches) are a reshape and a transpose, which the
+    layout kernels take; any other geometry is one TE kernel summing the prod(block) taps that
+    land on each pixel. image_shape and block_shape must be constants: the output's shape."""
+    from tvm import te, tirx
+
+    x = inputs[0]
+    shapes = []
+    for i, what in ((1, "image_shape"), (2, "block_shape")):
+        c = tvm_onnx.get_constant(inputs[i], params)
+        if not isinstance(c, tvm.ir.GenericConst):
+            raise ValueError(f"Col2Im's {what} must be a constant (it is the output's shape)")
+        shapes.append([int(v) for v in c.value.numpy().reshape(-1)])
+    image, block = shapes
+    d = len(image)
+    dil = [int(v) for v in attr.get("dilations", [1] * d)]
+    pads = [int(v) for v in attr.get("pads", [0] * (2 * d))]
+    strides = [int(v) for v in attr.get("strides", [1] * d)]
+    dims = _dims(x)
+    if len(block) != d or len(dil) != d or len(strides) != d or len(pads) != 2 * d or len(dims) != 3 \
+            or min(image + block + dil + strides) < 1 or min(pads) < 0:
+        raise ValueError(f"Col2Im with image_shape {image}, block_shape {block}, dilations {dil}, pads {pads}, "
+                         f"strides {strides} on a rank-{len(dims)} input: inconsistent")
+    n_blocks = [(image[i] + pads[i] + pads[d + i] - dil[i] * (block[i] - 1) - 1) // strides[i] + 1 for i in range(d)]
+    taps = int(np.prod(block))
+    if not all(isinstance(v, (int, np.integer)) for v in dims[1:]) or dims[1] % taps \
+            or dims[2] != int(np.prod(n_blocks)) or min(n_blocks) < 1:
+        raise ValueError(f"Col2Im input of shape {dims} does not hold {taps}-tap columns of {n_blocks} blocks")
+    c = dims[1] // taps
+    if strides == block and dil == [1] * d and not any(pads) and all(b * k == m for b, k, m in zip(n_blocks, block, image)):
+        # (N, C, k1.., b1..) -> (N, C, b1, k1, b2, k2, ..) -> (N, C, *image)
+        t = _T.reshape(x, [dims[0], c, *block, *n_blocks])
+        order = [0, 1] + [a for i in range(d) for a in (2 + d + i, 2 + i)]
+        return _T.reshape(_T.permute_dims(t, order), [dims[0], c, *image])
+
+    def fold(xt):
+        r = [te.reduce_axis((0, k), f"k{i}") for i, k in enumerate(block)]
+
+        def f(n, ch, *pos):
+            cond, col, row = tirx.const(True, "bool"), ch, 0
+            for i in range(d):
+                off = pos[i] + pads[i] - r[i] * dil[i]  # where block i's tap r[i] must start
+                cond = tirx.all(cond, off >= 0, off % strides[i] == 0, off // strides[i] < n_blocks[i])
+                col = col * block[i] + r[i]
+                row = row * n_blocks[i] + tirx.max(off, 0) // strides[i]
+            return te.sum(tirx.if_then_else(cond, xt[n, col, row], tirx.const(0, xt.dtype)), axis=r)
+        return te.compute([dims[0], c, *image], f, name="col2im")
+
+    return bb.emit_te(fold, x)
+
+
 def layer_norm_op(bb, inputs, attr, params, opset):
     """TVM returns 0-d zeros for LayerNormalization's Mean and InvStdDev outputs; computed
     here when the node asks for them (Y stays TVM's R.nn.layer_norm)."""
@@ -445,6 +551,8 @@ def layer_norm_op(bb, inputs, attr, params, opset):
 CONVERTERS = {
     "Attention": attention_op,
     "Clip": clip_op,
+    "Col2Im": col2im_op,
+    "Einsum": einsum_op,
     "ConstantOfShape": constant_of_shape_op,
     "Expand": expand_op,
     "LayerNormalization": layer_norm_op,
