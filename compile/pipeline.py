@@ -46,6 +46,9 @@ ABLATIONS = {
     "conv-strided-loads": "strided 1-D convs' im2col columns, and 2-D convs' of output rows at least a vector "
                           "wide, by contiguous vector loads (and a lane shuffle at a stride) (compile/conv/strided.py; "
                           "left out: the gather TVM scalarises)",
+    "conv-narrow-rows": "2-D convs whose output rows are narrower than a vector (ResNet's 14 x 14 and 7 x 7): their "
+                        "im2col columns row by row, (oh, ow) loops per (channel, tap) (compile/conv/strided.py "
+                        "im2col_narrow; left out: the gather, a divmod per element)",
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",
@@ -207,7 +210,8 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
                                strided_loads="conv-strided-loads" not in without,
                                depthwise="conv-depthwise" not in without,
                                pointwise="conv-pointwise" not in without,
-                               channels_last="conv-channels-last" not in without)]
+                               channels_last="conv-channels-last" not in without,
+                               narrow="conv-narrow-rows" not in without)]
     return passes
 
 

@@ -469,18 +469,24 @@ def test_im2col_2d_row_loads_match_the_gather(name):
     xs, ws, st, pads, dl, groups = ROWS_2D[name]
     cs = ConvShape(list(xs), list(ws), st, pads, dl, groups)
     assert applies_2d(cs, 16, 64)
+    func = im2col_2d(list(xs), cs, 64, 16).with_attr("global_symbol", "main")
+    assert bool(_shuffles(func)) == (st[1] > 1)
+    _assert_columns_are_the_gathers(func, xs, cs)
+
+
+def _assert_columns_are_the_gathers(func, xs, cs: ConvShape) -> None:
+    """A parallel im2col PrimFunc writes exactly the columns rewrite.im2col's gather does (CPUIm2col
+    scheduled), the panel's tail past L included (zeros; the outputs start as NaN)."""
+    assert any(lp.kind == tirx.ForKind.PARALLEL for lp in _loops(func))
     x = te.placeholder(xs, "float32", name="x")
     ref = tvm.compile(tvm.IRModule({"main": _scheduled(CPUIm2col(), te.create_prim_func([x, im2col(x, cs, 64)]))}),
                       target=AVX512).mod
-    func = im2col_2d(list(xs), cs, 64, 16).with_attr("global_symbol", "main")
-    assert any(lp.kind == tirx.ForKind.PARALLEL for lp in _loops(func))
-    assert bool(_shuffles(func)) == (st[1] > 1)
     got = tvm.compile(tvm.IRModule({"main": func}), target=AVX512).mod
     xn = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
     outs = [tvm.runtime.tensor(np.full(cs.cols_shape(64), np.nan, np.float32)) for _ in range(2)]
     ref(tvm.runtime.tensor(xn), outs[0])
     got(tvm.runtime.tensor(xn), outs[1])
-    np.testing.assert_array_equal(outs[1].numpy(), outs[0].numpy())  # the tail past L included (zeros)
+    np.testing.assert_array_equal(outs[1].numpy(), outs[0].numpy())
 
 
 def test_im2col_2d_not_for_narrow_outputs():
@@ -488,6 +494,46 @@ def test_im2col_2d_not_for_narrow_outputs():
 
     assert not applies_2d(ConvShape([1, 4, 8, 8], [8, 4, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1), 16, 64)  # OW 8
     assert not applies_2d(ConvShape([1, 4, 8, 200], [8, 4, 3, 3], [1, 5], [1, 1, 1, 1], [1, 1], 1), 16, 64)  # stride 5
+
+
+# 2-D convs whose output rows are narrower than a vector: strided.im2col_narrow's (oh, ow) loops
+# against the gather, and inside a model against ORT (ablation conv-narrow-rows).
+NARROW_2D = {
+    "3x3-s1-p1-14x14 (ResNet-50's stage 3)": ((1, 16, 14, 14), (8, 16, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 1),
+    "3x3-s2-p1-odd (7 x 7 out of 13 x 13)": ((1, 4, 13, 13), (8, 4, 3, 3), [2, 2], [1, 1, 1, 1], [1, 1], 1),
+    "1x1-s2 (ResNet's downsample at 7 x 7)": ((1, 8, 14, 14), (8, 8, 1, 1), [2, 2], [0, 0, 0, 0], [1, 1], 1),
+    "2x3-asym-pads-dilated-grouped-batch2": ((2, 8, 9, 11), (8, 2, 2, 3), [1, 2], [0, 2, 1, 0], [2, 2], 4),
+    "5x5-p2-one-panel-exactly (8 x 8 = 64)": ((1, 3, 8, 8), (4, 3, 5, 5), [1, 1], [2, 2, 2, 2], [1, 1], 1),
+    "3x3-s2-28-wide (ResNet-50's stride-2 3x3: rows of 28, no whole vectors)":
+        ((1, 4, 56, 56), (8, 4, 3, 3), [2, 2], [1, 1, 1, 1], [1, 1], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(NARROW_2D))
+def test_im2col_narrow_matches_the_gather(name):
+    from blockforge.compile.conv.strided import applies_narrow, im2col_narrow
+
+    xs, ws, st, pads, dl, groups = NARROW_2D[name]
+    cs = ConvShape(list(xs), list(ws), st, pads, dl, groups)
+    assert applies_narrow(cs, 16)
+    _assert_columns_are_the_gathers(im2col_narrow(list(xs), cs, 64).with_attr("global_symbol", "main"), xs, cs)
+
+
+@pytest.mark.parametrize("name", list(NARROW_2D))
+def test_conv_2d_narrow_matches_ort(name):
+    xs, ws, st, pads, dl, groups = NARROW_2D[name]
+    model, feeds, want = _conv_model(xs, ws, strides=st, pads=pads, dilations=dl, group=groups, act="Relu")
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_narrow_rows_is_the_ablation():
+    """conv-narrow-rows off: the same conv on the gather (one im2col kernel either way)."""
+    model, _, _ = _conv_model((1, 16, 14, 14), (8, 16, 3, 3), strides=[1, 1], pads=[1, 1, 1, 1])
+    for without, row_loops in ((set(), True), ({"conv-narrow-rows"}, False)):
+        mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+        im2col = [f for gv, f in mod.functions_items() if "im2col" in gv.name_hint]
+        assert len(im2col) == 1 and ("T.sblock" not in im2col[0].script()) == row_loops
 
 
 @pytest.mark.parametrize("name", list(ROWS_2D))

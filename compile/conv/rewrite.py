@@ -311,7 +311,7 @@ def _broadcasts_along_last(e) -> bool:
 @mutator
 class _ConvGemm(PyExprMutator):
     def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool,
-                 depthwise: bool, pointwise: bool, channels_last: bool):
+                 depthwise: bool, pointwise: bool, channels_last: bool, narrow: bool = True):
         super().__init__(mod)
         self.depthwise, self.pointwise, self.channels_last = depthwise, pointwise, depthwise and channels_last
         self.pending_flat = []  # (the 4-D reshape call returned, its 3-D (N, O, L) var)
@@ -319,7 +319,7 @@ class _ConvGemm(PyExprMutator):
         self.pending_tokens = []  # (a view call returned, its tokens (N, L, C) var)
         self.tokens = {}  # var bound to an (N, C, H, W) or (N, C, L) view of tokens -> the tokens var
         self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
-        self.strided_loads = strided_loads
+        self.strided_loads, self.narrow = strided_loads, narrow
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
         self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
 
@@ -567,7 +567,11 @@ class _ConvGemm(PyExprMutator):
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
         else:
             vector_rows = not one_d and self.strided_loads and strided.applies_2d(cs, self.lanes, self.nr)
-            if (panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr)) or vector_rows:
+            narrow = not one_d and self.narrow and strided.applies_narrow(cs, self.lanes)
+            if narrow:
+                gv = add_kernel(b, strided.im2col_narrow(_static(x.ty.shape), cs, self.nr), "conv_im2col")
+                cols = b.emit(relax.call_tir(gv, [x], out_ty=relax.TensorType(list(cs.cols_shape(self.nr)), "float32")))
+            elif (panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr)) or vector_rows:
                 kernel = (strided.im2col_2d if vector_rows else strided.strided_im2col)(_static(x.ty.shape), cs, self.nr,
                                                                                         self.lanes)
                 gv = add_kernel(b, kernel, "conv_im2col")
@@ -587,7 +591,7 @@ class _ConvGemm(PyExprMutator):
 
 def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
                    trim: bool = True, strided_loads: bool = True, depthwise: bool = True,
-                   pointwise: bool = True, channels_last: bool = True) -> tvm.transform.Pass:
+                   pointwise: bool = True, channels_last: bool = True, narrow: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
@@ -596,7 +600,9 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
     depthwise: depthwise convs on the direct kernel of conv/depthwise.py, not TVM's conv;
     pointwise: 1x1 conv2d as a 1-D conv over H*W (not fast_math's patch conv), and the elementwise
     consumers of every 2-D conv's GEMM moved before its (N, O, OH, OW) reshape, into its epilogue;
-    channels_last: a depthwise conv between token layouts on depthwise.py's channels-last kernel)."""
+    channels_last: a depthwise conv between token layouts on depthwise.py's channels-last kernel;
+    narrow: 2-D convs with output rows narrower than a vector, their columns row by row
+    (strided.im2col_narrow), not by the gather)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -604,6 +610,6 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
 
         # (unused: the crops the chain slid past)
         return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise, pointwise,
-                                                channels_last), unused=True)
+                                                channels_last, narrow), unused=True)
 
     return _pass

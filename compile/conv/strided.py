@@ -33,28 +33,38 @@ def _i64(v):
 
 
 @contextlib.contextmanager
-def _panel_rows(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
-    """The im2col PrimFunc's frame, as CPUIm2col schedules the gather: x and cols, the parallel
-    loop over (n, g, jb, k) and in it the serial loop over the panel's vectors. Yields (the
-    builder, X, Y, (n, g, jb, k), v, j0: the vector's first output position); the function is
+def _im2col_func(x_shape: list[int], cs: ConvShape, nr: int):
+    """An im2col PrimFunc being built: yields (the builder, X, Y: x and cols); the function is
     the builder's get() after the block."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    nb, kg = cs.panels(nr), cs.kg
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("conv_im2col")
             X = T.arg("x", T.buffer([_i64(v) for v in x_shape], "float32"))
             Y = T.arg("cols", T.buffer([_i64(v) for v in cs.cols_shape(nr)], "float32"))
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-            with T.parallel(_i64(0), _i64(cs.n * cs.groups * nb * kg)) as f:
-                k = f % _i64(kg)
-                jb = f // _i64(kg) % _i64(nb)
-                g = f // _i64(kg * nb) % _i64(cs.groups)
-                n = f // _i64(kg * nb * cs.groups)
-                with T.serial(_i64(0), _i64(nr // lanes)) as v:
-                    yield ib, X, Y, (n, g, jb, k), v, jb * _i64(nr) + v * _i64(lanes)
+            yield ib, X, Y
+
+
+@contextlib.contextmanager
+def _panel_rows(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
+    """The im2col PrimFunc's frame, as CPUIm2col schedules the gather: x and cols, the parallel
+    loop over (n, g, jb, k) and in it the serial loop over the panel's vectors. Yields (the
+    builder, X, Y, (n, g, jb, k), v, j0: the vector's first output position); the function is
+    the builder's get() after the block."""
+    from tvm.script.ir_builder import tirx as T
+
+    nb, kg = cs.panels(nr), cs.kg
+    with _im2col_func(x_shape, cs, nr) as (ib, X, Y):
+        with T.parallel(_i64(0), _i64(cs.n * cs.groups * nb * kg)) as f:
+            k = f % _i64(kg)
+            jb = f // _i64(kg) % _i64(nb)
+            g = f // _i64(kg * nb) % _i64(cs.groups)
+            n = f // _i64(kg * nb * cs.groups)
+            with T.serial(_i64(0), _i64(nr // lanes)) as v:
+                yield ib, X, Y, (n, g, jb, k), v, jb * _i64(nr) + v * _i64(lanes)
 
 
 def strided_im2col(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):
@@ -95,6 +105,53 @@ def applies_2d(cs: ConvShape, lanes: int, nr: int) -> bool:
     3x3 (192 -> 96 at 32 x 32) 1.14 / 1.29 ms, its stem (3 -> 16, stride 2, 256 x 256) 0.21 / 0.26;
     the columns are still K x L floats written (0.40 ms of the 3x3's 1.26)."""
     return len(cs.size) == 2 and 1 <= cs.strides[1] <= MAX_STRIDE and cs.out[1] >= lanes and nr % lanes == 0
+
+
+def applies_narrow(cs: ConvShape, lanes: int) -> bool:
+    """A 2-D conv whose output rows are narrower than a vector (ResNet's 14 x 14 and 7 x 7
+    stages, OW < lanes), which im2col_2d leaves to the gather; and a strided one whose rows are
+    no whole number of vectors, where im2col_2d's straddling vectors take its divmod loop.
+    Measured in ResNet-50 (Zen 5, 2 threads, per call, rows -> these loops): the stride-2 3x3 at
+    56 -> 28 wide 0.83 -> 0.43 ms; but stride-1 rows of 56 and 28 0.24 -> 1.05 and 0.18 -> 0.48
+    (these loops are scalar; the row loads are not), so those stay im2col_2d's."""
+    return len(cs.size) == 2 and (cs.out[1] < lanes or (cs.strides[1] > 1 and cs.out[1] % lanes != 0))
+
+
+def im2col_narrow(x_shape: list[int], cs: ConvShape, nr: int):
+    """The PrimFunc cols[n, g, jb, k, jr] as im2col_2d's, for output rows narrower than a vector:
+    one parallel item per (n, g, k) row of the columns, the output positions walked as (oh, ow)
+    loops, so no index is divided by OW, and the row's tail past L zeroed. The gather computed
+    (oh, ow) = divmod(j, OW) per element and, with the previous GEMM's (N, C, H*W) -> (N, C, H, W)
+    reshape fused in, a second divmod by H*W: ResNet-50's 3x3 convs at 14 x 14 (256 channels)
+    took 0.99 ms each, 14% of the model."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    i64 = _i64
+    (h, w), (kh, kw), (sh, sw), (dh, dw) = cs.size, cs.kernel, cs.strides, cs.dilation
+    (ph, pw), (oh_n, ow_n) = cs.pad_begin, cs.out
+    nb, kg = cs.panels(nr), cs.kg
+    with _im2col_func(x_shape, cs, nr) as (ib, X, Y):
+        with T.parallel(i64(0), i64(cs.n * cs.groups * kg)) as f:
+            k = f % i64(kg)
+            g = f // i64(kg) % i64(cs.groups)
+            n = f // i64(kg * cs.groups)
+            c = g * i64(cs.cg) + k // i64(kh * kw)
+            ty, tx = k // i64(kw) % i64(kh), k % i64(kw)
+            with T.serial(i64(0), i64(oh_n)) as oh:
+                r = oh * i64(sh) + ty * i64(dh) - i64(ph)
+                sr = tirx.max(tirx.min(r, i64(h - 1)), i64(0))
+                with T.serial(i64(0), i64(ow_n)) as ow:
+                    col = ow * i64(sw) + tx * i64(dw) - i64(pw)
+                    inside = tirx.all(r >= i64(0), r < i64(h), col >= i64(0), col < i64(w))
+                    sc = tirx.max(tirx.min(col, i64(w - 1)), i64(0))
+                    j = oh * i64(ow_n) + ow
+                    T.buffer_store(Y, tirx.if_then_else(inside, X[n, c, sr, sc], tirx.const(0, "float32")),
+                                   [n, g, j // i64(nr), k, j % i64(nr)])
+            if nb * nr > cs.length:
+                with T.serial(i64(cs.length), i64(nb * nr)) as j:
+                    T.buffer_store(Y, tirx.const(0, "float32"), [n, g, j // i64(nr), k, j % i64(nr)])
+    return ib.get()
 
 
 def im2col_2d(x_shape: list[int], cs: ConvShape, nr: int, lanes: int):

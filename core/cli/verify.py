@@ -52,7 +52,7 @@ def _tol(c) -> str:
         return f"{c.precision} accuracy: rel L2 <= {c.gate:g}"
     if c.tol.rel_l2 is not None:
         return f"rel L2 <= {c.tol.rel_l2:g}"
-    step = f" + {c.tol.step:.3g}*max|expected| ({c.precision})" if c.tol.step else ""
+    step = f" + {c.tol.step:.3g}*max|expected|{f' ({c.precision})' if c.precision else ''}" if c.tol.step else ""
     return f"rtol={c.tol.rtol:g} atol={c.tol.atol:g}{step}"
 
 
