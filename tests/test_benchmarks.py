@@ -142,6 +142,26 @@ def test_export_models(tmp_path):
     assert "wrote" in out, out
 
 
+def test_export_families(tmp_path):
+    """One family exported into a fresh folder: its file and an index entry with the counts
+    tests/test_families.py holds the compiler to."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("torch/transformers not installed (pip install '.[export]'): benchmarks/export_families.py")
+    out = _run("export_families.py", "--families", "mobilenet_v1", "--exporters", "legacy", "--out", tmp_path / "f",
+               cwd=tmp_path)
+    assert "wrote" in out, out
+    (entry,) = json.loads((tmp_path / "f" / "index.json").read_text())["models"]
+    assert entry["file"] == "mobilenet_v1_legacy.onnx" and entry["depthwise_convs"] == 13 and entry["softmax"] == 0
+
+
+def test_export_families_refuses_unknown_names(tmp_path):
+    """Checked before torch is imported: one line and exit 2 on a machine without it too."""
+    p = subprocess.run([sys.executable, str(BENCH / "export_families.py"), "--families", "resnet,nosuch",
+                        "--out", tmp_path], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown: nosuch" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "index.json").exists()
+
+
 def test_int8_gemm(tmp_path):
     out = _run("int8_gemm.py", "--smoke", "--repeat", 1, "--no-avx512", "--no-vnni", cwd=tmp_path)
     from blockforge.targets import resolve
@@ -356,7 +376,8 @@ def test_decode_inplace(tmp_path):
 
 
 SMOKED = {"decode_key_rows.py", "norms.py", "int8_whole.py", "int8_decode.py", "compile_memory.py", "bf16_gemm.py", "conv.py", "int8_gemm.py", "attention.py", "dynamic_seq.py", "attention_layouts.py", "fp16_cpu.py", "patch_conv.py",
-          "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py"}
+          "ragged_matmul.py", "matvec.py", "peers.py", "run.py", "ship_records.py", "export_models.py", "whole_models.py",
+          "export_families.py"}
 SMOKED |= {"vit_gemm.py", "attention_qtile.py", "whole_ab.py"}  # vit (issue #20): tests/test_bench_vit.py
 SMOKED |= {"decode_entries.py", "decode_inplace.py"}  # decode (issue #21): test_decode_entries, test_decode_inplace above
 
