@@ -46,9 +46,10 @@ ABLATIONS = {
     "conv-strided-loads": "strided 1-D convs' im2col columns, and 2-D convs' of output rows at least a vector "
                           "wide, by contiguous vector loads (and a lane shuffle at a stride) (compile/conv/strided.py; "
                           "left out: the gather TVM scalarises)",
-    "conv-narrow-rows": "2-D convs whose output rows are narrower than a vector (ResNet's 14 x 14 and 7 x 7): their "
-                        "im2col columns row by row, (oh, ow) loops per (channel, tap) (compile/conv/strided.py "
-                        "im2col_narrow; left out: the gather, a divmod per element)",
+    "conv-narrow-rows": "2-D convs whose output rows are narrower than a vector (ResNet's 14 x 14 and 7 x 7), or "
+                        "strided rows of no whole vectors (its 56 -> 28 stride-2 3x3): their im2col columns row by "
+                        "row, (oh, ow) loops per (channel, tap) (compile/conv/strided.py im2col_narrow; left out: "
+                        "the gather, a divmod per element, or im2col_2d's vectors straddling rows)",
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",

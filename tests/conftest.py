@@ -307,14 +307,14 @@ def relax_op_names(mod, func: str = "main") -> list[str]:
     return names
 
 
-def fused_attention_counts(session) -> tuple[int, int]:
-    """After the fuse-attention phase of an opened model: (calls of a fused kernel
-    fused_attention_<n>, softmaxes left in main). A count, not only matching outputs: the
-    SDPA exports matched ORT with 0 of their attentions fused."""
+def fused_attention_counts(session):
+    """After the fuse-attention phase of an opened model: (the module, calls of a fused kernel
+    fused_attention_<n>, softmaxes left in main). A count, not only matching outputs: the SDPA
+    exports matched ORT with 0 of their attentions fused."""
     from blockforge.compile.pipeline import run_phases
 
     fused, _ = run_phases(session.relax(), session.target, stop_after="fuse-attention")
     bindings = [b.value for blk in fused["main"].body.blocks for b in blk.bindings]
     op = lambda v: getattr(getattr(v, "op", None), "name", None)  # noqa: E731
     calls = sum(op(v) == "relax.call_tir" and v.args[0].name_hint.startswith("fused_attention_") for v in bindings)
-    return calls, sum(op(v) == "relax.nn.softmax" for v in bindings)
+    return fused, calls, sum(op(v) == "relax.nn.softmax" for v in bindings)

@@ -17,7 +17,7 @@ from blockforge.graph.model_io import TensorSig, parse_dims, resolve_dims, signa
 
 # The verbs in-process: their outputs and errors are under test, not the process (~2 s of
 # CPU less per call than an interpreter start and a TVM import; verbs still run their children).
-from conftest import assert_user_error, run_cli_in_process as cli, save_npz
+from conftest import assert_user_error, fused_attention_counts, run_cli_in_process as cli, save_npz
 
 # Among the longest files: marked slow as a whole, so `make test` starts it first (conftest
 # _heavy_first) and `make check` never picks it up.
@@ -120,22 +120,15 @@ def _assert_attention_fused(entry: dict, session, caplog):
     whose split scale and isnan guard the matcher did not know). A model known unfused says why."""
     import logging
 
-    from blockforge.compile.pipeline import run_phases
-
     with caplog.at_level(logging.INFO, logger="blockforge.attention"):
-        fused, _ = run_phases(session.relax(), session.target, stop_after="fuse-attention")
-    calls = [b.value for blk in fused["main"].body.blocks for b in blk.bindings
-             if getattr(getattr(b.value, "op", None), "name", None) == "relax.call_tir"
-             and b.value.args[0].name_hint.startswith("fused_attention_")]
-    softmax = [b for blk in fused["main"].body.blocks for b in blk.bindings
-               if getattr(getattr(b.value, "op", None), "name", None) == "relax.nn.softmax"]
+        fused, calls, softmax = fused_attention_counts(session)
     layers = _attention_layers(entry)
     why = UNFUSED.get(entry["model"])
     if why is None:
-        assert (len(calls), len(softmax)) == (layers, 0), (entry["file"], len(calls), len(softmax))
+        assert (calls, softmax) == (layers, 0), (entry["file"], calls, softmax)
     else:
         lines = [r.getMessage() for r in caplog.records if "attention not fused" in r.getMessage()]
-        assert (len(calls), len(softmax), len(lines)) == (0, layers, layers) and why in lines[0], lines
+        assert (calls, softmax, len(lines)) == (0, layers, layers) and why in lines[0], lines
     return fused
 
 

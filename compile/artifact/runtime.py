@@ -145,7 +145,7 @@ def check_outputs(sigs: list[TensorSig], outputs: dict[str, np.ndarray], bound: 
     binds: that is the exporter's guess, not a contract (torch's legacy exporter declares
     MobileNet's (1, C, 2, 2) output as [d0, C, d0, d3], d0 named for the batch; ORT only warns).
     A declared shape of () is also what an unknown rank looks like, so it is not checked."""
-    bound = dict(bound or {})
+    bound = bound or {}
     for s in sigs:
         a = outputs[s.name]
         if not _same_dtype(a.dtype, s.dtype):

@@ -567,13 +567,16 @@ class _ConvGemm(PyExprMutator):
             gemm = b.call_te(lambda a, t: conv_gemm_implicit(a, t, cs, self.nr), wmat, xp, primfunc_name_hint="conv_gemm")
         else:
             vector_rows = not one_d and self.strided_loads and strided.applies_2d(cs, self.lanes, self.nr)
-            narrow = not one_d and self.narrow and strided.applies_narrow(cs, self.lanes)
-            if narrow:
-                gv = add_kernel(b, strided.im2col_narrow(_static(x.ty.shape), cs, self.nr), "conv_im2col")
-                cols = b.emit(relax.call_tir(gv, [x], out_ty=relax.TensorType(list(cs.cols_shape(self.nr)), "float32")))
-            elif (panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr)) or vector_rows:
-                kernel = (strided.im2col_2d if vector_rows else strided.strided_im2col)(_static(x.ty.shape), cs, self.nr,
-                                                                                        self.lanes)
+            xs = _static(x.ty.shape)
+            if not one_d and self.narrow and strided.applies_narrow(cs, self.lanes):
+                kernel = strided.im2col_narrow(xs, cs, self.nr)
+            elif vector_rows:
+                kernel = strided.im2col_2d(xs, cs, self.nr, self.lanes)
+            elif panels and self.strided_loads and strided.applies(cs, self.lanes, self.nr):
+                kernel = strided.strided_im2col(xs, cs, self.nr, self.lanes)
+            else:
+                kernel = None
+            if kernel is not None:
                 gv = add_kernel(b, kernel, "conv_im2col")
                 cols = b.emit(relax.call_tir(gv, [x], out_ty=relax.TensorType(list(cs.cols_shape(self.nr)), "float32")))
             else:
@@ -601,8 +604,9 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
     pointwise: 1x1 conv2d as a 1-D conv over H*W (not fast_math's patch conv), and the elementwise
     consumers of every 2-D conv's GEMM moved before its (N, O, OH, OW) reshape, into its epilogue;
     channels_last: a depthwise conv between token layouts on depthwise.py's channels-last kernel;
-    narrow: 2-D convs with output rows narrower than a vector, their columns row by row
-    (strided.im2col_narrow), not by the gather)."""
+    narrow: 2-D convs with output rows narrower than a vector, or strided rows of no whole
+    vectors, their columns row by row (strided.im2col_narrow), not by the gather or im2col_2d's
+    straddling vectors)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:

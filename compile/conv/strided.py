@@ -118,7 +118,7 @@ def applies_narrow(cs: ConvShape, lanes: int) -> bool:
 
 
 def im2col_narrow(x_shape: list[int], cs: ConvShape, nr: int):
-    """The PrimFunc cols[n, g, jb, k, jr] as im2col_2d's, for output rows narrower than a vector:
+    """The PrimFunc cols[n, g, jb, k, jr] as im2col_2d's, for the convs applies_narrow takes:
     one parallel item per (n, g, k) row of the columns, the output positions walked as (oh, ow)
     loops, so no index is divided by OW, and the row's tail past L zeroed. The gather computed
     (oh, ow) = divmod(j, OW) per element and, with the previous GEMM's (N, C, H*W) -> (N, C, H, W)

@@ -34,6 +34,8 @@ InvStdDev outputs (TVM returns zeros).
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -430,9 +432,10 @@ def einsum_op(bb, inputs, attr, params, opset):
     not the output); anything else (ellipsis, a diagonal, a one-sided sum) stays TVM's."""
     eq = attr.get("equation", b"")
     eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
-    if len(inputs) != 2 or "..." in eq or "->" not in eq or eq.count(",") != 1:
+    if len(inputs) != 2 or "..." in eq or eq.count("->") != 1 or eq.count(",") != 1:
         return None
-    (sa, sb), so = eq.split("->")[0].split(","), eq.split("->")[1]
+    lhs, so = eq.split("->")
+    sa, sb = lhs.split(",")
     a, b = inputs
     da, db = _dims(a), _dims(b)
     if any(len(set(t)) != len(t) for t in (sa, sb, so)) or len(sa) != len(da) or len(sb) != len(db) \
@@ -451,7 +454,7 @@ def einsum_op(bb, inputs, attr, params, opset):
         if perm != list(range(len(sub))):
             x = _T.permute_dims(x, perm)
         if any(len(g) != 1 for g in groups):  # each group one axis: (batch..., rows, red) etc.
-            shape = [size[i] for i in batch] + [_prod([size[i] for i in g]) for g in groups]
+            shape = [size[i] for i in batch] + [math.prod(size[i] for i in g) for g in groups]
             x = _T.reshape(x, shape)
         return x
 
@@ -463,13 +466,6 @@ def einsum_op(bb, inputs, attr, params, opset):
         out = _T.reshape(out, [size[i] for i in got])
     perm = [got.index(i) for i in so]
     return out if perm == list(range(len(got))) else _T.permute_dims(out, perm)
-
-
-def _prod(vals):
-    out = 1
-    for v in vals:
-        out = out * v
-    return out
 
 
 def col2im_op(bb, inputs, attr, params, opset):
