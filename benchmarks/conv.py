@@ -16,6 +16,9 @@ Cases (fp32, batch 1, random weights, the shapes of the real models):
   mobilevit_stem  MobileViT-small's stem: (1, 3, 256, 256) -> 3x3 s2 (16) + SiLU
   mobilevit_pw16  its pointwise expansions at 128 x 128: 16 -> 64 + SiLU
   mobilevit_pw32  and 32 -> 128 + SiLU
+  resnet_s3       ResNet-50's stage-3 bottleneck at 14 x 14: 1x1 1024 -> 256, 3x3 256 -> 256, 1x1 256 -> 1024,
+                  each + ReLU (L = 196 positions: 77% of four 64-wide column panels)
+  resnet_s4       and stage 4's at 7 x 7: 1x1 2048 -> 512, 3x3 512 -> 512, 1x1 512 -> 2048 (L = 49)
 Each case is one `blockforge bench` run: the contenders interleaved in this process, outputs
 checked against ORT before timing. The table gives median ms, GFLOP/s (the convs' 2 x MACs)
 and the ratio to OpenVINO from the same samples, with the 1-minute load average: on a shared
@@ -83,6 +86,10 @@ class _Graph:
                    epsilon=1e-5)
         return self
 
+    def relu(self) -> "_Graph":
+        self._then("Relu", [])
+        return self
+
     def gelu(self) -> "_Graph":
         self._then("Gelu", [])
         return self
@@ -121,7 +128,11 @@ def cases(smoke: bool) -> list[_Graph]:
     stem = _Graph("mobilevit_stem", (1, 3, 256 // s, 256 // s)).conv2d(3, 16, 3, stride=2, pad=1).silu()
     pw16 = _Graph("mobilevit_pw16", (1, 16, 128 // s, 128 // s)).conv2d(16, 64, 1).silu()
     pw32 = _Graph("mobilevit_pw32", (1, 32, 128 // s, 128 // s)).conv2d(32, 128, 1).silu()
-    return [whisper, w2v, pos, mvit, seg, cnx56, cnx14, stem, pw16, pw32]
+    r3 = _Graph("resnet_s3", (1, 1024 // s, 14, 14))
+    r4 = _Graph("resnet_s4", (1, 2048 // s, 7, 7))
+    for g, c in ((r3, 256 // s), (r4, 512 // s)):
+        g.conv2d(4 * c, c, 1).relu().conv2d(c, c, 3, pad=1).relu().conv2d(c, 4 * c, 1).relu()
+    return [whisper, w2v, pos, mvit, seg, cnx56, cnx14, stem, pw16, pw32, r3, r4]
 
 
 def ablation_ab(g: _Graph, d: Path, ablation: str, repeat: int) -> tuple[str, dict[str, float]]:

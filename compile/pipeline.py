@@ -50,6 +50,10 @@ ABLATIONS = {
                         "strided rows of no whole vectors (its 56 -> 28 stride-2 3x3): their im2col columns row by "
                         "row, (oh, ow) loops per (channel, tap) (compile/conv/strided.py im2col_narrow; left out: "
                         "the gather, a divmod per element, or im2col_2d's vectors straddling rows)",
+    "conv-rows": "1x1 unpadded one-group convs whose output positions fill under 90% of the GEMM's 64-wide "
+                 "column panels (ResNet's 7 x 7 and 14 x 14 stages: 77%) as the transposed GEMM, positions in 6-row "
+                 "tiles read from x in place at the stride, output channels as the panels, written back transposed "
+                 "(compile/conv/rewrite.py conv_gemm_rows; left out: positions as the panels' columns)",
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",
@@ -212,7 +216,8 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
                                depthwise="conv-depthwise" not in without,
                                pointwise="conv-pointwise" not in without,
                                channels_last="conv-channels-last" not in without,
-                               narrow="conv-narrow-rows" not in without)]
+                               narrow="conv-narrow-rows" not in without,
+                               rows="conv-rows" not in without)]
     return passes
 
 

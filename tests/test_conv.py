@@ -542,3 +542,88 @@ def test_conv_2d_on_row_loads_matches_ort(name):
     model, feeds, want = _conv_model(xs, ws, strides=st, pads=pads, dilations=dl, group=groups, act="Relu")
     got = BlockforgeBackend.prepare(model).run(feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# One-group 1x1 unpadded convs whose positions fill their 64-wide column panels badly (ResNet's 7 x 7
+# and 14 x 14 stages: 77%) run the transposed GEMM, positions in 6-row tiles, x read in place at
+# the stride (rewrite.conv_gemm_rows). (x shape, w shape, Conv attributes, activation)
+ROWS = {
+    "1x1-s1-14x14 (rows past 196 re-read position 195)": ((1, 64, 14, 14), (128, 64, 1, 1), {}, "Relu"),
+    "1x1-s2-batch2 (the downsample: 28 x 28 read at 14 x 14)": ((2, 32, 28, 28), (48, 32, 1, 1), dict(strides=[2, 2]),
+                                                               None),
+    "1x1-s1-9x9-batch2 (81 positions: 84 rows)": ((2, 16, 9, 9), (32, 16, 1, 1), {}, "Relu"),
+    "1x1-strides-2x3-non-square (14 x 7 of 28 x 21)": ((1, 16, 28, 21), (32, 16, 1, 1), dict(strides=[2, 3]), None),
+    "1d-k1-s2-L98 (a strided 1-D 1x1)": ((1, 32, 195), (32, 32, 1), dict(strides=[2]), "Gelu"),
+}
+
+
+def _conv_gemm_rows_extents(model, without=frozenset()) -> list[tuple[int, ...]]:
+    """The packed_matmul blocks' data-parallel extents of the model's conv GEMMs after conv-gemm."""
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+    out = []
+    for gv, f in mod.functions_items():
+        if gv.name_hint.startswith("conv_gemm"):
+            mm = [r.block for r in _blocks(f).values() if r.block.name_hint == "packed_matmul"]
+            out += [tuple(int(iv.dom.extent) for iv in b.iter_vars[:-1]) for b in mm]
+    return out
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_conv_on_position_rows_matches_ort(name):
+    xs, ws, attrs, act = ROWS[name]
+    model, feeds, want = _conv_model(xs, ws, act=act, **attrs)
+    (extents,) = _conv_gemm_rows_extents(model)
+    length = int(np.prod(want.shape[2:]))
+    assert extents == (xs[0], -(-length // 6) * 6, ws[0]), "the transposed GEMM: (batch, whole row tiles, channels)"
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_applies_where_column_panels_are_poorly_filled():
+    from blockforge.compile.conv.rewrite import rows_applies, rows_panel
+
+    def cs(c, o, hw, groups=1):
+        return ConvShape([1, c, hw, hw], [o, c // groups, 1, 1], [1, 1], [0, 0, 0, 0], [1, 1], groups)
+
+    assert rows_applies(cs(64, 64, 14), 64, 16) and rows_applies(cs(64, 64, 9), 64, 16)  # 196 / 256, 81 / 128
+    assert not rows_applies(cs(64, 64, 28), 64, 16)  # 784 / 832 = 94%
+    assert not rows_applies(cs(64, 64, 7), 64, 16)  # 49 / 64: one panel (measured slower as rows)
+    assert not rows_applies(cs(64, 64, 56), 64, 16) and not rows_applies(cs(64, 64, 8), 64, 16)  # whole panels
+    assert not rows_applies(cs(64, 40, 7), 64, 16)  # channels in no whole vector
+    assert not rows_applies(cs(64, 64, 7, groups=2), 64, 16)  # grouped: the column GEMM's group index
+    k3 = ConvShape([1, 64, 7, 7], [64, 64, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1)
+    assert not rows_applies(k3, 64, 16)  # columns needed: measured slower so, they keep the column panels
+    padded = ConvShape([1, 64, 5, 5], [64, 64, 1, 1], [1, 1], [1, 1, 1, 1], [1, 1], 1)
+    assert not rows_applies(padded, 64, 16)
+    assert (rows_panel(2048, 64, 16), rows_panel(96, 64, 16), rows_panel(48, 64, 16)) == (64, 32, 16)
+
+
+def test_conv_rows_is_the_ablation():
+    """conv-rows off: the positions are the GEMM's columns again, in whole 64-wide panels."""
+    model, _, _ = _conv_model((1, 32, 28, 28), (64, 32, 1, 1), strides=[2, 2])
+    assert _conv_gemm_rows_extents(model) == [(1, 198, 64)]
+    assert _conv_gemm_rows_extents(model, {"conv-rows"}) == [(1, 64, 256)]
+
+
+def test_conv_gemm_rows_schedule_vector_channels_transposed_write_at_the_tile():
+    """The transposed GEMM is CPUMatmul's prepacked path (6 rows x 64 channels, vectorised along the
+    channels, unguarded: whole row tiles); the transposed write-back of its L real positions runs at
+    each tile, inside the parallel loop, guarded at the last tile's rows past L."""
+    from blockforge.compile.conv.rewrite import conv_gemm_rows
+
+    cs = ConvShape([1, 32, 7, 7], [128, 32, 1, 1], [1, 1], [0, 0, 0, 0], [1, 1], 1)
+    x = te.placeholder((1, 32, 7, 7), "float32", name="x")
+    wp = te.placeholder((2, 32, 64), "float32", name="wp")
+    y = conv_gemm_rows(x, wp, cs, 6)
+    out = _scheduled(CPUMatmul(), te.create_prim_func([x, wp, y]))
+    blocks = _blocks(out)
+    assert isinstance(blocks["packed_matmul_update"].predicate, tirx.IntImm)
+    kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
+    assert (tirx.ForKind.VECTORIZED, 64) in kinds and (tirx.ForKind.UNROLLED, 6) in kinds
+    assert (tirx.ForKind.PARALLEL, 2 * 9) in kinds  # 2 channel panels x 9 row tiles
+    crop = blocks["conv_crop"]
+    assert not isinstance(crop.predicate, tirx.IntImm) and "49" in str(crop.predicate)
+    parallel = next(lp for lp in _loops(out) if lp.kind == tirx.ForKind.PARALLEL)
+    inside = []
+    tvm_ffi.structural_walk(parallel.body, [(tvm.s_tir.stmt.SBlockRealize, lambda r: inside.append(r.block.name_hint))])
+    assert "conv_crop" in inside

@@ -28,7 +28,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from blockforge.compile.conv import depthwise, strided
 from blockforge.compile.passes.fast_math import is_patch_conv
 from blockforge.compile.passes.kernels import add_kernel
-from blockforge.compile.passes.prepack import PACKED_BLOCK
+from blockforge.compile.passes.prepack import PACKED_BLOCK, pack_weights
+from blockforge.compile.schedule.base import MR
 
 IM2COL_BLOCK = "conv_im2col"
 CROP_BLOCK = "conv_crop"
@@ -176,6 +177,55 @@ def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape, crop: bool = True) -
     return te.compute((cs.n, cs.o, cs.length), lambda n, o, j: y[n, o, j], name=CROP_BLOCK)
 
 
+# Output positions in NR-wide column panels waste the panel's tail: ResNet's 7 x 7 (L = 49) and
+# 14 x 14 (196) stages fill 77% of their 64-wide panels. Where the panels would use less than
+# this share of their width and the conv is 1x1 with no padding (the GEMM then reads x in
+# place, at any stride), the GEMM runs the other way round (conv_gemm_rows): positions as the
+# rows (MR-row tiles: 54 rows for 49, 198 for 196), output channels as the columns. Measured
+# on Ice Lake (2 threads, interleaved with ORT, ms, columns -> rows): ResNet-50's 1x1s at 14 x 14
+# 1024 -> 256 1.10 -> 0.66, 256 -> 1024 0.82 -> 0.77; at 7 x 7 2048 -> 512 0.73 -> 0.70, 512 -> 2048
+# 0.74 -> 0.71; but inside the 7 x 7 bottleneck (benchmarks/conv.py resnet_s4, both build orders,
+# 40 rounds) 1.03x slower, the 14 x 14 one 0.89x: so only where positions pass one panel (L > NR).
+# Its 3x3s were slower so (s4 2.46 -> 3.00 ms): their columns in 6-row panels took 2.5x the
+# im2col time (a row tile's positions 6 floats apart per k), and the GEMM's 4608 x 64 weight
+# panel, re-streamed by each row tile, gained nothing: they keep the column panels.
+ROWS_BELOW = 0.9
+
+
+def rows_applies(cs: ConvShape, nr: int, lanes: int) -> bool:
+    """The conv's GEMM transposed (positions as rows): a 1x1 conv with no padding (x read in
+    place), one group, output channels in whole vectors, positions past one panel and filling
+    their column panels below ROWS_BELOW."""
+    return cs.groups == 1 and cs.o % lanes == 0 and all(k == 1 for k in cs.kernel) \
+        and not any(cs.pad_begin + cs.pad_end) and nr < cs.length < ROWS_BELOW * cs.panels(nr) * nr
+
+
+def rows_panel(o: int, nr: int, lanes: int) -> int:
+    """The widest of NR, 2 and 1 vectors that divides the output channels."""
+    return next(w for w in (nr, 2 * lanes, lanes) if o % w == 0)
+
+
+def conv_gemm_rows(x: te.Tensor, wp: te.Tensor, cs: ConvShape, mr: int) -> te.Tensor:
+    """A 1x1 unpadded conv y[n, o, j] = sum_c x[n, c, position j at the stride] * W[o, c],
+    computed as yt[n, j, o] over whole MR-row tiles of positions j (the rows past L re-read
+    position L - 1; a prepacked GEMM: wp is W^T's panels (O/NR, C, NR)), then written back
+    transposed and cropped to the L real positions (a block CPUMatmul computes at the tile, as
+    the column crop)."""
+    nb, kdim, nrw = (int(d) for d in wp.shape)
+    rows = -(-cs.length // mr) * mr
+    k = te.reduce_axis((0, kdim), name="k")
+
+    def a(n, j, c):
+        j = tirx.min(j, cs.length - 1)
+        if len(cs.size) == 1:
+            return x[n, c, j * cs.strides[0]]
+        return x[n, c, j // cs.out[1] * cs.strides[0], j % cs.out[1] * cs.strides[1]]
+
+    yt = te.compute((cs.n, rows, nb * nrw), lambda n, j, o: te.sum(a(n, j, k) * wp[o // nrw, k, o % nrw], axis=k),
+                    name=PACKED_BLOCK)
+    return te.compute((cs.n, cs.o, cs.length), lambda n, o, j: yt[n, j, o], name=CROP_BLOCK)
+
+
 PAD_BLOCK = "conv_pad"
 PANEL_ATTR = "conv_panel_width"  # on an implicit GEMM's block: its NR (CPUMatmul's packed path)
 
@@ -311,7 +361,7 @@ def _broadcasts_along_last(e) -> bool:
 @mutator
 class _ConvGemm(PyExprMutator):
     def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool,
-                 depthwise: bool, pointwise: bool, channels_last: bool, narrow: bool = True):
+                 depthwise: bool, pointwise: bool, channels_last: bool, narrow: bool = True, rows: bool = True):
         super().__init__(mod)
         self.depthwise, self.pointwise, self.channels_last = depthwise, pointwise, depthwise and channels_last
         self.pending_flat = []  # (the 4-D reshape call returned, its 3-D (N, O, L) var)
@@ -319,7 +369,7 @@ class _ConvGemm(PyExprMutator):
         self.pending_tokens = []  # (a view call returned, its tokens (N, L, C) var)
         self.tokens = {}  # var bound to an (N, C, H, W) or (N, C, L) view of tokens -> the tokens var
         self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
-        self.strided_loads, self.narrow = strided_loads, narrow
+        self.strided_loads, self.narrow, self.rows = strided_loads, narrow, rows
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
         self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
 
@@ -546,16 +596,28 @@ class _ConvGemm(PyExprMutator):
         return self._conv_gemm(call.args[0], cs, wt) if len(cs.out) == 1 else \
             self._view(self.builder_.emit(self._conv_gemm(call.args[0], cs, wt)), (cs.n, cs.o, *cs.out))
 
+    def _conv_gemm_rows(self, x, cs: ConvShape, wt):
+        """The conv as the transposed GEMM (conv_gemm_rows), reading x in place: its (N, O, L) value."""
+        b = self.builder_
+        wp = relax.const(pack_weights(np.ascontiguousarray(wt.reshape(cs.o, cs.kg).T),
+                                      rows_panel(cs.o, self.nr, self.lanes)))
+        gemm = b.call_te(lambda t, w: conv_gemm_rows(t, w, cs, MR), x, wp, primfunc_name_hint="conv_gemm")
+        gv = gemm.args[0]
+        b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
+        return gemm
+
     def _conv_gemm(self, x, cs: ConvShape, wt):
         """The conv as im2col (or the padded input) + packed GEMM: 1-D, its (N, O, L) value (in
         whole panels and cropped where those apply); 2-D, the (N, O, OH*OW) GEMM."""
         if self.trim:
             cs, wt = trim_taps(cs, wt)
-        wmat = relax.const(np.ascontiguousarray(wt.reshape(cs.groups, cs.og, cs.kg)))
         b = self.builder_
         # The input cropped from a previous conv's whole panels: the gather reads those panels
         # (its indices stay below L, so the same values) and the crop goes unused.
         x = self.padded.get(x, (x, None))[0]
+        if self.rows and rows_applies(cs, self.nr, self.lanes):
+            return self._conv_gemm_rows(x, cs, wt)
+        wmat = relax.const(np.ascontiguousarray(wt.reshape(cs.groups, cs.og, cs.kg)))
         one_d = len(cs.out) == 1
         panels = one_d and self.panels  # (2-D: the reshape to (OH, OW) needs the crop first)
         if panels and self.implicit and implicit(cs):
@@ -594,7 +656,8 @@ class _ConvGemm(PyExprMutator):
 
 def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
                    trim: bool = True, strided_loads: bool = True, depthwise: bool = True,
-                   pointwise: bool = True, channels_last: bool = True, narrow: bool = True) -> tvm.transform.Pass:
+                   pointwise: bool = True, channels_last: bool = True, narrow: bool = True,
+                   rows: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
@@ -606,7 +669,8 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
     channels_last: a depthwise conv between token layouts on depthwise.py's channels-last kernel;
     narrow: 2-D convs with output rows narrower than a vector, or strided rows of no whole
     vectors, their columns row by row (strided.im2col_narrow), not by the gather or im2col_2d's
-    straddling vectors)."""
+    straddling vectors); rows: one-group convs whose positions fill column panels badly (ResNet's
+    7 x 7 and 14 x 14 stages) as the transposed GEMM, positions as rows (conv_gemm_rows)."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -614,6 +678,6 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
 
         # (unused: the crops the chain slid past)
         return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise, pointwise,
-                                                channels_last, narrow), unused=True)
+                                                channels_last, narrow, rows), unused=True)
 
     return _pass
