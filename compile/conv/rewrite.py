@@ -182,9 +182,9 @@ def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape, crop: bool = True) -
 # this share of their width and the conv is 1x1 with no padding (the GEMM then reads x in
 # place, at any stride), the GEMM runs the other way round (conv_gemm_rows): positions as the
 # rows (MR-row tiles: 54 rows for 49, 198 for 196), output channels as the columns. Measured
-# on Ice Lake (2 threads, interleaved with ORT, ms, columns -> rows): ResNet-50's 1x1s at 14 x 14
-# 1024 -> 256 1.10 -> 0.66, 256 -> 1024 0.82 -> 0.77; at 7 x 7 2048 -> 512 0.73 -> 0.70, 512 -> 2048
-# 0.74 -> 0.71; but inside the 7 x 7 bottleneck (benchmarks/conv.py resnet_s4, both build orders,
+# on Ice Lake (2 threads, interleaved with ORT, ms, columns -> rows, two processes): ResNet-50's
+# 1x1s at 14 x 14 1024 -> 256 1.10 -> 0.66, 256 -> 1024 0.84 -> 0.86 / 0.80 -> 0.67; at 7 x 7
+# 2048 -> 512 0.73 -> 0.68 / 0.71, 512 -> 2048 0.74 -> 0.72 / 0.69; but inside the 7 x 7 bottleneck (benchmarks/conv.py resnet_s4, both build orders,
 # 40 rounds) 1.03x slower, the 14 x 14 one 0.89x: so only where positions pass one panel (L > NR).
 # Its 3x3s were slower so (s4 2.46 -> 3.00 ms): their columns in 6-row panels took 2.5x the
 # im2col time (a row tile's positions 6 floats apart per k), and the GEMM's 4608 x 64 weight
