@@ -54,6 +54,10 @@ ABLATIONS = {
                  "column panels (ResNet's 7 x 7 and 14 x 14 stages: 77%) as the transposed GEMM, positions in 6-row "
                  "tiles read from x in place at the stride, output channels as the panels, written back transposed "
                  "(compile/conv/rewrite.py conv_gemm_rows; left out: positions as the panels' columns)",
+    "conv-wide": "stride-1 2-D convs (ResNet's 3x3s) as an implicit GEMM over the padded image: positions "
+                 "j = oh * Wp + ow over the padded width Wp, so each (channel, tap) reads one contiguous run of the "
+                 "flat padded image in place (its start from a table), the Wp - OW extra positions per row dropped "
+                 "after the epilogue (compile/conv/rewrite.py conv_gemm_wide; left out: K x L im2col columns)",
     "conv-depthwise": "depthwise convs (one channel per group) on a direct kernel: a padded plane per channel, "
                       "whole vectors of a row over the taps, the epilogue per row (compile/conv/depthwise.py; "
                       "left out: TVM's conv2d, a serial scalar loop nest)",
@@ -217,7 +221,7 @@ def _conv_gemm(target: ResolvedTarget, without: frozenset[str]) -> Callable[[], 
                                pointwise="conv-pointwise" not in without,
                                channels_last="conv-channels-last" not in without,
                                narrow="conv-narrow-rows" not in without,
-                               rows="conv-rows" not in without)]
+                               rows="conv-rows" not in without, wide="conv-wide" not in without)]
     return passes
 
 

@@ -122,15 +122,18 @@ def test_convs_the_rewrite_declines_keep_their_numbers(opts):
 
 
 def test_conv_whose_columns_would_not_fit_stays_direct():
-    """1x64x2048x2048, k7: 48 GiB of im2col workspace (the weight is 800 KB). Only the phases up
-    to conv-gemm run: no input is allocated."""
+    """1x64x2048x2048, k7, stride 2: 12 GiB of im2col workspace (the weight is 800 KB). At stride 1
+    the wide implicit GEMM needs no columns (its padded copy of x: the input's size), so it takes
+    the conv. Only the phases up to conv-gemm run: no input is allocated."""
     rng = np.random.default_rng(0)
     w = nh.from_array((rng.standard_normal((64, 64, 7, 7)) * 0.01).astype(np.float32), "w")
-    g = oh.make_graph([oh.make_node("Conv", ["x", "w"], ["y"], pads=[3, 3, 3, 3])], "big",
-                      [oh.make_tensor_value_info("x", 1, [1, 64, 2048, 2048])],
-                      [oh.make_tensor_value_info("y", 1, [1, 64, 2048, 2048])], [w])
-    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
-    assert _convs_left(model) == 1
+    for stride, left in ((2, 1), (1, 0)):
+        out = 2048 // stride
+        g = oh.make_graph([oh.make_node("Conv", ["x", "w"], ["y"], pads=[3, 3, 3, 3], strides=[stride, stride])], "big",
+                          [oh.make_tensor_value_info("x", 1, [1, 64, 2048, 2048])],
+                          [oh.make_tensor_value_info("y", 1, [1, 64, out, out])], [w])
+        model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+        assert _convs_left(model) == left, stride
 
 
 def test_used_taps_match_a_direct_count():
@@ -529,7 +532,7 @@ def test_conv_2d_narrow_matches_ort(name):
 
 def test_narrow_rows_is_the_ablation():
     """conv-narrow-rows off: the same conv on the gather (one im2col kernel either way)."""
-    model, _, _ = _conv_model((1, 16, 14, 14), (8, 16, 3, 3), strides=[1, 1], pads=[1, 1, 1, 1])
+    model, _, _ = _conv_model((1, 16, 28, 28), (8, 16, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1])
     for without, row_loops in ((set(), True), ({"conv-narrow-rows"}, False)):
         mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
         im2col = [f for gv, f in mod.functions_items() if "im2col" in gv.name_hint]
@@ -627,3 +630,79 @@ def test_conv_gemm_rows_schedule_vector_channels_transposed_write_at_the_tile():
     inside = []
     tvm_ffi.structural_walk(parallel.body, [(tvm.s_tir.stmt.SBlockRealize, lambda r: inside.append(r.block.name_hint))])
     assert "conv_crop" in inside
+
+
+# Stride-1 2-D convs as the wide implicit GEMM over the padded image (rewrite.conv_gemm_wide): no
+# im2col columns. (x shape, w shape, Conv attributes, activation)
+WIDE = {
+    "3x3-p1-7x7 (ResNet-50's stage 4: Wp 9, 63 wide positions in one panel)": ((1, 32, 7, 7), (64, 32, 3, 3),
+                                                                                dict(pads=[1, 1, 1, 1]), "Relu"),
+    "3x3-p1-14x14-batch2": ((2, 16, 14, 14), (16, 16, 3, 3), dict(pads=[1, 1, 1, 1]), "Relu"),
+    "3x3-p2-dilated-2 (taps 2 rows / columns apart)": ((1, 8, 30, 30), (8, 8, 3, 3), dict(pads=[2, 2, 2, 2],
+                                                                                           dilations=[2, 2]), None),
+    "3x2-asymmetric-pads": ((1, 8, 10, 9), (12, 8, 3, 2), dict(pads=[0, 1, 2, 0]), "Relu"),
+    "3x3-valid (no padding)": ((1, 8, 30, 30), (8, 8, 3, 3), {}, None),
+}
+
+
+def _wide_gemms(model, without=frozenset()) -> int:
+    """How many conv GEMMs after conv-gemm read a tap table (the wide GEMM's third operand)."""
+    mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+    return sum(1 for gv, f in mod.functions_items() if gv.name_hint.startswith("conv_gemm")
+               and any(len(r.block.reads) == 3 and "conv_panel_width" in r.block.annotations for r in _blocks(f).values()))
+
+
+@pytest.mark.parametrize("name", list(WIDE))
+def test_conv_as_wide_implicit_gemm_matches_ort(name):
+    xs, ws, attrs, act = WIDE[name]
+    model, feeds, want = _conv_model(xs, ws, act=act, **attrs)
+    assert _wide_gemms(model) == 1 and _convs_left(model) == 0
+    got = BlockforgeBackend.prepare(model).run(feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_applies_and_its_tap_table():
+    from blockforge.compile.conv.rewrite import wide_applies, wide_taps, wide_width
+
+    def cs(hw, k, stride=1, pad=1, groups=1, o=16, c=16):
+        return ConvShape([1, c, *hw], [o, c // groups, *k], [stride, stride], [pad] * 4, [1, 1], groups)
+
+    assert wide_applies(cs((56, 56), (3, 3)), 64) and wide_applies(cs((7, 7), (3, 3)), 64)
+    assert not wide_applies(cs((14, 14), (3, 3), stride=2), 64)  # strided: the taps' runs are no runs
+    assert not wide_applies(cs((14, 14), (1, 1), pad=0), 64)  # 1x1: the pointwise path
+    assert not wide_applies(cs((14, 14), (3, 3), groups=2), 64)
+    assert not wide_applies(cs((14, 14), (3, 3), o=2), 64)  # a row per group: not a GEMM
+    assert not wide_applies(cs((16, 2), (3, 3), pad=3), 64)  # 6 of 8 per row kept: 3 panels for 2
+    c = cs((5, 6), (2, 3), pad=1, o=4, c=2)
+    wp, rows = wide_width(c), 9
+    assert wp == 8 and list(wide_taps(c, rows)) == [ch * rows * wp + th * wp + tw
+                                                    for ch in range(2) for th in range(2) for tw in range(3)]
+
+
+def test_conv_wide_is_the_ablation():
+    """conv-wide off: the stride-1 3x3 writes its im2col columns again."""
+    model, _, _ = _conv_model((1, 16, 28, 28), (16, 16, 3, 3), pads=[1, 1, 1, 1])
+    for without, wide in ((set(), 1), ({"conv-wide"}, 0)):
+        mod, _ = run_phases(import_onnx(model), resolve("host"), stop_after="conv-gemm", without=without)
+        names = [gv.name_hint for gv, _ in mod.functions_items()]
+        assert _wide_gemms(model, without) == wide and any("im2col" in n for n in names) == (not wide)
+
+
+def test_conv_gemm_wide_schedule_whole_panels_vector_loads_at_the_tap():
+    """CPUMatmul's implicit-GEMM path: 6 rows x 64 positions, vectorised, unguarded (whole panels),
+    the tap's start read from the table once per k step (no division by the kernel's size)."""
+    from blockforge.compile.conv.rewrite import conv_gemm_wide
+
+    cs = ConvShape([1, 16, 14, 14], [12, 16, 3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1)
+    w = te.placeholder((1, 12, cs.kg), "float32", name="w")
+    xp = te.placeholder((1, 16 * 20 * 16), "float32", name="xp")
+    taps = te.placeholder((cs.kg,), "int32", name="taps")
+    out = _scheduled(CPUMatmul(), te.create_prim_func([w, xp, taps, conv_gemm_wide(w, xp, taps, cs, 64)]))
+    update = _blocks(out)["packed_matmul_update"]
+    assert isinstance(update.predicate, tirx.IntImm)
+    kinds = [(lp.kind, int(lp.extent)) for lp in _loops(out)]
+    assert (tirx.ForKind.VECTORIZED, 64) in kinds and (tirx.ForKind.UNROLLED, 6) in kinds
+    assert (tirx.ForKind.PARALLEL, 4 * 2) in kinds  # 224 wide positions: 4 panels x 2 row tiles
+    text = str(update.block.body)
+    assert "taps[" in text and "//" not in text and "%" not in text

@@ -227,6 +227,7 @@ def conv_gemm_rows(x: te.Tensor, wp: te.Tensor, cs: ConvShape, mr: int) -> te.Te
 
 
 PAD_BLOCK = "conv_pad"
+WIDE_PAD_BLOCK = "conv_pad_wide"
 PANEL_ATTR = "conv_panel_width"  # on an implicit GEMM's block: its NR (CPUMatmul's packed path)
 
 
@@ -273,6 +274,64 @@ def conv_gemm_implicit(w: te.Tensor, xp: te.Tensor, cs: ConvShape, nr: int) -> t
         return te.sum(w[g, o % cs.og if cs.groups > 1 else o, k] * xp[n, g * cs.cg + k // kw, q % s, j + q // s], axis=k)
 
     return te.compute((cs.n, cs.o, nb * nr), f, name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
+
+
+# A stride-1 2-D conv reads, for tap (th, tw), the padded image shifted by th * Wp + tw: over the
+# positions j = oh * Wp + ow of the padded width Wp, each (channel, tap) operand is one contiguous
+# run of the flat padded image, so the GEMM reads it in place, as the 1-D implicit GEMM does, and
+# no K x L columns are written (ResNet-50's 3x3s: 9x their input). The Wp - OW positions past each
+# output row are computed and dropped; where that costs more than WIDE_MAX_PANELS the panels of the
+# positions themselves, the conv keeps its columns.
+WIDE_MAX_PANELS = 1.15
+
+
+def wide_width(cs: ConvShape) -> int:
+    """Wp: the padded input's width, the wide GEMM's positions per output row."""
+    return cs.size[1] + cs.pad_begin[1] + cs.pad_end[1]
+
+
+def wide_applies(cs: ConvShape, nr: int) -> bool:
+    """A stride-1 2-D conv, one group, kernel beyond 1x1, no negative pads, Og >= MIN_GROUP_ROWS,
+    whose wide positions (OH * Wp) take at most WIDE_MAX_PANELS x the panels of its own (OH * OW)."""
+    if len(cs.size) != 2 or cs.strides != [1, 1] or cs.groups != 1 or cs.kernel == [1, 1] \
+            or min(cs.pad_begin + cs.pad_end) < 0 or cs.og < MIN_GROUP_ROWS:
+        return False
+    return -(-cs.out[0] * wide_width(cs) // nr) <= WIDE_MAX_PANELS * cs.panels(nr)
+
+
+def pad_wide(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
+    """x with its padding as zeros, (N, C, R, Wp): R padded rows, enough that the wide GEMM's
+    whole panels read inside it for every tap (the rows past the image zero)."""
+    wp, (h, w), (pt, pl) = wide_width(cs), cs.size, cs.pad_begin
+    reach = -(-cs.out[0] * wp // nr) * nr + (cs.kernel[0] - 1) * cs.dilation[0] * wp + (cs.kernel[1] - 1) * cs.dilation[1]
+    rows = -(-reach // wp)
+
+    def f(n, c, r, q):
+        a, b = r - pt, q - pl
+        inside = tirx.all(a >= 0, a < h, b >= 0, b < w)
+        return tirx.if_then_else(inside, x[n, c, tirx.max(tirx.min(a, h - 1), 0), tirx.max(tirx.min(b, w - 1), 0)],
+                                 tirx.const(0, x.dtype))
+
+    return te.compute((cs.n, cs.c, rows, wp), f, name=WIDE_PAD_BLOCK)
+
+
+def wide_taps(cs: ConvShape, rows: int) -> np.ndarray:
+    """Per k = (c, th, tw), where its run starts in the flat padded image: c * R * Wp + th * dh *
+    Wp + tw * dw (int32). A table, not the divisions by KH * KW and KW in the k loop."""
+    wp = wide_width(cs)
+    c, th, tw = np.meshgrid(np.arange(cs.cg), np.arange(cs.kernel[0]), np.arange(cs.kernel[1]), indexing="ij")
+    return (c * rows * wp + th * cs.dilation[0] * wp + tw * cs.dilation[1]).reshape(-1).astype(np.int32)
+
+
+def conv_gemm_wide(w: te.Tensor, xp: te.Tensor, taps: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
+    """y[n, o, j] = sum_k w[0, o, k] * xp[n, taps[k] + j] over whole panels of the positions
+    j = oh * Wp + ow (xp: pad_wide's image, flat; taps: wide_taps); the packed_matmul block
+    CPUMatmul schedules with the panel width from PANEL_ATTR."""
+    nb = -(-cs.out[0] * wide_width(cs) // nr)
+    k = te.reduce_axis((0, cs.kg), name="k")
+    return te.compute((cs.n, cs.o, nb * nr),
+                      lambda n, o, j: te.sum(w[0, o, k] * xp[n, taps[k].astype("int64") + j], axis=k),
+                      name=PACKED_BLOCK, attrs={PANEL_ATTR: nr})
 
 
 def _geometry(call) -> tuple[ConvShape, np.ndarray] | None:
@@ -361,15 +420,18 @@ def _broadcasts_along_last(e) -> bool:
 @mutator
 class _ConvGemm(PyExprMutator):
     def __init__(self, mod, nr: int, panels: bool, implicit: bool, lanes: int, trim: bool, strided_loads: bool,
-                 depthwise: bool, pointwise: bool, channels_last: bool, narrow: bool = True, rows: bool = True):
+                 depthwise: bool, pointwise: bool, channels_last: bool, narrow: bool = True, rows: bool = True,
+                 wide: bool = True):
         super().__init__(mod)
         self.depthwise, self.pointwise, self.channels_last = depthwise, pointwise, depthwise and channels_last
-        self.pending_flat = []  # (the 4-D reshape call returned, its 3-D (N, O, L) var)
-        self.flat = {}  # var bound to a 2-D conv's (N, O, OH, OW) view -> its (N, O, L) var
+        self.pending_flat = []  # (the 4-D view call returned, its 3-D (N, O, L) var, its wide geometry)
+        # var bound to a 2-D conv's (N, O, OH, OW) view -> (its (N, O, L) var, None), or for a wide
+        # GEMM (conv_gemm_wide) -> (its (N, O, panels) var, (OH, Wp, OW): the view's crop)
+        self.flat = {}
         self.pending_tokens = []  # (a view call returned, its tokens (N, L, C) var)
         self.tokens = {}  # var bound to an (N, C, H, W) or (N, C, L) view of tokens -> the tokens var
         self.nr, self.panels, self.implicit, self.lanes, self.trim = nr, panels, implicit, lanes, trim
-        self.strided_loads, self.narrow, self.rows = strided_loads, narrow, rows
+        self.strided_loads, self.narrow, self.rows, self.wide = strided_loads, narrow, rows, wide
         self.pending = []  # (the slice call returned for a conv, the whole-panel GEMM var, L)
         self.padded = {}  # var bound to a crop -> (its whole-panel var, L)
 
@@ -397,9 +459,9 @@ class _ConvGemm(PyExprMutator):
         for call, full, length in self.pending:
             if value.same_as(call):
                 self.padded[var] = (full, length)
-        for call, flat in self.pending_flat:
+        for call, flat, wide in self.pending_flat:
             if value.same_as(call):
-                self.flat[var] = flat
+                self.flat[var] = (flat, wide)
         for call, tok in self.pending_tokens:
             if value.same_as(call):
                 self.tokens[var] = tok
@@ -479,11 +541,20 @@ class _ConvGemm(PyExprMutator):
         self._record(value, var)
         return var
 
-    def _view(self, flat, shape):
+    def _view(self, flat, shape, wide=None):
         """reshape(flat, shape): a 2-D conv's (N, O, L) result as (N, O, OH, OW), recorded so its
-        elementwise consumers sink below the reshape (_sink_flat)."""
-        call = relax.op.reshape(flat, shape)
-        self.pending_flat.append((call, flat))
+        elementwise consumers sink below the reshape (_sink_flat). wide = (OH, Wp, OW): flat is a
+        wide GEMM's whole panels, whose first OH * Wp positions are (OH, Wp) rows, the first OW of
+        each the output's."""
+        if wide is None:
+            call = relax.op.reshape(flat, shape)
+        else:
+            b, (oh, wp, ow) = self.builder_, wide
+            n, o, cols = (int(d) for d in flat.ty.shape)
+            rows = flat if cols == oh * wp else b.emit(relax.op.strided_slice(flat, axes=[2], begin=[0], end=[oh * wp]))
+            grid = b.emit(relax.op.reshape(rows, (n, o, oh, wp)))
+            call = relax.op.strided_slice(grid, axes=[3], begin=[0], end=[ow])
+        self.pending_flat.append((call, flat, wide))
         return call
 
     def _sink_flat(self, value):
@@ -496,7 +567,10 @@ class _ConvGemm(PyExprMutator):
         if op not in _UNARY and op not in _BINARY:
             return None
         b = self.builder_
-        split = _split_view_args(value, self.flat)
+        wides = {self.flat[a][1] for a in value.args if isinstance(a, relax.Var) and a in self.flat}
+        if len(wides) > 1:
+            return None  # (views of different layouts: their flat vars do not line up)
+        split = _split_view_args(value, {v: f for v, (f, _) in self.flat.items()})
         if split is None:
             return None
         args, shape = [], split[1]
@@ -512,7 +586,7 @@ class _ConvGemm(PyExprMutator):
         fv = self._emit(sunk if sunk is not None else flat)
         if len(getattr(fv.ty, "shape", [])) != 3:
             return None  # (a broadcast that changed the rank)
-        return self._view(fv, shape)
+        return self._view(fv, shape, *wides)
 
     def _crop(self, full, length: int, fusable: bool):
         """The first `length` positions of `full`. fusable: a slice FuseOps puts into the GEMM
@@ -591,10 +665,33 @@ class _ConvGemm(PyExprMutator):
             gv = dw.args[0]  # its consumers (bias, activation) fuse into its row loop, as a GEMM's
             self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
             return dw
+        if self.wide and self.pointwise and wide_applies(cs, self.nr):
+            # (pointwise: _sink_flat moves the bias and activation into the wide GEMM's epilogue)
+            return self._view(self.builder_.emit(self._conv_gemm_wide(call.args[0], cs, wt)), (cs.n, cs.o, *cs.out),
+                              wide=(cs.out[0], wide_width(cs), cs.out[1]))
         if not _gemm_fits(cs, self.nr):
             return call
         return self._conv_gemm(call.args[0], cs, wt) if len(cs.out) == 1 else \
             self._view(self.builder_.emit(self._conv_gemm(call.args[0], cs, wt)), (cs.n, cs.o, *cs.out))
+
+    def _conv_gemm_wide(self, x, cs: ConvShape, wt):
+        """The stride-1 2-D conv as the wide implicit GEMM (conv_gemm_wide) over pad_wide's
+        padded image, viewed flat: the GEMM's (N, O, panels) call."""
+        b = self.builder_
+        wmat = relax.const(np.ascontiguousarray(wt.reshape(1, cs.o, cs.kg)))
+        pad = b.call_te(lambda t: pad_wide(t, cs, self.nr), x, primfunc_name_hint="conv_pad")
+        # opaque: FuseOps fused the flattening reshape into it, which CPUIm2col then did not
+        # schedule (0.22 ms serial for ResNet's 128 x 28 x 28); alone, the reshape is a view
+        b.update_func(pad.args[0], b.get()[pad.args[0]].with_attr("op_pattern", OPAQUE))
+        padded = b.emit(pad)
+        _, _, rows, wp = (int(d) for d in padded.ty.shape)
+        xp = b.emit(relax.op.reshape(padded, (cs.n, cs.c * rows * wp)))
+        taps = relax.const(wide_taps(cs, rows))
+        gemm = b.call_te(lambda a, t, o: conv_gemm_wide(a, t, o, cs, self.nr), wmat, xp, taps,
+                         primfunc_name_hint="conv_gemm")
+        gv = gemm.args[0]
+        b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
+        return gemm
 
     def _conv_gemm_rows(self, x, cs: ConvShape, wt):
         """The conv as the transposed GEMM (conv_gemm_rows), reading x in place: its (N, O, L) value."""
@@ -657,7 +754,7 @@ class _ConvGemm(PyExprMutator):
 def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lanes: int = 16,
                    trim: bool = True, strided_loads: bool = True, depthwise: bool = True,
                    pointwise: bool = True, channels_last: bool = True, narrow: bool = True,
-                   rows: bool = True) -> tvm.transform.Pass:
+                   rows: bool = True, wide: bool = True) -> tvm.transform.Pass:
     """Every conv1d/conv2d the rewrite covers but patch convolutions (fast_math's), as im2col
     + packed GEMM with panels of nr (panels: 1-D outputs stay in whole panels through their
     elementwise consumers, cropped after them; implicit_gemm: stride-1 1-D convs read their
@@ -670,7 +767,9 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
     narrow: 2-D convs with output rows narrower than a vector, or strided rows of no whole
     vectors, their columns row by row (strided.im2col_narrow), not by the gather or im2col_2d's
     straddling vectors); rows: one-group convs whose positions fill column panels badly (ResNet's
-    7 x 7 and 14 x 14 stages) as the transposed GEMM, positions as rows (conv_gemm_rows)."""
+    7 x 7 and 14 x 14 stages) as the transposed GEMM, positions as rows (conv_gemm_rows); wide:
+    stride-1 2-D convs as an implicit GEMM over the padded image's rows (conv_gemm_wide), no
+    columns."""
 
     @tvm.transform.module_pass(opt_level=0, name="BlockforgeConvGemm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -678,6 +777,6 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
 
         # (unused: the crops the chain slid past)
         return rewrite_functions(mod, _ConvGemm(mod, nr, panels, implicit_gemm, lanes, trim, strided_loads, depthwise, pointwise,
-                                                channels_last, narrow, rows), unused=True)
+                                                channels_last, narrow, rows, wide), unused=True)
 
     return _pass

@@ -13,7 +13,7 @@ from tvm.target import Target
 
 from blockforge.compile.conv.depthwise import (CONV_BLOCK, PAD_BLOCK as DW_PAD_BLOCK, TOKENS_CONV_BLOCK,
                                                TOKENS_MAX_ROWS, TOKENS_PAD_BLOCK, WIDTH_ATTR)
-from blockforge.compile.conv.rewrite import IM2COL_BLOCK, PAD_BLOCK
+from blockforge.compile.conv.rewrite import IM2COL_BLOCK, PAD_BLOCK, WIDE_PAD_BLOCK
 from blockforge.compile.schedule.base import PARTITION_HINT, CPURule, const_int, has_root, log_skip, vector_lanes
 
 
@@ -23,8 +23,12 @@ class CPUIm2col(CPURule):
             blocks = sch.get_child_blocks(sch.get_sblock("root", "main"))
         except Exception:
             return None
-        if len(blocks) != 1 or sch.get(blocks[0]).name_hint not in (IM2COL_BLOCK, PAD_BLOCK):
+        if len(blocks) != 1 or sch.get(blocks[0]).name_hint not in (IM2COL_BLOCK, PAD_BLOCK, WIDE_PAD_BLOCK):
             return None
+        if sch.get(blocks[0]).name_hint == WIDE_PAD_BLOCK:  # (n, c, row, q): rows parallel
+            n, c, r, _ = sch.get_loops(blocks[0])
+            sch.parallel(sch.fuse(n, c, r))
+            return sch
         if sch.get(blocks[0]).name_hint == PAD_BLOCK:  # (n, c, phase, p): rows parallel, p whole vectors
             n, c, r, p = sch.get_loops(blocks[0])
             sch.parallel(sch.fuse(n, c, r))

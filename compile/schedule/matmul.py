@@ -218,10 +218,12 @@ def packed_panel_width(block) -> int | None:
     """NR of a prepacked matmul block (weights laid out (N/NR, K, NR)), else None."""
     from blockforge.compile.passes.prepack import PACKED_BLOCK
 
-    if not block.name_hint.startswith(PACKED_BLOCK) or len(block.reads) != 2:
+    if not block.name_hint.startswith(PACKED_BLOCK):
         return None
-    if "conv_panel_width" in block.annotations:  # conv/rewrite.py's implicit GEMM (reads x itself)
+    if "conv_panel_width" in block.annotations:  # conv/rewrite.py's implicit GEMMs (read x itself)
         return int(block.annotations["conv_panel_width"])
+    if len(block.reads) != 2:
+        return None
     w = block.reads[1].source  # (N/NR, K, NR); conv/rewrite.py's im2col: (batch, group, L/NR, K, NR)
     return const_int(w.shape[-1]) if len(w.shape) >= 3 else None
 
