@@ -674,6 +674,8 @@ def test_wide_applies_and_its_tap_table():
     assert not wide_applies(cs((14, 14), (3, 3), groups=2), 64)
     assert not wide_applies(cs((14, 14), (3, 3), o=2), 64)  # a row per group: not a GEMM
     assert not wide_applies(cs((16, 2), (3, 3), pad=3), 64)  # 6 of 8 per row kept: 3 panels for 2
+    assert wide_applies(cs((2048, 2048), (3, 3), c=64), 64)
+    assert not wide_applies(cs((2048, 2048), (3, 3), c=512), 64)  # 2.1e9 floats: past the tap table's int32
     c = cs((5, 6), (2, 3), pad=1, o=4, c=2)
     wp, rows = wide_width(c), 9
     assert wp == 8 and list(wide_taps(c, rows)) == [ch * rows * wp + th * wp + tw

@@ -290,21 +290,27 @@ def wide_width(cs: ConvShape) -> int:
     return cs.size[1] + cs.pad_begin[1] + cs.pad_end[1]
 
 
+def wide_rows(cs: ConvShape, nr: int) -> int:
+    """R: the padded image's rows, enough that the wide GEMM's whole panels read inside it for every tap."""
+    wp = wide_width(cs)
+    reach = -(-cs.out[0] * wp // nr) * nr + (cs.kernel[0] - 1) * cs.dilation[0] * wp + (cs.kernel[1] - 1) * cs.dilation[1]
+    return -(-reach // wp)
+
+
 def wide_applies(cs: ConvShape, nr: int) -> bool:
     """A stride-1 2-D conv, one group, kernel beyond 1x1, no negative pads, Og >= MIN_GROUP_ROWS,
-    whose wide positions (OH * Wp) take at most WIDE_MAX_PANELS x the panels of its own (OH * OW)."""
+    whose wide positions (OH * Wp) take at most WIDE_MAX_PANELS x the panels of its own (OH * OW),
+    and whose padded image's offsets fit wide_taps' int32."""
     if len(cs.size) != 2 or cs.strides != [1, 1] or cs.groups != 1 or cs.kernel == [1, 1] \
             or min(cs.pad_begin + cs.pad_end) < 0 or cs.og < MIN_GROUP_ROWS:
         return False
-    return -(-cs.out[0] * wide_width(cs) // nr) <= WIDE_MAX_PANELS * cs.panels(nr)
+    return -(-cs.out[0] * wide_width(cs) // nr) <= WIDE_MAX_PANELS * cs.panels(nr) \
+        and cs.c * wide_rows(cs, nr) * wide_width(cs) < 2**31
 
 
 def pad_wide(x: te.Tensor, cs: ConvShape, nr: int) -> te.Tensor:
-    """x with its padding as zeros, (N, C, R, Wp): R padded rows, enough that the wide GEMM's
-    whole panels read inside it for every tap (the rows past the image zero)."""
-    wp, (h, w), (pt, pl) = wide_width(cs), cs.size, cs.pad_begin
-    reach = -(-cs.out[0] * wp // nr) * nr + (cs.kernel[0] - 1) * cs.dilation[0] * wp + (cs.kernel[1] - 1) * cs.dilation[1]
-    rows = -(-reach // wp)
+    """x with its padding as zeros, (N, C, R, Wp) (R: wide_rows; the rows past the image zero)."""
+    wp, rows, (h, w), (pt, pl) = wide_width(cs), wide_rows(cs, nr), cs.size, cs.pad_begin
 
     def f(n, c, r, q):
         a, b = r - pt, q - pl
