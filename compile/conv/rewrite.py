@@ -184,8 +184,9 @@ def conv_gemm(w: te.Tensor, cols: te.Tensor, cs: ConvShape, crop: bool = True) -
 # rows (MR-row tiles: 54 rows for 49, 198 for 196), output channels as the columns. Measured
 # on Ice Lake (2 threads, interleaved with ORT, ms, columns -> rows, two processes): ResNet-50's
 # 1x1s at 14 x 14 1024 -> 256 1.10 -> 0.66, 256 -> 1024 0.84 -> 0.86 / 0.80 -> 0.67; at 7 x 7
-# 2048 -> 512 0.73 -> 0.68 / 0.71, 512 -> 2048 0.74 -> 0.72 / 0.69; but inside the 7 x 7 bottleneck (benchmarks/conv.py resnet_s4, both build orders,
-# 40 rounds) 1.03x slower, the 14 x 14 one 0.89x: so only where positions pass one panel (L > NR).
+# 2048 -> 512 0.73 -> 0.68 / 0.71, 512 -> 2048 0.74 -> 0.72 / 0.69; but inside the 7 x 7
+# bottleneck (benchmarks/conv.py resnet_s4, both build orders, 40 rounds) 1.03x slower, the
+# 14 x 14 one 0.89x: so only where positions pass one panel (L > NR).
 # Its 3x3s were slower so (s4 2.46 -> 3.00 ms): their columns in 6-row panels took 2.5x the
 # im2col time (a row tile's positions 6 floats apart per k), and the GEMM's 4608 x 64 weight
 # panel, re-streamed by each row tile, gained nothing: they keep the column panels.
@@ -772,8 +773,8 @@ def conv_gemm_pass(nr: int, panels: bool = True, implicit_gemm: bool = True, lan
     channels_last: a depthwise conv between token layouts on depthwise.py's channels-last kernel;
     narrow: 2-D convs with output rows narrower than a vector, or strided rows of no whole
     vectors, their columns row by row (strided.im2col_narrow), not by the gather or im2col_2d's
-    straddling vectors); rows: one-group convs whose positions fill column panels badly (ResNet's
-    7 x 7 and 14 x 14 stages) as the transposed GEMM, positions as rows (conv_gemm_rows); wide:
+    straddling vectors); rows: 1x1 unpadded one-group convs whose positions fill column panels
+    badly (ResNet's 14 x 14 stage) as the transposed GEMM, positions as rows (conv_gemm_rows); wide:
     stride-1 2-D convs as an implicit GEMM over the padded image's rows (conv_gemm_wide), no
     columns."""
 
