@@ -542,6 +542,12 @@ class _ConvGemm(PyExprMutator):
         tok = b.emit(relax.Call(value.op, out, value.attrs, value.ty_args))
         return self._tokens_view(tok, shape)
 
+    def _pattern(self, call, kind: int):
+        """call (a call_te's call_tir) with its PrimFunc's op_pattern set to kind, for FuseOps."""
+        gv = call.args[0]
+        self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", kind))
+        return call
+
     def _emit(self, value):
         """value bound to a new var, recorded as visit_var_binding_ does."""
         var = self.builder_.emit(value)
@@ -606,8 +612,7 @@ class _ConvGemm(PyExprMutator):
             n, c, _ = (int(d) for d in full.ty.shape)
             call = b.call_te(lambda t: te.compute((n, c, length), lambda i, o, j: t[i, o, j], name=CROP_BLOCK), full,
                              primfunc_name_hint="conv_crop")
-            gv = call.args[0]
-            b.update_func(gv, b.get()[gv].with_attr("op_pattern", OPAQUE))
+            self._pattern(call, OPAQUE)
         self.pending.append((call, full, length))
         return call
 
@@ -663,15 +668,14 @@ class _ConvGemm(PyExprMutator):
             wk = relax.const(np.ascontiguousarray(wt.reshape(cs.c, *cs.kernel).transpose(1, 2, 0)))  # (KH, KW, C)
             dw = b.call_te(lambda t, k: depthwise.depthwise_tokens(t, k, cs), tokens, wk,
                            primfunc_name_hint="conv_depthwise_tokens")
-            b.update_func(dw.args[0], b.get()[dw.args[0]].with_attr("op_pattern", OUT_EWISE_FUSABLE))
+            self._pattern(dw, OUT_EWISE_FUSABLE)
             return self._tokens_view(b.emit(dw), (cs.n, cs.c, *cs.out))
         if self.depthwise and depthwise.applies(cs):
             wk = relax.const(np.ascontiguousarray(wt.reshape(cs.c, *cs.kernel)))
             dw = self.builder_.call_te(lambda t, k: depthwise.depthwise(t, k, cs, self.lanes), call.args[0], wk,
                                        primfunc_name_hint="conv_depthwise")
-            gv = dw.args[0]  # its consumers (bias, activation) fuse into its row loop, as a GEMM's
-            self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
-            return dw
+            # its consumers (bias, activation) fuse into its row loop, as a GEMM's
+            return self._pattern(dw, OUT_EWISE_FUSABLE)
         if self.wide and self.pointwise and wide_applies(cs, self.nr):
             # (pointwise: _sink_flat moves the bias and activation into the wide GEMM's epilogue)
             return self._view(self.builder_.emit(self._conv_gemm_wide(call.args[0], cs, wt)), (cs.n, cs.o, *cs.out),
@@ -689,26 +693,20 @@ class _ConvGemm(PyExprMutator):
         pad = b.call_te(lambda t: pad_wide(t, cs, self.nr), x, primfunc_name_hint="conv_pad")
         # opaque: FuseOps fused the flattening reshape into it, which CPUIm2col then did not
         # schedule (0.22 ms serial for ResNet's 128 x 28 x 28); alone, the reshape is a view
-        b.update_func(pad.args[0], b.get()[pad.args[0]].with_attr("op_pattern", OPAQUE))
-        padded = b.emit(pad)
+        padded = b.emit(self._pattern(pad, OPAQUE))
         _, _, rows, wp = (int(d) for d in padded.ty.shape)
         xp = b.emit(relax.op.reshape(padded, (cs.n, cs.c * rows * wp)))
         taps = relax.const(wide_taps(cs, rows))
-        gemm = b.call_te(lambda a, t, o: conv_gemm_wide(a, t, o, cs, self.nr), wmat, xp, taps,
-                         primfunc_name_hint="conv_gemm")
-        gv = gemm.args[0]
-        b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
-        return gemm
+        return self._pattern(b.call_te(lambda a, t, o: conv_gemm_wide(a, t, o, cs, self.nr), wmat, xp, taps,
+                                       primfunc_name_hint="conv_gemm"), OUT_EWISE_FUSABLE)
 
     def _conv_gemm_rows(self, x, cs: ConvShape, wt):
         """The conv as the transposed GEMM (conv_gemm_rows), reading x in place: its (N, O, L) value."""
         b = self.builder_
         wp = relax.const(pack_weights(np.ascontiguousarray(wt.reshape(cs.o, cs.kg).T),
                                       rows_panel(cs.o, self.nr, self.lanes)))
-        gemm = b.call_te(lambda t, w: conv_gemm_rows(t, w, cs, MR), x, wp, primfunc_name_hint="conv_gemm")
-        gv = gemm.args[0]
-        b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
-        return gemm
+        return self._pattern(b.call_te(lambda t, w: conv_gemm_rows(t, w, cs, MR), x, wp, primfunc_name_hint="conv_gemm"),
+                             OUT_EWISE_FUSABLE)
 
     def _conv_gemm(self, x, cs: ConvShape, wt):
         """The conv as im2col (or the padded input) + packed GEMM: 1-D, its (N, O, L) value (in
@@ -751,8 +749,7 @@ class _ConvGemm(PyExprMutator):
                              primfunc_name_hint="conv_gemm")
         # A GEMM to FuseOps, so the bias and activation after it fuse into its epilogue (the
         # group index o // Og hides that from AnnotateTIROpPattern: it said reduction, 3).
-        gv = gemm.args[0]
-        b.update_func(gv, b.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
+        self._pattern(gemm, OUT_EWISE_FUSABLE)
         if not panels or cs.length % self.nr == 0:
             return gemm  # not emitted: the caller binds it (an alias binding would stop FuseOps)
         return self._crop(b.emit(gemm), cs.length, fusable=True)
